@@ -1,0 +1,1 @@
+"""Thin plumbing shared by the examples: imported, never copied (see README, "read these files first")."""

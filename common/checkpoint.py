@@ -1,0 +1,360 @@
+"""HF checkpoints in and out of torchtitan: validation before a load, config.json both ways,
+completing torchtitan's HF export (it writes only safetensors + index), atomic writes, and a
+verification that re-reads the export with transformers in a separate process.
+
+Usage of the verifier on its own:
+    python -m common.checkpoint verify EXPORT_DIR --reference REF.safetensors --out check.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+from common.errors import UserError
+
+WEIGHT_FILES = ("*.safetensors",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "generation_config.json")
+
+
+# --------------------------------------------------------------------------- reading, validating
+def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
+    """config.json of an HF checkpoint folder, with a clear error for each way it can be wrong."""
+    path = Path(ckpt_dir)
+    if not path.exists():
+        raise UserError(f"checkpoint folder {path} does not exist")
+    if not path.is_dir():
+        raise UserError(f"checkpoint path {path} is not a folder")
+    if not any(path.iterdir()):
+        raise UserError(f"checkpoint folder {path} is empty (expected config.json and *.safetensors)")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"checkpoint folder {path} has no config.json")
+    try:
+        return json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
+def require_architecture(hf_config: dict, expected: tuple[str, ...], where: str | os.PathLike) -> None:
+    archs = hf_config.get("architectures") or [hf_config.get("model_type", "unknown")]
+    if not set(archs) & set(expected):
+        raise UserError(
+            f"{where}/config.json describes {', '.join(map(str, archs))}, but this script trains "
+            f"{' or '.join(expected)}"
+        )
+    if hf_config.get("auto_map"):
+        raise UserError(f"{where}/config.json needs remote code (auto_map); it is not loaded")
+
+
+def safetensors_header(path: Path) -> dict:
+    """The header of one .safetensors file, checked against the file's size (catches truncation)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise UserError(f"{path} is truncated ({size} bytes): not a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100_000_000:
+            raise UserError(f"{path} is truncated or corrupt: header of {n} bytes in a {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{path} is corrupt: its header is not JSON") from None
+    header.pop("__metadata__", None)
+    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if 8 + n + end > size:
+        raise UserError(f"{path} is truncated: {size} bytes on disk, its header needs {8 + n + end}")
+    return header
+
+
+def checkpoint_tensors(ckpt_dir: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, dtype)} over every safetensors file of a folder, without loading tensors."""
+    files = sorted(Path(ckpt_dir).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"checkpoint folder {ckpt_dir} has no *.safetensors files "
+                        "(weights are read only from safetensors, never from pickles)")
+    out = {}
+    for f in files:
+        for k, t in safetensors_header(f).items():
+            out[k] = (tuple(t["shape"]), t["dtype"])
+    return out
+
+
+def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, dtype)} the transformers model of this config holds, built on the meta device
+    (no memory). A tied lm_head is left out: checkpoints do not store it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "transformers_version"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    sd = model.state_dict()
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in sd.items() if not (tied and k == "lm_head.weight")}
+
+
+def validate_hf_checkpoint(ckpt_dir: str | os.PathLike, architectures: tuple[str, ...]) -> dict:
+    """Everything that can be checked before a load: config, architecture, files, keys, shapes.
+    Returns the HF config. Raises one UserError naming every problem found."""
+    hf_config = read_hf_config(ckpt_dir)
+    require_architecture(hf_config, architectures, ckpt_dir)
+    found = checkpoint_tensors(ckpt_dir)
+    expected = expected_tensors(hf_config)
+    # A tied checkpoint may still carry lm_head.weight (transformers writes it sometimes).
+    if hf_config.get("tie_word_embeddings") and "lm_head.weight" in found:
+        found.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(k for k in set(found) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
+    wrong_shape = [f"{k}: {list(found[k][0])} (config implies {list(expected[k][0])})"
+                   for k in sorted(set(found) & set(expected)) if found[k][0] != expected[k][0]]
+    float_types = {"F32", "F16", "BF16", "F64"}
+    wrong_dtype = [f"{k}: {found[k][1]}" for k in sorted(set(found) & set(expected))
+                   if found[k][1] not in float_types]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {_short(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys {_short(unexpected)}")
+    if wrong_shape:
+        problems.append(f"wrong shapes {_short(wrong_shape)}")
+    if wrong_dtype:
+        problems.append(f"non-float weights {_short(wrong_dtype)}")
+    if problems:
+        raise UserError(f"checkpoint {ckpt_dir} does not match its config.json: " + "; ".join(problems))
+    return hf_config
+
+
+def _short(items: list[str], n: int = 5) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return "[" + ", ".join(items[:n]) + "]" + more
+
+
+# --------------------------------------------------------------------------- config.json both ways
+QWEN3_DENSE = ("Qwen3ForCausalLM",)
+
+
+def _rope_theta(hf_config: dict) -> float:
+    # transformers 5 keeps rope settings in `rope_parameters`; 4.x used top-level keys.
+    params = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in ("default", None):
+        raise UserError(f"config.json asks for rope scaling {kind!r}; torchtitan's Qwen3 implements only the default RoPE")
+    return float(params.get("rope_theta", hf_config.get("rope_theta", 1_000_000.0)))
+
+
+def qwen3_spec_from_hf(hf_config: dict, *, where: str | os.PathLike = "config"):
+    """A torchtitan Qwen3 ModelSpec with the shape a dense Qwen3 config.json describes, built
+    with torchtitan's own Qwen3 layer builder, so any dense Qwen3 checkpoint loads whatever its size."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.qwen3 import model_registry
+    # Private in torchtitan 0.3.0 (pinned in requirements.txt): the builder its presets use.
+    from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _EMBEDDING_SKIP_INIT, _LINEAR_INIT,
+                                         _build_qwen3_layers, _qwen3_norm)
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    require_architecture(hf_config, QWEN3_DENSE, where)
+    for key in ("attention_bias",):
+        if hf_config.get(key):
+            raise UserError(f"{where}: {key}=true is not supported by torchtitan's Qwen3")
+    try:
+        dim = int(hf_config["hidden_size"])
+        n_heads = int(hf_config["num_attention_heads"])
+        n_layers = int(hf_config["num_hidden_layers"])
+        vocab = int(hf_config["vocab_size"])
+        hidden = int(hf_config["intermediate_size"])
+    except KeyError as e:
+        raise UserError(f"{where}: config.json lacks {e.args[0]}") from None
+    n_kv = int(hf_config.get("num_key_value_heads") or n_heads)
+    head_dim = int(hf_config.get("head_dim") or dim // n_heads)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    eps = float(hf_config.get("rms_norm_eps", 1e-6))
+    model = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_layers(
+            n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            hidden_dim=hidden, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=int(hf_config.get("max_position_embeddings", 40960)),
+                                   theta=_rope_theta(hf_config))),
+    )
+    for _fqn, norm, _p, _a in model.traverse(RMSNorm.Config):
+        norm.eps = eps
+    spec = model_registry("0.6B")  # parallelize/pipeline/adapter functions shared by every dense Qwen3
+    spec.flavor = f"hf:{n_layers}x{dim}"
+    spec.model = model
+    return spec
+
+
+def hf_config_from_qwen3(model_config, *, dtype: str = "float32") -> dict:
+    """The config.json transformers needs to open a torchtitan Qwen3 export as Qwen3ForCausalLM."""
+    layer = model_config.layers[0]
+    attn = layer.attention
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": model_config.vocab_size,
+        "hidden_size": model_config.dim,
+        "intermediate_size": layer.feed_forward.w1.out_features,
+        "num_hidden_layers": len(model_config.layers),
+        "num_attention_heads": attn.n_heads,
+        "num_key_value_heads": attn.n_kv_heads,
+        "head_dim": attn.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": attn.rope.max_seq_len,
+        "rms_norm_eps": model_config.norm.eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": attn.rope.theta},
+        "tie_word_embeddings": bool(model_config.enable_weight_tying),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": dtype,
+    }
+
+
+# --------------------------------------------------------------------------- export
+def stage_hf_assets(dest: Path, tokenizer_dir: Path, checkpoint_dir: Path | None = None) -> Path:
+    """torchtitan reads the tokenizer and (for a load) config.json + index from one folder,
+    `hf_assets_path`. Build it from links: tokenizer files, plus the checkpoint's config/index."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.is_file():
+            (dest / name).symlink_to(src.resolve())
+    if checkpoint_dir is not None:
+        for src in [checkpoint_dir / "config.json", *checkpoint_dir.glob("*.safetensors.index.json")]:
+            if src.is_file():
+                (dest / src.name).symlink_to(src.resolve())
+    return dest
+
+
+def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer_dir: Path,
+                    versions: dict) -> Path:
+    """Turn torchtitan's last HF save (safetensors + index only) into a folder that
+    `from_pretrained` opens as is: add config.json and the tokenizer files, then move it into
+    place with one rename. A previous export is replaced only once the new one is complete."""
+    if not step_dir.is_dir():
+        raise RuntimeError(f"torchtitan wrote no HF export at {step_dir}")
+    tmp = export_dir.with_name(f".{export_dir.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.move(str(step_dir), tmp)
+    shutil.rmtree(tmp / "sharded", ignore_errors=True)  # torchtitan's pre-consolidation shards
+    cfg = dict(hf_config)
+    cfg["qwen3_recipes_versions"] = versions  # the stack the export was made with
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, tmp / name)
+    _fsync_tree(tmp)
+    old = export_dir.with_name(f".{export_dir.name}.old")
+    if export_dir.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(export_dir, old)
+    os.replace(tmp, export_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return export_dir
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+
+
+# --------------------------------------------------------------------------- verification
+def verify_export_subprocess(export_dir: Path, reference: Path, out_json: Path) -> dict:
+    """Re-read the export with transformers in a fresh process (no state shared with the trainer,
+    whose libraries may have patched transformers) and return the check as a dict."""
+    repo_root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "common.checkpoint", "verify", str(export_dir),
+           "--reference", str(reference), "--out", str(out_json)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"export verification failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(out_json.read_text())
+
+
+def verify_export(export_dir: Path, reference: Path) -> dict:
+    """Load the export with AutoModelForCausalLM and compare its logits on the reference input."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ref = load_file(str(reference))
+    model, info = AutoModelForCausalLM.from_pretrained(
+        export_dir, dtype=torch.float32, output_loading_info=True)
+    model.eval()
+    stored = set(checkpoint_tensors(export_dir))
+    lm_head = model.get_output_embeddings().weight
+    tied = lm_head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    with torch.no_grad():
+        logits = model(ref["input_ids"], position_ids=ref["position_ids"]).logits.float()
+    return {
+        "missing_keys": sorted(info["missing_keys"]),
+        "unexpected_keys": sorted(info["unexpected_keys"]),
+        "mismatched_keys": [str(k) for k in info.get("mismatched_keys", [])],
+        "tied_lm_head": bool(tied),
+        "lm_head_in_file": "lm_head.weight" in stored,
+        "max_abs_logit_diff": float((logits - ref["logits"].float()).abs().max()),
+        "export_versions": json.loads((export_dir / "config.json").read_text()).get("qwen3_recipes_versions"),
+    }
+
+
+def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool:
+    return (not check["missing_keys"] and not check["unexpected_keys"]
+            and not check.get("mismatched_keys")
+            and check["tied_lm_head"] == tied_expected
+            and check["max_abs_logit_diff"] <= tol)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="re-read an HF export and compare logits with a reference")
+    v.add_argument("export_dir", type=Path)
+    v.add_argument("--reference", type=Path, required=True,
+                   help="safetensors file with input_ids, position_ids and the trained model's logits")
+    v.add_argument("--out", type=Path, required=True, help="where to write the check as JSON")
+    c = sub.add_parser("validate", help="check an HF checkpoint folder before loading it")
+    c.add_argument("ckpt_dir", type=Path)
+    c.add_argument("--arch", default="Qwen3ForCausalLM")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "verify":
+            check = verify_export(args.export_dir, args.reference)
+            from common.config import atomic_write_text
+            atomic_write_text(args.out, json.dumps(check, indent=2))
+            print(json.dumps(check))
+        else:
+            validate_hf_checkpoint(args.ckpt_dir, (args.arch,))
+            print(f"{args.ckpt_dir}: ok")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

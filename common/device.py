@@ -1,0 +1,211 @@
+"""Device choice, process group, self-launch, and the workarounds torchtitan 0.3.0 needs off CUDA.
+
+Every example calls `setup()` first, before anything imports torchtitan: torchtitan picks its
+device type once, at import time (torchtitan/tools/utils.py:55), and falls back to "cuda" when
+it finds no accelerator, so the choice has to be made before that import.
+
+The one Neuron availability check of the repository is `neuron_available()`; Neuron-only lines
+below say why they exist. Nothing here fakes a Neuron module: on a machine without torch-neuronx,
+`--device neuron` is an error and `--device auto` picks cuda or cpu.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import resource
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from common.errors import UserError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "neuron")
+# One process group backend per device type (STYLE 7).
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: torch.device
+    device_type: str
+    backend: str
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def neuron_available() -> bool:
+    """True on a Trainium host with torch-neuronx installed (the repository's one availability check)."""
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return False
+    import torch_neuronx  # noqa: F401  registers the "neuron" device (PrivateUse1, renamed)
+
+    return bool(getattr(torch, "neuron", None) and torch.neuron.is_available())
+
+
+def resolve_device_type(requested: str) -> str:
+    """`auto` prefers neuron, then cuda, then cpu; an explicit choice must be available."""
+    if requested not in DEVICE_CHOICES:
+        raise UserError(f"unknown device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}")
+    if requested == "auto":
+        if neuron_available():
+            return "neuron"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "neuron" and not neuron_available():
+        raise UserError(
+            "--device neuron needs a Trainium host with torch-neuronx installed "
+            "(see README, 'trn2 install'); this machine has none"
+        )
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but torch sees no CUDA device here")
+    return requested
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fill_single_process_env() -> bool:
+    """Workaround: torchtitan always builds a process group, so plain `python script.py` needs
+    the variables torchrun would set. Returns True when it filled them in.
+    Remove when torchtitan skips process-group creation at world size 1."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return False
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    )
+    return True
+
+
+class _CPUDeviceModule(SimpleNamespace):
+    """What torchtitan calls on its `device_module` (torch.cuda-like), answered for the host CPU.
+
+    torch.cpu lacks get_device_name, memory_stats and friends, which torchtitan's memory monitor
+    and MFU logging call. Peak memory is the process's peak resident set size."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        super().__init__(_total=psutil.virtual_memory().total)
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, device) -> None:
+        pass
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        pass
+
+    def get_device_name(self, device=None) -> str:
+        return f"CPU {platform.processor() or platform.machine()}"
+
+    def get_device_properties(self, device=None) -> SimpleNamespace:
+        return SimpleNamespace(total_memory=self._total, name=self.get_device_name())
+
+    def memory_stats(self, device=None) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+
+
+def route_torchtitan_device(device_type: str) -> None:
+    """Workaround: make torchtitan use `device_type` rather than what it detects at import.
+
+    torchtitan 0.3.0 binds `device_type, device_module` in torchtitan/tools/utils.py at import and
+    falls back to "cuda" when no accelerator is found; every other torchtitan module copies the
+    pair with `from torchtitan.tools.utils import ...`. Setting the pair right after importing that
+    one module, before any other torchtitan import, routes all of torchtitan.
+    Remove when torchtitan detects CPU-only hosts (or takes the device as a setting)."""
+    already_imported = "torchtitan.tools.utils" in sys.modules
+    import torchtitan.tools.utils as tt_utils
+
+    if tt_utils.device_type == device_type:
+        return
+    if already_imported:
+        raise RuntimeError(
+            "torchtitan was imported before common.device.setup(); call setup() first so that "
+            f"torchtitan runs on {device_type!r} rather than {tt_utils.device_type!r}"
+        )
+    tt_utils.device_type = device_type
+    tt_utils.device_module = _CPUDeviceModule() if device_type == "cpu" else getattr(torch, device_type)
+
+
+def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
+    """Neuron runtime/compiler settings, from config fields, in one place (STYLE 4). Trainium only:
+    LNC (logical NeuronCore size) must match the NKI kernels' launch grid; the NEFF cache keeps
+    compiled graphs across runs so only the first run pays for neuronx-cc."""
+    env = {"NEURON_LOGICAL_NC_CONFIG": str(lnc)}
+    if neff_cache_dir:
+        env["TORCH_NEURONX_NEFF_CACHE_DIR"] = neff_cache_dir
+    os.environ.update(env)
+    return env
+
+
+def setup(requested: str = "auto", *, timeout_s: int = 600) -> DeviceInfo:
+    """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to
+    the device, and create the process group (torchtitan then reuses it)."""
+    device_type = resolve_device_type(requested)
+    fill_single_process_env()
+    try:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        world_size = int(os.environ["WORLD_SIZE"])
+    except ValueError as e:
+        raise UserError(f"launcher variables RANK/LOCAL_RANK/WORLD_SIZE are not integers: {e}") from None
+    route_torchtitan_device(device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif device_type == "neuron":
+        # One NeuronCore per process; the neuron backend maps LOCAL_RANK to NEURON_RT_VISIBLE_CORES.
+        # The runtime must not start before init_process_group, so no tensor touches the device here.
+        device = torch.device("neuron")
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=BACKENDS[device_type], timeout=timedelta(seconds=timeout_s))
+    return DeviceInfo(device, device_type, BACKENDS[device_type], rank, local_rank, world_size)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def under_launcher() -> bool:
+    """True inside torchrun (or any launcher that set the rank variables)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def self_launch(nproc_per_node: int, argv: list[str]) -> int:
+    """Re-run this script under torchrun with `nproc_per_node` workers on this host, so users can
+    skip typing torchrun for a single node. Returns the launcher's exit code."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc_per_node}", *argv]
+    return subprocess.call(cmd)

@@ -1,0 +1,227 @@
+"""Train torchtitan's own Qwen3, chosen through `config.model_spec`, and export HF safetensors.
+
+The second path of the Trainium guide: start from torchtitan's `qwen3_32b` builder (torchtitan
+0.3.0 has no general 4B builder), switch `model_spec` to the 4B flavor, set the global batch to
+64, train 10 steps on c4_test, export HF safetensors, and re-read the export with transformers.
+The builder's name does not mean a 32B model is trained: the spec decides the model.
+
+CPU (the default preset, `tiny`: a 2-layer Qwen3 with the real 151,936-token vocabulary, the
+real Qwen3 tokenizer and offline English text, all prepared by `make setup`):
+    python examples/train_native_qwen3.py --steps 10 --out_dir runs/native
+    torchrun --nproc_per_node 2 examples/train_native_qwen3.py --out_dir runs/native2   # FSDP over gloo
+    python examples/train_native_qwen3.py --nproc_per_node 2 --out_dir runs/native2    # same, self-launched
+
+One trn2.48xlarge (64 logical NeuronCores at LNC=2, one process each):
+    torchrun --nproc_per_node 64 examples/train_native_qwen3.py --preset qwen3_4b --device neuron
+Several nodes: torchrun --nnodes N --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:29500 ...
+
+Start from an HF checkpoint (any dense Qwen3; the model shape comes from its config.json):
+    python examples/train_native_qwen3.py --hf_checkpoint runs/native/hf_export --out_dir runs/ft
+
+Expected (tiny, 10 steps, 2-core CPU): loss falls from about 12 to about 9, about 0.5 s a step;
+results.json has `losses`, `tokens_per_s`, `export_dir` and `export_check` with no missing or
+unexpected keys and max_abs_logit_diff below 1e-5; loss.png plots the losses.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
+
+from common import assets, checkpoint, device  # noqa: E402
+from common import config as cli  # noqa: E402
+from common.errors import UserError  # noqa: E402
+
+
+@dataclass
+class Config:
+    preset: str = "tiny"
+    flavor: str = field(default="tiny", metadata={"help": "torchtitan Qwen3 flavor (0.6B, 4B, 32B, ...) or 'tiny'"})
+    steps: int = field(default=10, metadata={"help": "training steps"})
+    out_dir: str = field(default="runs/native_qwen3", metadata={"help": "results.json, loss.png, hf_export/ go here"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    seed: int = field(default=0, metadata={"help": "seed for init and data order"})
+    lr: float = field(default=8e-4, metadata={"help": "peak AdamW learning rate"})
+    warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps"})
+    local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
+    global_batch_size: int = field(default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
+    seq_len: int = field(default=256, metadata={"help": "tokens per sequence"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
+    attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={"help": "sdpa: document-masked SDPA (CPU, Trainium, CUDA); flex: torchtitan's default, CUDA only"})
+    dataset: str = field(default="corpus", metadata={"help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
+    dataset_path: str | None = field(default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    hf_assets: str | None = field(default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
+    hf_checkpoint: str | None = field(default=None, metadata={"help": "initial weights: an HF Qwen3 folder (config.json + safetensors); sets the model shape"})
+    export: bool = field(default=True, metadata={"help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
+    export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
+    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
+    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+
+    def validate(self) -> None:
+        if self.steps <= 0:
+            raise UserError(f"--steps must be positive, got {self.steps}")
+        for name in ("local_batch_size", "seq_len", "nproc_per_node"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.lr < 0:
+            raise UserError(f"--lr must not be negative, got {self.lr}")
+
+
+def tiny() -> Config:
+    """CPU default: 2-layer Qwen3, real vocabulary, offline English, float32."""
+    return Config()
+
+
+def qwen3_4b() -> Config:
+    """trn2.48xlarge as in the guide: Qwen3-4B spec on the qwen3_32b builder, 64 ranks, global batch 64, c4_test."""
+    return replace(Config(), flavor="4B", device="neuron", dtype="bfloat16", local_batch_size=1,
+                   global_batch_size=64, seq_len=4096, lr=8e-4, warmup_steps=2,
+                   dataset="c4_test", hf_assets="assets/hf/Qwen3-4B-Instruct-2507",
+                   export_tolerance=5e-2)
+
+
+PRESETS = {"tiny": tiny, "qwen3_4b": qwen3_4b}
+HF_MODEL_ID = {"qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507"}  # what to download into hf_assets on trn2
+
+
+def resolve_dataset(cfg: Config) -> tuple[str, str]:
+    """(torchtitan dataset name, folder). Everything loads as torchtitan's c4_test does:
+    `load_dataset(folder, split="train")` over JSON lines with a `text` field."""
+    if cfg.dataset == "corpus":
+        return "c4_test", str(assets.corpus_dir())
+    folder = cfg.dataset_path if cfg.dataset == "c4_test" else cfg.dataset
+    folder = folder or "tests/assets/c4_test"
+    if not Path(folder).is_dir():
+        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
+                        "pointing at a torchtitan checkout's tests/assets/c4_test)")
+    return "c4_test", str(Path(folder).resolve())
+
+
+def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path):
+    """The guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
+    # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_32b
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from common import titan
+
+    tc = qwen3_32b()
+    if cfg.hf_checkpoint:  # the shape comes from the checkpoint's config.json
+        hf_cfg = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
+        tc.model_spec = checkpoint.qwen3_spec_from_hf(hf_cfg, where=cfg.hf_checkpoint)
+    elif cfg.flavor == "tiny":
+        tiny_cfg = {"architectures": list(checkpoint.QWEN3_DENSE), **assets.TINY_QWEN3_CONFIG}
+        tc.model_spec = checkpoint.qwen3_spec_from_hf(tiny_cfg, where="tiny preset")
+    else:
+        try:
+            tc.model_spec = model_registry(cfg.flavor)
+        except KeyError:
+            raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
+    tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
+
+    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+        raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
+    ckpt = Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None
+    tc.hf_assets_path = str(checkpoint.stage_hf_assets(out_dir / "hf_assets", tokenizer_dir.resolve(), ckpt))
+    tc.dump_folder = str(out_dir)
+    tc.dataloader.dataset, tc.dataloader.dataset_path = resolve_dataset(cfg)
+
+    tc.training.steps = cfg.steps
+    tc.training.local_batch_size = cfg.local_batch_size
+    tc.training.global_batch_size = cfg.global_batch_size
+    tc.training.seq_len = cfg.seq_len
+    tc.training.mixed_precision_param = cfg.dtype
+    tc.optimizer = default_adamw(lr=cfg.lr)
+    tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+
+    tc.checkpoint.enable = bool(cfg.export or ckpt)
+    tc.checkpoint.interval = cfg.steps + 1  # no mid-run saves: only the final HF export
+    tc.checkpoint.initial_load_path = str(ckpt) if ckpt else None
+    tc.checkpoint.initial_load_in_hf = ckpt is not None
+    tc.checkpoint.last_save_model_only = True
+    tc.checkpoint.last_save_in_hf = True
+    tc.checkpoint.export_dtype = "float32" if cfg.dtype == "float32" else "bfloat16"
+    tc.checkpoint.load_only = not cfg.export
+
+    notes = titan.apply_device_settings(tc, dev, attn_backend=cfg.attn_backend, seed=cfg.seed)
+    return tc, tokenizer_dir, notes
+
+
+def main(cfg: Config) -> dict:
+    if cfg.nproc_per_node > 1 and not device.under_launcher():
+        argv = [a for a in sys.argv if not a.startswith("--nproc_per_node")]
+        raise SystemExit(device.self_launch(cfg.nproc_per_node, argv))
+    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    dev = device.setup(cfg.device)
+    if dev.device_type == "neuron":
+        device.set_neuron_env(cfg.lnc, os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR"))
+    try:
+        return train(cfg, dev, out_dir)
+    finally:
+        device.teardown()
+
+
+def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path) -> dict:
+    import torch
+    from torchtitan.tools.logging import init_logger
+    from common import titan
+
+    init_logger()  # torchtitan's step lines (loss, tokens/s, memory) on rank 0
+
+    log = print if dev.is_main else (lambda *a, **k: None)
+    log(f"[config] {cli.format_config(cfg)}")
+    step_dir = out_dir / "checkpoint"
+    if step_dir.exists() and dev.is_main:
+        # A stale final save would be taken for a checkpoint to resume from.
+        import shutil
+        shutil.rmtree(step_dir)
+    torch.distributed.barrier()
+    tc, tokenizer_dir, notes = build_trainer_config(cfg, dev, out_dir)
+    log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
+
+    trainer = tc.build()
+    rec = titan.LossRecorder()
+    rec.attach(trainer)
+    t0 = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t0
+
+    results = {
+        "script": "train_native_qwen3.py", "config": cfg, "versions": cli.versions(),
+        "device": dev.device_type, "world_size": dev.world_size,
+        "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
+        "train_seconds": train_s, "export_dir": None, "export_check": None,
+    }
+    if cfg.export:
+        hf_cfg = checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
+        reference = out_dir / "export_reference.safetensors"
+        titan.save_reference_logits(trainer, tokenizer_dir, reference, is_main=dev.is_main)
+        trainer.close()
+        if dev.is_main:
+            export_dir = checkpoint.complete_export(step_dir / f"step-{cfg.steps}", out_dir / "hf_export",
+                                                    hf_cfg, tokenizer_dir, cli.versions())
+            check = checkpoint.verify_export_subprocess(export_dir, reference, out_dir / "export_check.json")
+            check["passed"] = checkpoint.export_check_passed(
+                check, tied_expected=hf_cfg["tie_word_embeddings"], tol=cfg.export_tolerance)
+            results.update(export_dir=str(export_dir), export_check=check)
+            log(f"[export] {export_dir}: missing={check['missing_keys']} unexpected={check['unexpected_keys']} "
+                f"tied_lm_head={check['tied_lm_head']} max_abs_logit_diff={check['max_abs_logit_diff']:.3g}")
+    else:
+        trainer.close()
+    if dev.is_main:
+        cli.plot_losses(out_dir / "loss.png", rec.losses, f"train_native_qwen3 ({cfg.preset})")
+        path = cli.write_results(out_dir, results)
+        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main, Config, PRESETS, __doc__, default_preset="tiny"))
