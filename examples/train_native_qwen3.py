@@ -46,11 +46,11 @@ class Config:
     out_dir: str = field(default="runs/native_qwen3", metadata={"help": "results.json, loss.png, hf_export/ go here"})
     device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for init and data order"})
-    lr: float = field(default=8e-4, metadata={"help": "peak AdamW learning rate"})
+    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
     warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps"})
     local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
     global_batch_size: int = field(default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
-    seq_len: int = field(default=256, metadata={"help": "tokens per sequence"})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
     attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={"help": "sdpa: document-masked SDPA (CPU, Trainium, CUDA); flex: torchtitan's default, CUDA only"})
     dataset: str = field(default="corpus", metadata={"help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
@@ -102,7 +102,20 @@ def resolve_dataset(cfg: Config) -> tuple[str, str]:
     return "c4_test", str(Path(folder).resolve())
 
 
-def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path):
+def preflight(cfg: Config) -> dict:
+    """Check every input before any process group or model exists, so bad input fails fast."""
+    found = {"dataset": resolve_dataset(cfg)}
+    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+        raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
+    found["tokenizer_dir"] = tokenizer_dir.resolve()
+    if cfg.hf_checkpoint:
+        found["hf_config"] = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
+    return found
+
+
+def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict):
     """The guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
     # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
     from torchtitan.models.qwen3 import model_registry
@@ -113,8 +126,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path):
 
     tc = qwen3_32b()
     if cfg.hf_checkpoint:  # the shape comes from the checkpoint's config.json
-        hf_cfg = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
-        tc.model_spec = checkpoint.qwen3_spec_from_hf(hf_cfg, where=cfg.hf_checkpoint)
+        tc.model_spec = checkpoint.qwen3_spec_from_hf(found["hf_config"], where=cfg.hf_checkpoint)
     elif cfg.flavor == "tiny":
         tiny_cfg = {"architectures": list(checkpoint.QWEN3_DENSE), **assets.TINY_QWEN3_CONFIG}
         tc.model_spec = checkpoint.qwen3_spec_from_hf(tiny_cfg, where="tiny preset")
@@ -125,14 +137,11 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path):
             raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
     tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
 
-    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-        raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
+    tokenizer_dir = found["tokenizer_dir"]
     ckpt = Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None
-    tc.hf_assets_path = str(checkpoint.stage_hf_assets(out_dir / "hf_assets", tokenizer_dir.resolve(), ckpt))
+    tc.hf_assets_path = str(checkpoint.stage_hf_assets(out_dir / "hf_assets", tokenizer_dir, ckpt))
     tc.dump_folder = str(out_dir)
-    tc.dataloader.dataset, tc.dataloader.dataset_path = resolve_dataset(cfg)
+    tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
 
     tc.training.steps = cfg.steps
     tc.training.local_batch_size = cfg.local_batch_size
@@ -160,16 +169,17 @@ def main(cfg: Config) -> dict:
         argv = [a for a in sys.argv if not a.startswith("--nproc_per_node")]
         raise SystemExit(device.self_launch(cfg.nproc_per_node, argv))
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    found = preflight(cfg)
     dev = device.setup(cfg.device)
     if dev.device_type == "neuron":
         device.set_neuron_env(cfg.lnc, os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR"))
     try:
-        return train(cfg, dev, out_dir)
+        return train(cfg, dev, out_dir, found)
     finally:
         device.teardown()
 
 
-def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path) -> dict:
+def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
     from common import titan
@@ -184,7 +194,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path) -> dict:
         import shutil
         shutil.rmtree(step_dir)
     torch.distributed.barrier()
-    tc, tokenizer_dir, notes = build_trainer_config(cfg, dev, out_dir)
+    tc, tokenizer_dir, notes = build_trainer_config(cfg, dev, out_dir, found)
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()

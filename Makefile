@@ -1,0 +1,42 @@
+# Two commands (README): `make demo` sets everything up and runs the main job on the CPU default;
+# `make test` runs the tests. The environment and the offline assets live outside git, in
+# $(CACHE) (override with CACHE=...), and are reused across clones.
+SHELL := /bin/bash
+PY ?= python3
+CACHE ?= $(HOME)/.cache/qwen3-trainium-recipes
+VENV ?= $(CACHE)/venv
+PYTHON := $(VENV)/bin/python
+REQ_HASH := $(shell sha256sum requirements.txt | cut -c1-16)
+STAMP := $(VENV)/.installed-$(REQ_HASH)
+export QWEN3_RECIPES_CACHE := $(CACHE)
+# Nothing reaches a model hub at run time: every path the CPU presets use is local.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup env assets demo test clean-runs
+
+setup: env assets
+
+env: $(STAMP)
+
+$(STAMP): requirements.txt
+	@echo "== creating $(VENV) and installing requirements.txt (a few minutes the first time)"
+	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q -r requirements.txt
+	@rm -f $(VENV)/.installed-* && touch $@
+
+assets: env
+	@echo "== preparing offline assets in $(CACHE)/assets (tokenizer, corpus, models)"
+	$(PYTHON) -m common.assets prepare
+
+demo: setup
+	$(PYTHON) examples/train_native_qwen3.py --preset tiny --steps 10 --out_dir runs/demo_native_qwen3
+
+test: setup
+	$(PYTHON) -m pytest -q tests
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,136 @@
+"""Smoke and contract tests for examples/train_native_qwen3.py (issue: foundation)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import assert_clean_error, read_results, run_example
+
+SCRIPT = "train_native_qwen3.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, prepared_assets):
+    out = tmp_path_factory.mktemp("native_tiny")
+    run_example(SCRIPT, "--preset", "tiny", "--steps", "10", "--out_dir", str(out))
+    return out, read_results(out)
+
+
+def test_tiny_lowers_loss_and_exports(tiny_run):
+    out, res = tiny_run
+    losses = res["losses"]
+    assert len(losses) == 10
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert res["tokens_per_s"] > 0
+    check = res["export_check"]
+    assert check["missing_keys"] == [] and check["unexpected_keys"] == []
+    assert check["tied_lm_head"] is True and check["lm_head_in_file"] is False
+    assert check["max_abs_logit_diff"] <= 1e-5
+    assert check["passed"] is True
+    assert set(res["versions"]) >= {"python", "torch", "torchtitan", "transformers"}
+    assert (out / "loss.png").stat().st_size > 1000
+    # the export opens as is: config.json and tokenizer files sit beside the weights
+    exported = out / "hf_export"
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (exported / "tokenizer.json").is_file()
+
+
+def test_torchrun_two_ranks_fsdp_over_gloo(tmp_path, prepared_assets):
+    run_example(SCRIPT, "--steps", "3", "--out_dir", str(tmp_path), torchrun=2)
+    res = read_results(tmp_path)
+    assert res["world_size"] == 2 and len(res["losses"]) == 3
+    assert res["export_check"]["passed"] is True, res["export_check"]
+
+
+def _save_odd_qwen3(path):
+    """A Qwen3 saved by transformers with a non-default shape: untied embeddings,
+    head_dim (24) != hidden/heads (16), grouped-query attention (4 heads, 2 kv heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                      max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = Qwen3ForCausalLM(cfg).float()
+    model.save_pretrained(path)
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_round_trip_non_default_shape(tmp_path, prepared_assets):
+    src = tmp_path / "src"
+    source = _save_odd_qwen3(src)
+    out = tmp_path / "run"
+    run_example(SCRIPT, "--hf_checkpoint", str(src), "--steps", "1", "--lr", "0", "--seq_len", "128",
+                "--out_dir", str(out))
+    res = read_results(out)
+    assert res["export_check"]["passed"], res["export_check"]
+    assert res["export_check"]["tied_lm_head"] is False
+    exported = {}
+    for f in (out / "hf_export").glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    assert set(exported) == set(source)
+    for key, tensor in source.items():
+        assert torch.equal(exported[key], tensor), key
+
+
+def test_pretrained_beats_random(tmp_path, prepared_assets):
+    trained = tmp_path / "trained"
+    run_example(SCRIPT, "--steps", "30", "--lr", "3e-3", "--seq_len", "128", "--out_dir", str(trained))
+    random_first = read_results(trained)["losses"][0]
+    again = tmp_path / "again"
+    run_example(SCRIPT, "--hf_checkpoint", str(trained / "hf_export"), "--steps", "1", "--seq_len", "128",
+                "--no-export", "--out_dir", str(again))
+    pretrained_first = read_results(again)["losses"][0]
+    assert pretrained_first < 0.8 * random_first, (pretrained_first, random_first)
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("good_ckpt")
+    _save_odd_qwen3(path)
+    return path
+
+
+def test_missing_checkpoint_folder(tmp_path):
+    proc = run_example(SCRIPT, "--hf_checkpoint", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "o"),
+                       check=False)
+    assert_clean_error(proc, "does not exist")
+
+
+def test_truncated_safetensors(tmp_path, good_checkpoint):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in good_checkpoint.iterdir():
+        data = f.read_bytes()
+        (bad / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    proc = run_example(SCRIPT, "--hf_checkpoint", str(bad), "--out_dir", str(tmp_path / "o"), check=False)
+    assert_clean_error(proc, "truncated")
+
+
+def test_config_of_another_architecture(tmp_path, good_checkpoint):
+    bad = tmp_path / "llama"
+    bad.mkdir()
+    for f in good_checkpoint.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    proc = run_example(SCRIPT, "--hf_checkpoint", str(bad), "--out_dir", str(tmp_path / "o"), check=False)
+    assert_clean_error(proc, "LlamaForCausalLM")
+
+
+def test_unknown_preset_and_flag(tmp_path):
+    proc = run_example(SCRIPT, "--preset", "qwen3_999b", check=False)
+    assert_clean_error(proc, "qwen3_999b")
+    proc = run_example(SCRIPT, "--stepz", "3", check=False)
+    assert_clean_error(proc, "--stepz")
+
+
+def test_nonpositive_steps_and_missing_neuron(tmp_path):
+    proc = run_example(SCRIPT, "--steps", "0", "--out_dir", str(tmp_path), check=False)
+    assert_clean_error(proc, "--steps")
+    proc = run_example(SCRIPT, "--device", "neuron", "--out_dir", str(tmp_path), check=False)
+    assert_clean_error(proc, "torch-neuronx")
