@@ -206,6 +206,14 @@ def self_launch(nproc_per_node: int, argv: list[str]) -> int:
     skip typing torchrun for a single node. Returns the launcher's exit code."""
     import subprocess
 
+    rest, skip = [], False
+    for arg in argv:  # drop our own --nproc_per_node (both `--flag N` and `--flag=N`)
+        if skip:
+            skip = False
+        elif arg == "--nproc_per_node":
+            skip = True
+        elif not arg.startswith("--nproc_per_node="):
+            rest.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc_per_node}", *argv]
+           f"--nproc_per_node={nproc_per_node}", "--local-ranks-filter=0", *rest]
     return subprocess.call(cmd)

@@ -62,9 +62,14 @@ def _save_odd_qwen3(path):
 def test_round_trip_non_default_shape(tmp_path, prepared_assets):
     src = tmp_path / "src"
     source = _save_odd_qwen3(src)
+    data = tmp_path / "data"  # --dataset also takes any folder of JSON lines with a text field
+    data.mkdir()
+    (data / "part-0.jsonl").write_text("".join(
+        json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20}) + "\n"
+        for i in range(20)))
     out = tmp_path / "run"
     run_example(SCRIPT, "--hf_checkpoint", str(src), "--steps", "1", "--lr", "0", "--seq_len", "128",
-                "--out_dir", str(out))
+                "--dataset", str(data), "--out_dir", str(out))
     res = read_results(out)
     assert res["export_check"]["passed"], res["export_check"]
     assert res["export_check"]["tied_lm_head"] is False
@@ -81,8 +86,10 @@ def test_pretrained_beats_random(tmp_path, prepared_assets):
     run_example(SCRIPT, "--steps", "30", "--lr", "3e-3", "--seq_len", "128", "--out_dir", str(trained))
     random_first = read_results(trained)["losses"][0]
     again = tmp_path / "again"
+    # self-launched over 2 processes: the HF load also works with FSDP-sharded parameters
     run_example(SCRIPT, "--hf_checkpoint", str(trained / "hf_export"), "--steps", "1", "--seq_len", "128",
-                "--no-export", "--out_dir", str(again))
+                "--no-export", "--nproc_per_node", "2", "--out_dir", str(again))
+    assert read_results(again)["world_size"] == 2
     pretrained_first = read_results(again)["losses"][0]
     assert pretrained_first < 0.8 * random_first, (pretrained_first, random_first)
 

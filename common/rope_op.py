@@ -1,0 +1,177 @@
+"""Rotary position embedding (RoPE) as a torch.library custom op with its own backward op.
+
+On a Trainium device the op runs nki-library's `rope_hf` kernel
+(https://github.com/aws-neuron/nki-library, src/nkilib_src/nkilib/core/embeddings/rope_hf.py);
+everywhere else it runs the same math in PyTorch, so CPU runs and tests exercise the very op,
+autograd wiring and shape checks that Trainium runs.
+
+    q_out, k_out = rope(q, k, rope_cache)            # q, k: [batch, seq, heads, head_dim]
+
+`rope_cache` is `[seq, head_dim * 2]` = cat(cos, sin) for the positions being rotated: the rows of
+torchtitan's `CosSinRoPE.cache` for those positions (the caller slices them, e.g.
+`cache[start:start + seq]`). q and k may have different head counts (grouped-query attention).
+
+Math (rotate-half convention of HF Llama/Qwen3 and torchtitan's CosSinRoPE), h = head_dim / 2:
+    forward   y  = x * cos + rotate_half(x) * sin,            rotate_half(x) = cat(-x[..., h:], x[..., :h])
+    backward  dx = g * cos + rotate_half_backward(g * sin),   rotate_half_backward(x) = cat(x[..., h:], -x[..., :h])
+The cache is a constant table of the positions, so it gets no gradient (the backward returns None).
+"""
+from __future__ import annotations
+
+import torch
+
+from common import device
+from common.errors import UserError
+
+__all__ = ["rope", "rope_fwd", "rope_bwd", "check_rope_shapes"]
+
+# rope_hf tiles the sequence in 128-row blocks (the SBUF partition count), split across the LNC
+# logical cores; the kernel asserts seq_len % (128 * LNC) == 0.
+KERNEL_SEQ_TILE = 128
+# Bound on head_dim kept at the 128-lane partition size, which covers Qwen3 (head_dim 128).
+MAX_HEAD_DIM = 128
+
+
+def check_rope_shapes(q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor, *,
+                      lnc: int, kernel_shape: bool) -> None:
+    """Raise UserError for inputs the op cannot rotate; with `kernel_shape`, also for those the NKI
+    kernel cannot take. q, k, rope_cache are in the kernel layout: [batch, heads, seq, head_dim]."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise UserError(f"rope expects 4-D q and k [batch, seq, heads, head_dim], got {tuple(q.shape)} "
+                        f"and {tuple(k.shape)}")
+    if q.dtype != k.dtype:
+        raise UserError(f"rope expects q and k of one dtype, got {q.dtype} and {k.dtype}")
+    (bq, _, sq, d), (bk, _, sk, dk) = q.shape, k.shape
+    if (bq, sq, d) != (bk, sk, dk):
+        raise UserError(f"rope expects q and k with the same batch, sequence length and head_dim, got "
+                        f"q {tuple(q.shape)} and k {tuple(k.shape)} (kernel layout [batch, heads, seq, head_dim])")
+    if d % 2:
+        raise UserError(f"head_dim {d} is odd; rotate-half RoPE pairs dimension i with i + head_dim/2, "
+                        "so head_dim must be even")
+    if rope_cache.dim() != 2 or rope_cache.shape[1] != 2 * d:
+        raise UserError(f"rope_cache has shape {tuple(rope_cache.shape)}, expected [seq, head_dim * 2] = "
+                        f"[{sq}, {2 * d}] (cat(cos, sin), as torchtitan's CosSinRoPE cache)")
+    if rope_cache.shape[0] != sq:
+        raise UserError(f"rope_cache has {rope_cache.shape[0]} rows but the sequence has {sq} positions; "
+                        "slice the cache rows for the positions being rotated, e.g. cache[start:start + seq]")
+    if not kernel_shape:
+        return
+    if lnc < 1:
+        raise UserError(f"LNC must be a positive integer, got {lnc}")
+    if d > MAX_HEAD_DIM:
+        raise UserError(f"head_dim {d} is larger than {MAX_HEAD_DIM} (the partition size), which the NKI "
+                        "rope_hf path of this op supports")
+    multiple = KERNEL_SEQ_TILE * lnc
+    if sq % multiple:
+        raise UserError(f"sequence length {sq} is not a multiple of {KERNEL_SEQ_TILE} x LNC = {multiple}, which "
+                        "the NKI rope_hf kernel requires; pad the sequence or change --seq_len")
+
+
+def _rope_nki(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, lnc: int,
+              backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainium only: nki-library's kernel, [batch, heads, seq, head_dim] in and out."""
+    from nkilib.core.embeddings.rope_hf import rope_hf
+
+    check_rope_shapes(x_q, x_k, rope_cache, lnc=lnc, kernel_shape=True)
+    x_q, x_k = x_q.contiguous(), x_k.contiguous()  # the kernel addresses HBM as dense [b, h, s, d]
+    q_out, k_out = torch.empty_like(x_q), torch.empty_like(x_k)
+    # The kernel loads cos/sin tiles in q's dtype; hand it the cache in that dtype.
+    rope_hf[lnc](x_q, x_k, q_out, k_out, rope_cache=rope_cache.to(x_q.dtype).contiguous(), backward=backward)
+    return q_out, k_out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rotate_half_backward(x: torch.Tensor) -> torch.Tensor:
+    """The adjoint (transpose) of rotate_half: what its input's gradient is, given its output's."""
+    h = x.shape[-1] // 2
+    return torch.cat((x[..., h:], -x[..., :h]), dim=-1)
+
+
+def _rope_torch(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, lnc: int,
+                backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's math in PyTorch (same signature as `_rope_nki`), gather-free: slices and cat.
+
+    Computes in float32 (float64 for float64 inputs) and casts back, as torchtitan's CosSinRoPE
+    does, so bf16 results match torchtitan bit for bit. `lnc` only matters to the kernel."""
+    del lnc
+    compute = torch.promote_types(x_q.dtype, torch.float32)
+    d = x_q.shape[-1]
+    cos, sin = rope_cache[:, :d].to(compute), rope_cache[:, d:].to(compute)
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(compute)
+        if backward:
+            y = xf * cos + _rotate_half_backward(xf * sin)
+        else:
+            y = xf * cos + _rotate_half(xf) * sin
+        return y.to(x.dtype).contiguous()  # dense outputs, as the fake impl promises
+
+    return one(x_q), one(x_k)
+
+
+def _rope_any(x_q, x_k, rope_cache, lnc, backward):
+    if x_q.device.type == "neuron" and device.neuron_available():
+        return _rope_nki(x_q, x_k, rope_cache, lnc, backward)
+    return _rope_torch(x_q, x_k, rope_cache, lnc, backward)
+
+
+@torch.library.custom_op("qwen3_recipes::rope_fwd", mutates_args=())
+def rope_fwd(q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor, lnc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [batch, q_heads, seq, head_dim] and k [batch, k_heads, seq, head_dim] (kernel layout)."""
+    return _rope_any(q, k, rope_cache, lnc, backward=False)
+
+
+@torch.library.custom_op("qwen3_recipes::rope_bwd", mutates_args=())
+def rope_bwd(grad_q: torch.Tensor, grad_k: torch.Tensor, rope_cache: torch.Tensor,
+             lnc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of rope_fwd's q and k inputs from those of its outputs (kernel layout)."""
+    return _rope_any(grad_q, grad_k, rope_cache, lnc, backward=True)
+
+
+@rope_fwd.register_fake
+def _(q, k, rope_cache, lnc):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format)
+
+
+@rope_bwd.register_fake
+def _(grad_q, grad_k, rope_cache, lnc):
+    return torch.empty_like(grad_q, memory_format=torch.contiguous_format), \
+        torch.empty_like(grad_k, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, _, rope_cache, lnc = inputs
+    ctx.save_for_backward(rope_cache)  # the backward kernel reuses the forward's rotation table
+    ctx.lnc = lnc
+
+
+def _backward(ctx, grad_q, grad_k):
+    (rope_cache,) = ctx.saved_tensors
+    dq, dk = torch.ops.qwen3_recipes.rope_bwd(grad_q, grad_k, rope_cache, ctx.lnc)
+    # No gradient for the cache: it is a fixed function of the positions, not a parameter.
+    return dq, dk, None, None
+
+
+rope_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor, *, lnc: int = 2,
+         check_kernel_shape: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply RoPE to q [batch, seq, q_heads, head_dim] and k [batch, seq, k_heads, head_dim]
+    (torchtitan's layout) with `rope_cache` [seq, head_dim * 2] = cat(cos, sin) for those positions.
+
+    `lnc` is the kernel's launch grid (must match NEURON_LOGICAL_NC_CONFIG). The kernel's shape rule
+    (seq a multiple of 128 x LNC, head_dim <= 128) is always checked on a Neuron device, and on
+    other devices when `check_kernel_shape` is set, so a CPU run can catch a Trainium-bound config.
+    The cache gets no gradient, even with requires_grad set."""
+    # The kernel layout is [batch, heads, seq, head_dim]; the kernel reads it densely.
+    q_k, k_k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    check_rope_shapes(q_k, k_k, rope_cache, lnc=lnc,
+                      kernel_shape=check_kernel_shape or q.device.type == "neuron")
+    q_out, k_out = torch.ops.qwen3_recipes.rope_fwd(q_k, k_k, rope_cache, lnc)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
