@@ -18,7 +18,6 @@ from pathlib import Path
 
 from common.errors import UserError
 
-WEIGHT_FILES = ("*.safetensors",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "generation_config.json")
 

@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 import tempfile
+import types
 import typing
 from collections.abc import Callable
 from importlib import metadata
@@ -23,12 +24,16 @@ from typing import Any, Literal, get_args, get_origin
 from common.errors import UserError
 
 
+def _is_union(tp) -> bool:
+    return get_origin(tp) in (typing.Union, types.UnionType)  # Optional[X] and X | None
+
+
 def _field_type(tp) -> tuple[Callable | None, tuple | None]:
     """Map a field annotation to (argparse type, choices)."""
     if get_origin(tp) is Literal:
         choices = get_args(tp)
         return type(choices[0]), choices
-    if get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if _is_union(tp):
         inner = [a for a in get_args(tp) if a is not type(None)]
         return _field_type(inner[0])
     if tp in (int, float, str, bool):
@@ -37,8 +42,7 @@ def _field_type(tp) -> tuple[Callable | None, tuple | None]:
 
 
 def _optional(tp) -> bool:
-    return get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and \
-        type(None) in get_args(tp)
+    return _is_union(tp) and type(None) in get_args(tp)
 
 
 def _parse_optional(conv: Callable) -> Callable:

@@ -166,10 +166,13 @@ def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
     return env
 
 
-def setup(requested: str = "auto", *, timeout_s: int = 600) -> DeviceInfo:
+def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> DeviceInfo:
     """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to
-    the device, and create the process group (torchtitan then reuses it)."""
+    the device, and create the process group (torchtitan then reuses it). On Trainium the Neuron
+    settings are applied first: the runtime reads them when the process group starts it."""
     device_type = resolve_device_type(requested)
+    if device_type == "neuron":
+        print(f"[neuron] {set_neuron_env(lnc, os.environ.get('TORCH_NEURONX_NEFF_CACHE_DIR'))}", flush=True)
     fill_single_process_env()
     try:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))

@@ -24,7 +24,6 @@ unexpected keys and max_abs_logit_diff below 1e-5; loss.png plots the losses.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -165,7 +164,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     tc.checkpoint.load_only = not cfg.export
 
     notes = titan.apply_device_settings(tc, dev, attn_backend=cfg.attn_backend, seed=cfg.seed)
-    return tc, tokenizer_dir, notes
+    return tc, notes
 
 
 def main(cfg: Config) -> dict:
@@ -173,9 +172,7 @@ def main(cfg: Config) -> dict:
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     found = preflight(cfg)
-    dev = device.setup(cfg.device)
-    if dev.device_type == "neuron":
-        device.set_neuron_env(cfg.lnc, os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR"))
+    dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         return train(cfg, dev, out_dir, found)
     finally:
@@ -197,7 +194,8 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         import shutil
         shutil.rmtree(step_dir)
     torch.distributed.barrier()
-    tc, tokenizer_dir, notes = build_trainer_config(cfg, dev, out_dir, found)
+    tc, notes = build_trainer_config(cfg, dev, out_dir, found)
+    tokenizer_dir = found["tokenizer_dir"]
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
