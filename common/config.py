@@ -57,6 +57,7 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags actually given override the preset
+        allow_abbrev=False,  # a mistyped or shortened flag is an error, not a guess
     )
     parser.add_argument("--preset", default=default_preset, choices=sorted(presets),
                         help=f"named preset the flags below start from (default: {default_preset}). "
@@ -80,8 +81,6 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
         parser.add_argument(flag, type=conv, choices=choices, metavar=f.metadata.get("metavar"),
                             help=f"{help_text} (default: {default})")
     return parser
-
-
 
 
 def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[str] | None,

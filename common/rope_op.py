@@ -9,7 +9,8 @@ autograd wiring and shape checks that Trainium runs.
 
 `rope_cache` is `[seq, head_dim * 2]` = cat(cos, sin) for the positions being rotated: the rows of
 torchtitan's `CosSinRoPE.cache` for those positions (the caller slices them, e.g.
-`cache[start:start + seq]`). q and k may have different head counts (grouped-query attention).
+`cache[start:start + seq]`), or `[batch, seq, head_dim * 2]` when each sequence has positions of its
+own (packed documents). q and k may have different head counts (grouped-query attention).
 
 Math (rotate-half convention of HF Llama/Qwen3 and torchtitan's CosSinRoPE), h = head_dim / 2:
     forward   y  = x * cos + rotate_half(x) * sin,            rotate_half(x) = cat(-x[..., h:], x[..., :h])
@@ -48,12 +49,15 @@ def check_rope_shapes(q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor
     if d % 2:
         raise UserError(f"head_dim {d} is odd; rotate-half RoPE pairs dimension i with i + head_dim/2, "
                         "so head_dim must be even")
-    if rope_cache.dim() != 2 or rope_cache.shape[1] != 2 * d:
+    if rope_cache.dim() not in (2, 3) or rope_cache.shape[-1] != 2 * d:
         raise UserError(f"rope_cache has shape {tuple(rope_cache.shape)}, expected [seq, head_dim * 2] = "
-                        f"[{sq}, {2 * d}] (cat(cos, sin), as torchtitan's CosSinRoPE cache)")
-    if rope_cache.shape[0] != sq:
-        raise UserError(f"rope_cache has {rope_cache.shape[0]} rows but the sequence has {sq} positions; "
+                        f"[{sq}, {2 * d}] or [batch, seq, head_dim * 2] (cat(cos, sin), as torchtitan's "
+                        "CosSinRoPE cache)")
+    if rope_cache.shape[-2] != sq:
+        raise UserError(f"rope_cache has {rope_cache.shape[-2]} rows but the sequence has {sq} positions; "
                         "slice the cache rows for the positions being rotated, e.g. cache[start:start + seq]")
+    if rope_cache.dim() == 3 and rope_cache.shape[0] != bq:
+        raise UserError(f"rope_cache has tables for {rope_cache.shape[0]} sequences but the batch has {bq}")
     if not kernel_shape:
         return
     if lnc < 1:
@@ -76,7 +80,15 @@ def _rope_nki(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, ln
     x_q, x_k = x_q.contiguous(), x_k.contiguous()  # the kernel addresses HBM as dense [b, h, s, d]
     q_out, k_out = torch.empty_like(x_q), torch.empty_like(x_k)
     # The kernel loads cos/sin tiles in q's dtype; hand it the cache in that dtype.
-    rope_hf[lnc](x_q, x_k, q_out, k_out, rope_cache=rope_cache.to(x_q.dtype).contiguous(), backward=backward)
+    cache = rope_cache.to(x_q.dtype).contiguous()
+    if cache.dim() == 2:
+        rope_hf[lnc](x_q, x_k, q_out, k_out, rope_cache=cache, backward=backward)
+        return q_out, k_out
+    # One table per sequence: the kernel takes one [seq, 2 * head_dim] table per call, so call it per
+    # sequence (row slices of dense tensors stay dense).
+    for i in range(x_q.shape[0]):
+        rope_hf[lnc](x_q[i:i + 1], x_k[i:i + 1], q_out[i:i + 1], k_out[i:i + 1], rope_cache=cache[i],
+                     backward=backward)
     return q_out, k_out
 
 
@@ -100,7 +112,9 @@ def _rope_torch(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, 
     del lnc
     compute = torch.promote_types(x_q.dtype, torch.float32)
     d = x_q.shape[-1]
-    cos, sin = rope_cache[:, :d].to(compute), rope_cache[:, d:].to(compute)
+    cos, sin = rope_cache[..., :d].to(compute), rope_cache[..., d:].to(compute)
+    if rope_cache.dim() == 3:  # [batch, seq, 2d] -> [batch, 1, seq, d] against [batch, heads, seq, d]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
 
     def one(x: torch.Tensor) -> torch.Tensor:
         xf = x.to(compute)
@@ -163,7 +177,8 @@ rope_fwd.register_autograd(_backward, setup_context=_setup_context)
 def rope(q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor, *, lnc: int = 2,
          check_kernel_shape: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply RoPE to q [batch, seq, q_heads, head_dim] and k [batch, seq, k_heads, head_dim]
-    (torchtitan's layout) with `rope_cache` [seq, head_dim * 2] = cat(cos, sin) for those positions.
+    (torchtitan's layout) with `rope_cache` [seq, head_dim * 2] = cat(cos, sin) for those positions,
+    or [batch, seq, head_dim * 2] for per-sequence positions.
 
     `lnc` is the kernel's launch grid (must match NEURON_LOGICAL_NC_CONFIG). The kernel's shape rule
     (seq a multiple of 128 x LNC, head_dim <= 128) is always checked on a Neuron device, and on

@@ -142,3 +142,19 @@ def test_shape_errors(head_dim, cache_shape, kernel_shape, match):
     q, k, _, _ = _inputs(seq, head_dim, torch.float32)
     with pytest.raises(UserError, match=match):
         rope(q, k, torch.zeros(cache_shape), check_kernel_shape=kernel_shape)
+
+
+def test_per_sequence_tables():
+    """A [batch, seq, 2d] cache (packed documents: positions per sequence) rotates each sequence
+    with its own rows, exactly as CosSinRoPE does with per-sequence positions; opcheck included."""
+    q, k, dq, dk = _inputs(16, 32, torch.float32, batch=3)
+    stock = CosSinRoPE(CosSinRoPE.Config(dim=32, max_seq_len=64, theta=THETA))
+    positions = torch.stack([torch.arange(16), torch.arange(5, 21), torch.cat([torch.arange(9), torch.arange(7)])])
+    ours = _run(lambda q, k: rope(q, k, stock.cache[positions]), q, k, dq, dk)
+    titan = _run(lambda q, k: stock(q, k, positions), q, k, dq, dk)
+    assert _max_abs(ours, titan) == 0.0
+    qk = [t.transpose(1, 2).contiguous() for t in (q, k)]
+    torch.library.opcheck(torch.ops.qwen3_recipes.rope_fwd.default,
+                          (qk[0].requires_grad_(), qk[1].requires_grad_(), stock.cache[positions], 2))
+    with pytest.raises(UserError, match="tables for 2 sequences but the batch has 3"):
+        rope(q, k, stock.cache[positions[:2]])

@@ -1,0 +1,302 @@
+"""The guide's kernel example: a custom RoPE kernel in torchtitan's Qwen3, checked against PyTorch.
+
+The rotary embedding runs as a torch.library op with its own backward op (common/rope_op.py): the
+wrapper turns torchtitan's [batch, seq, heads, head_dim] into the kernel's [batch, heads, seq,
+head_dim] and back, the forward saves the rotation cache cat(cos, sin) and the backward op reuses
+it, and the cache gets no gradient. On a Neuron device the op calls nki-library's `rope_hf`
+kernel; elsewhere the same math in PyTorch. An `NKIRoPE` module (a CosSinRoPE subclass,
+common/rope_module.py) is swapped in through torchtitan's override registry, one log line per layer.
+
+This script checks, with seeded inputs:
+  1. the op against torchtitan's stock CosSinRoPE and against transformers' `apply_rotary_pos_emb`
+     (with transformers' own Qwen3 rotary embedding for cos/sin): outputs and gradients of q and k,
+     over grouped-query and multi-query heads, head_dim 64 and 128, sequences 256 and 512, batch > 1,
+     a position offset and packed documents with per-sequence positions, in float32 and bfloat16;
+  2. a tiny Qwen3 with NKIRoPE in the chosen layers against the stock model with the same weights:
+     logits, loss and gradients, with and without packed-document positions.
+
+    python examples/rope_parity.py --out_dir runs/rope_parity                      # CPU, every layer
+    python examples/rope_parity.py --rope_layers '*layers.1.*'                     # one layer replaced
+    python examples/rope_parity.py --seq_len 200 --lnc 2 --check_kernel_shape      # error: the NKI shape rule
+    python examples/rope_parity.py --preset trn2                                   # on a Trainium device (NKI)
+
+Tolerances. float32: 1e-6 absolute (the math is the same, so 0.0 is expected; the guide saw 0.0).
+bfloat16 against CosSinRoPE: the same 1e-6 (both compute in float32 and round once). bfloat16
+against transformers: transformers rounds cos and sin to bfloat16 and rounds each product and the
+sum, about 5 roundings of at most 2^-9 relative each where ours rounds once; each output element
+must be within 6 * 2^-9 * (|x_i| + |x_pair(i)|), the two inputs it mixes (printed as the bound).
+Max relative diff = max |ours - ref| / max |ref| (normwise: elementwise ratios explode near zero).
+
+Expected on CPU (about 20 s): float32 and bfloat16 against CosSinRoPE 0.0; float32 against
+transformers 0.0; model logits, loss and gradients 0.0; results.json with the per-dtype maxima,
+`model_logits_max_abs_diff` and `replacements` (one FQN per replaced layer).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
+
+from common import assets, checkpoint, device  # noqa: E402
+from common import config as cli  # noqa: E402
+from common.errors import UserError  # noqa: E402
+
+FP32_TOL = 1e-6
+BF16_ROUNDINGS = 6  # see the module docstring
+
+
+@dataclass
+class Config:
+    preset: str = "cpu"
+    out_dir: str = field(default="runs/rope_parity", metadata={"help": "results.json goes here"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    seed: int = field(default=0, metadata={"help": "seed for inputs and model weights"})
+    rope_layers: str = field(default="*", metadata={"help": "fnmatch glob on the RoPE module FQN: '*' every layer, '*layers.1.*' layer 1 only"})
+    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size; the kernel needs seq % (128 x LNC) == 0"})
+    check_kernel_shape: bool = field(default=False, metadata={"help": "enforce the NKI kernel's shape rule on any device (always on for neuron)"})
+    seq_len: int = field(default=0, metadata={"help": "0: the preset's shapes (256 and 512); otherwise every shape and the model use this length"})
+    model_batch: int = field(default=2, metadata={"help": "sequences in the tiny-model check"})
+
+    def validate(self) -> None:
+        if self.seq_len < 0 or self.model_batch <= 0 or self.lnc <= 0:
+            raise UserError("--seq_len must be >= 0, --model_batch and --lnc positive")
+
+
+def cpu() -> Config:
+    """CPU (or CUDA): the op's PyTorch path, kernel shape rule off unless asked."""
+    return Config()
+
+
+def trn2() -> Config:
+    """One Trainium device: the NKI rope_hf kernel, LNC=2, shape rule enforced."""
+    return replace(Config(), device="neuron", check_kernel_shape=True)
+
+
+PRESETS = {"cpu": cpu, "trn2": trn2}
+
+# (name, batch, seq, q_heads, kv_heads, head_dim, positions): positions "prefix" = none passed (the
+# first seq rows of the cache), "offset" = start + arange(seq), "packed" = per-sequence documents.
+SHAPES = [
+    ("gqa_d128_s256", 2, 256, 8, 2, 128, "prefix"),
+    ("mqa_d64_s512_offset", 2, 512, 4, 1, 64, "offset"),
+    ("mha_d128_s512_packed", 3, 512, 4, 4, 128, "packed"),
+    ("gqa_d64_s256_packed", 4, 256, 16, 8, 64, "packed"),
+]
+THETA = 1_000_000.0  # Qwen3's rope_theta
+MAX_POS = 4096
+
+
+def make_positions(kind: str, batch: int, seq: int, gen):
+    import torch
+
+    if kind == "prefix":
+        return None
+    if kind == "offset":
+        start = int(torch.randint(1, MAX_POS - seq, (1,), generator=gen))
+        return torch.arange(start, start + seq).unsqueeze(0)
+    rows = []
+    for _ in range(batch):  # 2 to 4 documents per row, restarting at 0, as torchtitan packs them
+        cuts = sorted(torch.randint(1, seq, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist())
+        bounds = [0, *cuts, seq]
+        rows.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+    return torch.stack(rows)
+
+
+def diff(ours, ref) -> tuple[float, float]:
+    d = (ours.float() - ref.float()).abs().max().item()
+    return d, d / max(ref.float().abs().max().item(), 1e-30)
+
+
+def bf16_bound(x):
+    """Elementwise bound for transformers' bfloat16 math: inputs mixed into each output element."""
+    h = x.shape[-1] // 2
+    partner = x.float().abs().roll(h, dims=-1)
+    return BF16_ROUNDINGS * 2.0 ** -9 * (x.float().abs() + partner)
+
+
+def check_op(name, dtype, shape, lnc, check_kernel_shape, dev, gen) -> list[dict]:
+    """The op (through NKIRoPE) against torchtitan's CosSinRoPE and transformers, forward + backward."""
+    import torch
+    from torchtitan.models.common.rope import CosSinRoPE
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+    from common.rope_module import NKIRoPE
+
+    _, b, s, hq, hkv, d, kind = shape
+    positions = make_positions(kind, b, s, gen)
+    q0 = torch.randn(b, s, hq, d, generator=gen).to(dtype)
+    k0 = torch.randn(b, s, hkv, d, generator=gen).to(dtype)
+    gq, gk = torch.randn(q0.shape, generator=gen).to(dtype), torch.randn(k0.shape, generator=gen).to(dtype)
+    q0, k0, gq, gk = (t.to(dev) for t in (q0, k0, gq, gk))
+    pos = positions.to(dev) if positions is not None else None
+
+    def run(fn):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        qo, ko = fn(q, k)
+        torch.autograd.backward((qo, ko), (gq, gk))
+        return qo.detach(), ko.detach(), q.grad, k.grad
+
+    rope_cfg = dict(dim=d, max_seq_len=MAX_POS, theta=THETA)
+    ours_mod = NKIRoPE.Config(**rope_cfg, lnc=lnc, check_kernel_shape=check_kernel_shape).build().to(dev)
+    stock_mod = CosSinRoPE.Config(**rope_cfg).build().to(dev)
+    hf_rot = Qwen3RotaryEmbedding(Qwen3Config(head_dim=d, hidden_size=d * hq, num_attention_heads=hq,
+                                              rope_theta=THETA, max_position_embeddings=MAX_POS)).to(dev)
+    hf_pos = pos if pos is not None else torch.arange(s, device=dev).unsqueeze(0)
+
+    def hf(q, k):  # transformers' layout is [batch, heads, seq, head_dim]
+        cos, sin = hf_rot(q, hf_pos.expand(b, -1))
+        qo, ko = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return qo.transpose(1, 2), ko.transpose(1, 2)
+
+    ours = run(lambda q, k: ours_mod(q, k, pos))
+    rows = []
+    for ref_name, fn in (("torchtitan_CosSinRoPE", lambda q, k: stock_mod(q, k, pos)),
+                         ("transformers_apply_rotary_pos_emb", hf)):
+        ref = run(fn)
+        fwd = [diff(o, r) for o, r in zip(ours[:2], ref[:2])]
+        bwd = [diff(o, r) for o, r in zip(ours[2:], ref[2:])]
+        if dtype == torch.float32 or ref_name.startswith("torchtitan"):
+            ok = max(x[0] for x in fwd + bwd) <= FP32_TOL
+        else:
+            inputs = (q0, k0, gq, gk)
+            ok = all(bool(((o.float() - r.float()).abs() <= bf16_bound(x) + 1e-30).all())
+                     for o, r, x in zip(ours, ref, inputs))
+        rows.append({"shape": name, "dtype": str(dtype).removeprefix("torch."), "reference": ref_name,
+                     "batch": b, "seq": s, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "positions": kind,
+                     "forward_max_abs_diff": max(x[0] for x in fwd), "forward_max_rel_diff": max(x[1] for x in fwd),
+                     "backward_max_abs_diff": max(x[0] for x in bwd), "backward_max_rel_diff": max(x[1] for x in bwd),
+                     "within_tolerance": ok})
+    return rows
+
+
+def replace_rope(cfg: Config) -> tuple:
+    """Tiny Qwen3 configs (shape of the set-up asset): stock, and with NKIRoPE where --rope_layers
+    says, through torchtitan's registry (the call the trainer makes; one log line per module)."""
+    from torchtitan.config import apply_overrides
+    from torchtitan.config.override import OverrideConfig
+    from common import rope_module, titan
+
+    hf_cfg = checkpoint.read_hf_config(assets.tiny_qwen3_dir())
+    stock_cfg = checkpoint.qwen3_spec_from_hf(hf_cfg, where="tiny-qwen3").model
+    titan.use_attention_backend(stock_cfg, "sdpa")
+    ours_cfg = copy.deepcopy(stock_cfg)
+    entry = rope_module.register(cfg.rope_layers)
+    lines = apply_overrides(OverrideConfig(imports=[(entry, {"lnc": cfg.lnc, "check_kernel_shape": cfg.check_kernel_shape})]),
+                            ours_cfg)
+    if not lines:
+        raise UserError(f"--rope_layers {cfg.rope_layers!r} matched no RoPE module; their names look like "
+                        "layers.N.attention.rope (model_spec.model.layers.N.attention.rope in a training run), "
+                        "so start the glob with '*', e.g. '*layers.1.*'")
+    replaced = [line.split(": ", 1)[1].split(" ")[0] for line in lines]
+    return stock_cfg, ours_cfg, hf_cfg["vocab_size"], {"replacements": replaced, "override_log": lines}
+
+
+def check_model(cfg: Config, dev, seq: int, stock_cfg, ours_cfg, vocab: int) -> dict:
+    """The stock tiny Qwen3 and the one with NKIRoPE, same weights: logits, loss, gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(cfg.seed)
+    with torch.device("meta"):
+        stock, ours = stock_cfg.build(), ours_cfg.build()
+    for m in (stock, ours):
+        m.to_empty(device=dev)
+    with torch.no_grad():
+        stock.init_states(buffer_device=dev)
+        ours.init_states(buffer_device=dev)
+        ours.load_state_dict(stock.state_dict())
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    tokens = torch.randint(0, vocab, (cfg.model_batch, seq + 1), generator=gen).to(dev)
+    packed = make_positions("packed", cfg.model_batch, seq, gen).to(dev)
+    out = {}
+    for label, positions in (("", None), ("_packed", packed)):
+        logits, losses, grads = [], [], []
+        for m in (stock, ours):
+            m._skip_lm_head = False
+            m.zero_grad(set_to_none=True)
+            masks = stock.get_attention_masks(positions=positions) if positions is not None else None
+            lg = m(tokens[:, :-1], attention_masks=masks, positions=positions)
+            loss = F.cross_entropy(lg.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            logits.append(lg.detach())
+            losses.append(loss.item())
+            grads.append({n: p.grad for n, p in m.named_parameters()})
+        out[f"model{label}_logits_max_abs_diff"] = diff(logits[1], logits[0])[0]
+        out[f"model{label}_loss"] = {"stock": losses[0], "nki_rope": losses[1]}
+        out[f"model{label}_loss_abs_diff"] = abs(losses[1] - losses[0])
+        out[f"model{label}_grad_max_abs_diff"] = max(diff(grads[1][n], g)[0] for n, g in grads[0].items())
+    return out
+
+
+def summarize(rows: list[dict], dtype: str) -> dict:
+    mine = [r for r in rows if r["dtype"] == dtype]
+    out = {k: max(r[k] for r in mine) for k in ("forward_max_abs_diff", "forward_max_rel_diff",
+                                                 "backward_max_abs_diff", "backward_max_rel_diff")}
+    for ref in sorted({r["reference"] for r in mine}):
+        out[ref] = {k: max(r[k] for r in mine if r["reference"] == ref)
+                    for k in ("forward_max_abs_diff", "backward_max_abs_diff")}
+    out["tolerance"] = (f"{FP32_TOL:g} abs" if dtype == "float32" else
+                        f"{FP32_TOL:g} abs vs CosSinRoPE; vs transformers |diff| <= "
+                        f"{BF16_ROUNDINGS} * 2^-9 * (|x_i| + |x_pair(i)|) elementwise")
+    out["passed"] = all(r["within_tolerance"] for r in mine)
+    return out
+
+
+def main(cfg: Config) -> dict:
+    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    assets.tiny_qwen3_dir()  # fail fast if set-up has not run
+    dev_info = device.setup(cfg.device, lnc=cfg.lnc)
+    try:
+        return run(cfg, dev_info, out_dir)
+    finally:
+        device.teardown()
+
+
+def run(cfg: Config, dev_info, out_dir: Path) -> dict:
+    import torch
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # torchtitan's [Override] lines
+    print(f"[config] {cli.format_config(cfg)}")
+    dev = dev_info.device
+    t0 = time.perf_counter()
+    stock_cfg, ours_cfg, vocab, replaced = replace_rope(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    shapes = [s if not cfg.seq_len else (f"{s[0]}_as_s{cfg.seq_len}", s[1], cfg.seq_len, *s[3:]) for s in SHAPES]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            for r in check_op(shape[0], dtype, shape, cfg.lnc, cfg.check_kernel_shape, dev, gen):
+                rows.append(r)
+                print(f"[op] {r['dtype']:8s} {r['shape']:26s} vs {r['reference']:34s} "
+                      f"fwd {r['forward_max_abs_diff']:.3g} bwd {r['backward_max_abs_diff']:.3g}"
+                      f"{'' if r['within_tolerance'] else '  OUTSIDE TOLERANCE'}")
+    model = {**replaced, **check_model(cfg, dev, cfg.seq_len or 256, stock_cfg, ours_cfg, vocab)}
+    print(f"[model] {len(model['replacements'])} layer(s) replaced; logits max abs diff "
+          f"{model['model_logits_max_abs_diff']:.3g} (packed {model['model_packed_logits_max_abs_diff']:.3g}); "
+          f"loss {model['model_loss']['stock']:.6f} vs {model['model_loss']['nki_rope']:.6f}; "
+          f"grads max abs diff {model['model_grad_max_abs_diff']:.3g}")
+    model_ok = max(model[k] for k in ("model_logits_max_abs_diff", "model_packed_logits_max_abs_diff",
+                                      "model_loss_abs_diff", "model_packed_loss_abs_diff",
+                                      "model_grad_max_abs_diff", "model_packed_grad_max_abs_diff")) <= FP32_TOL
+    results = {"script": "rope_parity.py", "config": cfg, "versions": cli.versions(),
+               "device": dev_info.device_type, "kernel": "nki rope_hf" if dev_info.device_type == "neuron" else "pytorch",
+               "float32": summarize(rows, "float32"), "bfloat16": summarize(rows, "bfloat16"),
+               **model, "model_passed": model_ok, "cases": rows, "seconds": time.perf_counter() - t0}
+    results["passed"] = results["float32"]["passed"] and results["bfloat16"]["passed"] and model_ok
+    path = cli.write_results(out_dir, results)
+    print(f"[done] float32 fwd {results['float32']['forward_max_abs_diff']:.3g} bwd "
+          f"{results['float32']['backward_max_abs_diff']:.3g}; bfloat16 fwd {results['bfloat16']['forward_max_abs_diff']:.3g} "
+          f"bwd {results['bfloat16']['backward_max_abs_diff']:.3g}; passed={results['passed']}; {path}")
+    if not results["passed"]:
+        raise UserError(f"parity outside tolerance; see the cases marked within_tolerance=false in {path}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main, Config, PRESETS, __doc__, default_preset="cpu"))

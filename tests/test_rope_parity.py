@@ -1,0 +1,97 @@
+"""examples/rope_parity.py and common/rope_module.py: NKIRoPE through torchtitan's override registry.
+
+Shows (issue 4): float32 forward/backward max abs diff <= 1e-6 against torchtitan's CosSinRoPE and
+transformers' apply_rotary_pos_emb, bfloat16 within the stated bound; the tiny Qwen3 with the op in
+every layer gives the stock logits; `--rope_layers '*layers.1.*'` replaces exactly one layer and
+the log says so; sequence length 200 at LNC=2 with the check on is one clear error.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from common import device
+
+device.route_torchtitan_device("cpu")  # before torchtitan is imported below
+
+from torchtitan.config import apply_overrides  # noqa: E402
+from torchtitan.config.override import OverrideConfig  # noqa: E402
+from torchtitan.models.common.rope import CosSinRoPE  # noqa: E402
+
+from common import checkpoint, rope_module  # noqa: E402
+from common.assets import TINY_QWEN3_CONFIG  # noqa: E402
+from conftest import assert_clean_error, read_results, run_example  # noqa: E402
+
+OVERRIDE_LINE = re.compile(r"\[Override\] common\.rope_module\.nki_rope\w*: (\S+) CosSinRoPE\.Config -> NKIRoPE\.Config")
+
+
+def test_rows_for_positions_equal_the_cache_rows():
+    """NKIRoPE computes rows for per-token positions instead of gathering them: same values."""
+    mod = rope_module.NKIRoPE.Config(dim=128, max_seq_len=4096, theta=1e6).build()
+    positions = torch.stack([torch.arange(7, 519), torch.cat([torch.arange(300), torch.arange(212)])])
+    assert torch.equal(mod.rows_for(positions), mod.cache[positions])
+
+
+def test_nki_rope_module_matches_cosine_sine_rope():
+    stock = CosSinRoPE.Config(dim=64, max_seq_len=1024, theta=1e6).build()
+    ours = rope_module.NKIRoPE.Config(dim=64, max_seq_len=1024, theta=1e6).build()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 256, 4, 64, generator=g), torch.randn(2, 256, 2, 64, generator=g)
+    for positions in (None, torch.arange(100, 356)[None], torch.arange(256).expand(2, -1)):
+        for a, b in zip(ours(q, k, positions), stock(q, k, positions)):
+            assert torch.equal(a, b)
+
+
+def test_registry_replaces_the_chosen_layers():
+    """The model config as root (as torchtitan's RL trainer applies overrides): default every layer."""
+    tiny = {"architectures": list(checkpoint.QWEN3_DENSE), **TINY_QWEN3_CONFIG, "num_hidden_layers": 4}
+    cfg = checkpoint.qwen3_spec_from_hf(tiny).model
+    lines = apply_overrides(OverrideConfig(imports=[rope_module.register()]), cfg)
+    assert [OVERRIDE_LINE.search(x).group(1) for x in lines] == [f"layers.{i}.attention.rope" for i in range(4)]
+    assert all(type(layer.attention.rope) is rope_module.NKIRoPE.Config for layer in cfg.layers)
+
+
+def _override_lines(proc) -> list[str]:
+    return [m.group(1) for m in OVERRIDE_LINE.finditer(proc.stdout + proc.stderr)]
+
+
+def test_rope_parity_default_every_layer(tmp_path, prepared_assets):
+    proc = run_example("rope_parity.py", "--out_dir", str(tmp_path))
+    r = read_results(tmp_path)
+    for dtype in ("float32", "bfloat16"):
+        assert r[dtype]["passed"], r[dtype]
+        for key in ("forward_max_abs_diff", "backward_max_abs_diff"):
+            assert r[dtype][key] >= 0.0
+            assert r[dtype]["torchtitan_CosSinRoPE"][key] <= 1e-6
+    assert r["float32"]["forward_max_abs_diff"] <= 1e-6 and r["float32"]["backward_max_abs_diff"] <= 1e-6
+    shapes = {(c["head_dim"], c["seq"], c["positions"]) for c in r["cases"]}
+    assert {64, 128} <= {s[0] for s in shapes} and {256, 512} <= {s[1] for s in shapes}
+    assert {"prefix", "offset", "packed"} <= {s[2] for s in shapes}
+    assert any(c["q_heads"] > c["kv_heads"] for c in r["cases"])
+    assert r["model_logits_max_abs_diff"] <= 1e-6 and r["model_packed_logits_max_abs_diff"] <= 1e-6
+    assert r["model_loss_abs_diff"] <= 1e-6 and r["model_grad_max_abs_diff"] <= 1e-6
+    layers = TINY_QWEN3_CONFIG["num_hidden_layers"]
+    assert r["replacements"] == [f"layers.{i}.attention.rope" for i in range(layers)]
+    assert _override_lines(proc) == r["replacements"]  # one log line per replaced layer
+    assert r["versions"]["torch"] and r["versions"]["torchtitan"]
+
+
+def test_rope_layers_pattern_replaces_exactly_one(tmp_path, prepared_assets):
+    proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), "--rope_layers", "*layers.1.*")
+    r = read_results(tmp_path)
+    assert r["replacements"] == ["layers.1.attention.rope"]
+    assert _override_lines(proc) == ["layers.1.attention.rope"]
+    assert r["passed"] and r["model_logits_max_abs_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--seq_len", "200", "--lnc", "2", "--check_kernel_shape"], ["sequence length 200", "128 x LNC = 256"]),
+    (["--rope_layers", "*layers.9.*"], ["matched no RoPE module"]),
+    (["--rope_layer", "*"], ["unrecognized arguments: --rope_layer"]),
+])
+def test_bad_input_is_one_clear_error(tmp_path, args, needles, prepared_assets):
+    proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), *args, check=False)
+    assert_clean_error(proc, *needles)
+    assert not (tmp_path / "results.json").exists()
