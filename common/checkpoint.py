@@ -19,7 +19,7 @@ from pathlib import Path
 from common.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "generation_config.json")
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 
 # --------------------------------------------------------------------------- reading, validating
@@ -199,14 +199,18 @@ def qwen3_spec_from_hf(hf_config: dict, *, where: str | os.PathLike = "config"):
 
 def hf_config_from_qwen3(model_config, *, dtype: str = "float32") -> dict:
     """The config.json transformers needs to open a torchtitan Qwen3 export as Qwen3ForCausalLM."""
-    layer = model_config.layers[0]
-    attn = layer.attention
+    return {**hf_config_from_qwen3_dense_part(model_config, dtype=dtype),
+            "intermediate_size": model_config.layers[0].feed_forward.w1.out_features}
+
+
+def hf_config_from_qwen3_dense_part(model_config, *, dtype: str = "float32") -> dict:
+    """The config.json fields shared by Qwen3 and Qwen3-MoE (all but the MLP's)."""
+    attn = model_config.layers[0].attention
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "vocab_size": model_config.vocab_size,
         "hidden_size": model_config.dim,
-        "intermediate_size": layer.feed_forward.w1.out_features,
         "num_hidden_layers": len(model_config.layers),
         "num_attention_heads": attn.n_heads,
         "num_key_value_heads": attn.n_kv_heads,
@@ -223,6 +227,71 @@ def hf_config_from_qwen3(model_config, *, dtype: str = "float32") -> dict:
         "eos_token_id": 151645,
         "dtype": dtype,
     }
+
+
+QWEN3_MOE = ("Qwen3MoeForCausalLM",)
+
+
+def qwen3_moe_spec_from_hf(hf_config: dict, *, where: str | os.PathLike = "config"):
+    """A torchtitan Qwen3 MoE ModelSpec with the shape a Qwen3-MoE config.json describes (every
+    layer sparse), built with torchtitan's own MoE layer builder; spec functions from 30B-A3B."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.qwen3 import model_registry
+    # Private in torchtitan 0.3.0 (pinned in requirements.txt): the builder its presets use.
+    from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _EMBEDDING_SKIP_INIT, _LINEAR_INIT,
+                                         _build_qwen3_moe_layers, _qwen3_norm)
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    require_architecture(hf_config, QWEN3_MOE, where)
+    if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
+        raise UserError(f"{where}: dense layers inside a MoE model (mlp_only_layers / decoder_sparse_step) "
+                        "are not supported by torchtitan's Qwen3 MoE")
+    try:
+        dim, n_layers = int(hf_config["hidden_size"]), int(hf_config["num_hidden_layers"])
+        n_heads, vocab = int(hf_config["num_attention_heads"]), int(hf_config["vocab_size"])
+        experts, top_k = int(hf_config["num_experts"]), int(hf_config["num_experts_per_tok"])
+        moe_hidden = int(hf_config["moe_intermediate_size"])
+    except KeyError as e:
+        raise UserError(f"{where}: config.json lacks {e.args[0]}") from None
+    n_kv = int(hf_config.get("num_key_value_heads") or n_heads)
+    head_dim = int(hf_config.get("head_dim") or dim // n_heads)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    model = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            moe_hidden_dim=moe_hidden, num_experts=experts, top_k=top_k, attn_backend="flex",
+            moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=int(hf_config.get("max_position_embeddings", 40960)),
+                                   theta=_rope_theta(hf_config))),
+    )
+    for _fqn, norm, _p, _a in model.traverse(RMSNorm.Config):
+        norm.eps = float(hf_config.get("rms_norm_eps", 1e-6))
+    for layer in model.layers:
+        layer.moe.router.route_norm = bool(hf_config.get("norm_topk_prob", True))
+    spec = model_registry("30B-A3B")  # parallelize/pipeline/adapter/load-balancing hooks of Qwen3 MoE
+    spec.flavor = f"hf:{n_layers}x{dim}x{experts}e"
+    spec.model = model
+    return spec
+
+
+def hf_config_from_qwen3_moe(model_config, *, dtype: str = "float32") -> dict:
+    """The config.json transformers needs to open a torchtitan Qwen3 MoE export as Qwen3MoeForCausalLM."""
+    moe = model_config.layers[0].moe
+    experts = moe.routed_experts.inner_experts
+    cfg = hf_config_from_qwen3_dense_part(model_config, dtype=dtype)
+    cfg.update({
+        "architectures": list(QWEN3_MOE), "model_type": "qwen3_moe",
+        "num_experts": experts.num_experts, "num_experts_per_tok": moe.router.top_k,
+        "moe_intermediate_size": experts.hidden_dim, "intermediate_size": experts.hidden_dim * moe.router.top_k,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": bool(moe.router.route_norm),
+        "output_router_logits": False, "router_aux_loss_coef": 0.001,
+    })
+    return cfg
 
 
 # --------------------------------------------------------------------------- export

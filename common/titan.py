@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+from torchtitan.config import override
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
 from torchtitan.trainer import Trainer
 
@@ -111,14 +112,21 @@ def force_sum_reduction_on_gloo(model_spec) -> None:
 
 def apply_device_settings(cfg: Trainer.Config, dev: DeviceInfo, *, attn_backend: str, seed: int) -> list[str]:
     """The settings that depend on the device, set in one place and returned for the log."""
+    notes = apply_trainer_settings(cfg, dev, seed=seed)
+    changed = use_attention_backend(cfg.model_spec.model, attn_backend)
+    if changed:
+        notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
+    return notes
+
+
+def apply_trainer_settings(cfg: Trainer.Config, dev: DeviceInfo, *, seed: int) -> list[str]:
+    """The device settings that do not depend on the model family (torchtitan's own models or the
+    Transformers backend): CUDA graphs, gloo reductions, seed, determinism, one log line a step."""
     notes = []
     if dev.device_type != "cuda":
         # CUDA graphs are on by default in torchtitan 0.3.0 and exist only on CUDA.
         cfg.training.disable_cuda_graphs = True
         notes.append("cuda graphs off")
-    changed = use_attention_backend(cfg.model_spec.model, attn_backend)
-    if changed:
-        notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
     force_sum_reduction_on_gloo(cfg.model_spec)
     cfg.debug.seed = seed
     cfg.debug.deterministic = dev.device_type == "cpu"  # reproducible losses on CPU
@@ -191,3 +199,15 @@ def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool) -> Non
         save_file({"input_ids": tokens.cpu(), "position_ids": torch.arange(len(ids))[None],
                    "logits": logits.detach().float().cpu().contiguous()}, str(tmp))
         os.replace(tmp, path)
+
+
+def sdpa_document_attention(cfg: FlexAttention.Config) -> SDPADocumentAttention.Config:
+    """Override factory (torchtitan's override registry): FlexAttention -> SDPADocumentAttention.
+    Activate with `override.imports = ["common.titan.sdpa_document_attention"]`; the same change as
+    `use_attention_backend(model_config, "sdpa")`, logged per layer by torchtitan."""
+    del cfg  # FlexAttention's options (block sizes, mask kinds) have no SDPA counterpart
+    return SDPADocumentAttention.Config()
+
+
+override(target=FlexAttention.Config, exact=True,
+         description="causal + packed-document attention through SDPA (CPU, Trainium, CUDA)")(sdpa_document_attention)

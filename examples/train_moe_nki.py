@@ -1,0 +1,290 @@
+"""Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
+
+The third path of the Trainium guide: Qwen3-30B-A3B cut to 4 layers and 64 experts (top_k 4) so
+it fits one trn2 instance, data parallel over all ranks, tensor parallel 1, no expert parallel,
+eager. Three modules are swapped through torchtitan's own override registry (one log line each):
+  - routed experts -> `OpRoutedExperts` (common/moe_module.py): one custom op groups the tokens by
+    expert, runs the expert MLPs and saves the routing tables and activations its backward op
+    reuses; nki-library's blockwise MoE kernels on Trainium, PyTorch elsewhere;
+  - FlexAttention -> `SDPADocumentAttention` (common/titan.py): causal + packed-document masking;
+  - CosSinRoPE -> `NKIRoPE` (common/rope_module.py): the gather-free RoPE op (nki-library rope_hf).
+The expert count is a model setting (64 experts live on every rank), not a number of devices.
+
+CPU (the default preset, `tiny`: the same structure scaled down, 2 layers, 16 experts, top_k 4,
+the real 151,936-token vocabulary and Qwen3 tokenizer, offline English):
+    python examples/train_moe_nki.py --steps 10 --out_dir runs/moe
+    torchrun --nproc_per_node 2 examples/train_moe_nki.py --out_dir runs/moe2    # FSDP over gloo
+    python examples/train_moe_nki.py --stock --out_dir runs/moe_stock              # torchtitan's own MoE and RoPE
+
+One trn2.48xlarge (64 logical NeuronCores at LNC=2):
+    torchrun --nproc_per_node 64 examples/train_moe_nki.py --preset qwen3_30b_a3b_reduced
+
+Routing and the HF export: torchtitan's load-balancing bias (`expert_bias`) steers routing but is
+not part of the HF format, so an export of a model trained with it routes differently. The presets
+train without it (`--load_balance_coeff 0`), so the export routes exactly as the trained model;
+with it on, results.json reports the bias and the export check shows how far the logits move.
+
+Expected (tiny, 10 steps, 2-core CPU): loss falls from about 11.9; results.json has `losses`,
+`tokens_per_s`, `replacements` (5 per layer... see README), `expert_load` (tokens per expert,
+summed over layers and ranks), `export_dir`, `export_check` with no missing or unexpected keys
+and max_abs_logit_diff below 1e-5 (float32 experts); loss.png.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
+
+from common import assets, checkpoint, device  # noqa: E402
+from common import config as cli  # noqa: E402
+from common.errors import UserError  # noqa: E402
+
+# Qwen3-30B-A3B as published (config.json of Qwen/Qwen3-30B-A3B): the shape every preset cuts from.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+TINY_MOE = {**QWEN3_30B_A3B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32, "max_position_embeddings": 4096}
+
+
+@dataclass
+class Config:
+    preset: str = "tiny"
+    model: Literal["tiny", "qwen3_30b_a3b"] = field(default="tiny", metadata={"help": "shape to cut from: 'tiny' or the published Qwen3-30B-A3B"})
+    num_layers: int = field(default=2, metadata={"help": "decoder layers kept"})
+    num_experts: int = field(default=16, metadata={"help": "routed experts per MoE layer (a model setting, not a device count)"})
+    top_k: int = field(default=4, metadata={"help": "experts per token"})
+    steps: int = field(default=10, metadata={"help": "training steps"})
+    out_dir: str = field(default="runs/moe_nki", metadata={"help": "results.json, loss.png, hf_export/ go here"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    seed: int = field(default=0, metadata={"help": "seed for init and data order"})
+    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
+    warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps"})
+    local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
+    global_batch_size: int = field(default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence (a multiple of 128 x LNC on Trainium)"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
+    expert_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "expert matmul dtype in the grouped-expert op (torchtitan's stock experts: bfloat16)"})
+    stock: bool = field(default=False, metadata={"help": "keep torchtitan's own MoE and RoPE (attention stays SDPA off CUDA): the baseline"})
+    rope_layers: str = field(default="*", metadata={"help": "fnmatch glob of the RoPE modules to replace ('*layers.1.*': layer 1 only)"})
+    load_balance_coeff: float = field(default=0.0, metadata={"help": "torchtitan's bias-based load balancing (0: off, so the HF export routes identically)"})
+    dataset: str = field(default="corpus", metadata={"help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
+    dataset_path: str | None = field(default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    hf_assets: str | None = field(default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
+    export: bool = field(default=True, metadata={"help": "write HF safetensors (Qwen3MoeForCausalLM) + config + tokenizer to OUT_DIR/hf_export and verify them"})
+    export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
+    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
+    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+
+    def validate(self) -> None:
+        if self.steps <= 0:
+            raise UserError(f"--steps must be positive, got {self.steps}")
+        for name in ("num_layers", "num_experts", "top_k", "local_batch_size", "seq_len", "nproc_per_node"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise UserError(f"--top_k {self.top_k} is larger than --num_experts {self.num_experts}")
+        if self.lr < 0 or self.load_balance_coeff < 0:
+            raise UserError("--lr and --load_balance_coeff must not be negative")
+
+
+def tiny() -> Config:
+    """CPU default: 2 layers, 16 experts, top_k 4, real vocabulary, offline English, float32."""
+    return Config()
+
+
+def qwen3_30b_a3b_reduced() -> Config:
+    """trn2.48xlarge as in the guide: Qwen3-30B-A3B dimensions, 4 layers, 64 experts, top_k 4, DP over all ranks."""
+    return replace(Config(), model="qwen3_30b_a3b", num_layers=4, num_experts=64, top_k=4, device="neuron",
+                   dtype="bfloat16", expert_dtype="bfloat16", local_batch_size=1, seq_len=4096, lr=8e-4,
+                   dataset="c4_test", hf_assets="assets/hf/Qwen3-30B-A3B", export_tolerance=5e-2)
+
+
+PRESETS = {"tiny": tiny, "qwen3_30b_a3b_reduced": qwen3_30b_a3b_reduced}
+HF_MODEL_ID = {"qwen3_30b_a3b_reduced": "Qwen/Qwen3-30B-A3B"}  # its tokenizer goes into hf_assets on trn2
+
+
+def model_shape(cfg: Config) -> dict:
+    """The config.json of the model this run trains: the base shape, cut."""
+    base = TINY_MOE if cfg.model == "tiny" else QWEN3_30B_A3B
+    return {**base, "num_hidden_layers": cfg.num_layers, "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.top_k}
+
+
+def resolve_dataset(cfg: Config) -> tuple[str, str]:
+    """(torchtitan dataset name, folder), loaded as torchtitan's c4_test: JSON lines with `text`."""
+    if cfg.dataset == "corpus":
+        return "c4_test", str(assets.corpus_dir())
+    folder = cfg.dataset_path if cfg.dataset == "c4_test" else cfg.dataset
+    folder = folder or "tests/assets/c4_test"
+    if not Path(folder).is_dir():
+        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
+                        "pointing at a torchtitan checkout's tests/assets/c4_test)")
+    return "c4_test", str(Path(folder).resolve())
+
+
+def preflight(cfg: Config) -> dict:
+    """Check every input before any process group or model exists, so bad input fails fast."""
+    found = {"dataset": resolve_dataset(cfg)}
+    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+        raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
+    found["tokenizer_dir"] = tokenizer_dir.resolve()
+    return found
+
+
+def replacement_imports(cfg: Config, dev: device.DeviceInfo) -> list:
+    """torchtitan `override.imports`: what the trainer swaps before it builds the model."""
+    from common import rope_module
+
+    imports = ["common.titan.sdpa_document_attention"]  # FlexAttention has no backward off CUDA
+    if not cfg.stock:
+        imports += [
+            ("common.moe_module.grouped_experts_op", {"compute_dtype": cfg.expert_dtype}),
+            (rope_module.register(cfg.rope_layers),
+             {"lnc": cfg.lnc, "check_kernel_shape": dev.device_type == "neuron"}),
+        ]
+    return imports
+
+
+def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict):
+    """The guide's recipe: torchtitan's qwen3_30b_a3b builder, the model cut, replacements registered."""
+    import torch
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
+    from common import titan
+
+    tc = qwen3_30b_a3b()
+    tc.model_spec = checkpoint.qwen3_moe_spec_from_hf(model_shape(cfg), where=f"{cfg.preset} preset")
+    for layer in tc.model_spec.model.layers:
+        layer.moe.load_balance_coeff = cfg.load_balance_coeff or None
+    tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
+    tc.override.imports = replacement_imports(cfg, dev)
+
+    tc.hf_assets_path = str(out_dir / "hf_assets")
+    if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
+        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), found["tokenizer_dir"])
+    torch.distributed.barrier()
+    tc.dump_folder = str(out_dir)
+    tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
+
+    tc.training.steps = cfg.steps
+    tc.training.local_batch_size = cfg.local_batch_size
+    tc.training.global_batch_size = cfg.global_batch_size
+    tc.training.seq_len = cfg.seq_len
+    tc.training.mixed_precision_param = cfg.dtype
+    tc.optimizer = default_adamw(lr=cfg.lr)
+    tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    # Data parallel over every rank, no tensor or expert parallel, eager (the builder's defaults).
+    tc.parallelism.tensor_parallel_degree = 1
+    tc.parallelism.expert_parallel_degree = 1
+
+    tc.checkpoint.enable = cfg.export
+    tc.checkpoint.interval = cfg.steps + 1  # no mid-run saves: only the final HF export
+    tc.checkpoint.last_save_model_only = True
+    tc.checkpoint.last_save_in_hf = True
+    tc.checkpoint.export_dtype = "float32" if cfg.dtype == "float32" else "bfloat16"
+
+    notes = titan.apply_trainer_settings(tc, dev, seed=cfg.seed)
+    return tc, notes
+
+
+def replaced_modules(tc) -> list[str]:
+    """FQNs of the modules the registry swapped, read back from the config tree."""
+    from common.moe_module import OpRoutedExperts
+    from common.rope_module import NKIRoPE
+    from common.titan import SDPADocumentAttention
+
+    return sorted(fqn for cls in (SDPADocumentAttention.Config, OpRoutedExperts.Config, NKIRoPE.Config)
+                  for fqn, node, _p, _a in tc.traverse(cls) if type(node) is cls)
+
+
+def main(cfg: Config) -> dict:
+    if cfg.nproc_per_node > 1 and not device.under_launcher():
+        raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
+    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    found = preflight(cfg)
+    dev = device.setup(cfg.device, lnc=cfg.lnc)
+    try:
+        return train(cfg, dev, out_dir, found)
+    finally:
+        device.teardown()
+
+
+def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
+    import torch
+    from torchtitan.tools.logging import init_logger
+    from common import moe_module, titan
+
+    init_logger()  # torchtitan's [Override] lines and step lines on rank 0
+
+    log = print if dev.is_main else (lambda *a, **k: None)
+    log(f"[config] {cli.format_config(cfg)}")
+    step_dir = out_dir / "checkpoint"
+    if step_dir.exists() and dev.is_main:
+        # A stale final save would be taken for a checkpoint to resume from.
+        import shutil
+        shutil.rmtree(step_dir)
+    torch.distributed.barrier()
+    tc, notes = build_trainer_config(cfg, dev, out_dir, found)
+    tokenizer_dir = found["tokenizer_dir"]
+    log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
+
+    trainer = tc.build()
+    replacements = replaced_modules(tc)
+    log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
+    rec = titan.LossRecorder()
+    rec.attach(trainer)
+    t0 = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t0
+
+    load = torch.tensor(moe_module.expert_load(trainer.model_parts[0]) or [0], dtype=torch.int64)
+    torch.distributed.all_reduce(load)  # every rank routed its own tokens
+    bias = [layer.moe.expert_bias_E for layer in trainer.model_parts[0].layers.values()
+            if getattr(layer.moe, "expert_bias_E", None) is not None]
+    results = {
+        "script": "train_moe_nki.py", "config": cfg, "versions": cli.versions(),
+        "device": dev.device_type, "world_size": dev.world_size, "model_shape": model_shape(cfg),
+        "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
+        "train_seconds": train_s, "replacements": replacements,
+        "expert_load": load.tolist() if not cfg.stock else None,
+        "routing_bias": {"load_balance_coeff": cfg.load_balance_coeff or None, "exported": False,
+                         "expert_bias_max_abs": max((float(b.abs().max()) for b in bias), default=0.0)},
+        "export_dir": None, "export_check": None,
+    }
+    if cfg.export:
+        hf_cfg = checkpoint.hf_config_from_qwen3_moe(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
+        reference = out_dir / "export_reference.safetensors"
+        titan.save_reference_logits(trainer, tokenizer_dir, reference, is_main=dev.is_main)
+        trainer.close()
+        if dev.is_main:
+            export_dir = checkpoint.complete_export(step_dir / f"step-{cfg.steps}", out_dir / "hf_export",
+                                                    hf_cfg, tokenizer_dir, cli.versions())
+            check = checkpoint.verify_export_subprocess(export_dir, reference, out_dir / "export_check.json")
+            check["passed"] = checkpoint.export_check_passed(
+                check, tied_expected=hf_cfg["tie_word_embeddings"], tol=cfg.export_tolerance)
+            results.update(export_dir=str(export_dir), export_check=check)
+            log(f"[export] {export_dir}: missing={check['missing_keys']} unexpected={check['unexpected_keys']} "
+                f"max_abs_logit_diff={check['max_abs_logit_diff']:.3g}")
+    else:
+        trainer.close()
+    if dev.is_main:
+        cli.plot_losses(out_dir / "loss.png", rec.losses, f"train_moe_nki ({cfg.preset})")
+        path = cli.write_results(out_dir, results)
+        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main, Config, PRESETS, __doc__, default_preset="tiny"))
