@@ -84,6 +84,9 @@ class Config:
     export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
     nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+    dry_run: bool = field(default=False, metadata={"help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report per-rank memory"})
+    dry_run_ranks: int = field(default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
+    per_core_gib: float = field(default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
 
     def validate(self) -> None:
         if self.steps <= 0:
@@ -111,6 +114,7 @@ def qwen3_30b_a3b_reduced() -> Config:
 
 PRESETS = {"tiny": tiny, "qwen3_30b_a3b_reduced": qwen3_30b_a3b_reduced}
 HF_MODEL_ID = {"qwen3_30b_a3b_reduced": "Qwen/Qwen3-30B-A3B"}  # its tokenizer goes into hf_assets on trn2
+PUBLISHED_PARAMS = 30.5e9  # Qwen3-30B-A3B model card: 30.5 B parameters in total (3.3 B activated)
 
 
 def model_shape(cfg: Config) -> dict:
@@ -159,7 +163,6 @@ def replacement_imports(cfg: Config, dev: device.DeviceInfo) -> list:
 
 def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict):
     """The guide's recipe: torchtitan's qwen3_30b_a3b builder, the model cut, replacements registered."""
-    import torch
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
@@ -172,12 +175,10 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
     tc.override.imports = replacement_imports(cfg, dev)
 
-    tc.hf_assets_path = str(out_dir / "hf_assets")
-    if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
-        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), found["tokenizer_dir"])
-    torch.distributed.barrier()
+    tc.hf_assets_path = str(out_dir / "hf_assets")  # staged by train(): the tokenizer
     tc.dump_folder = str(out_dir)
-    tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
+    if "dataset" in found:  # a dry run reads no data
+        tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
 
     tc.training.steps = cfg.steps
     tc.training.local_batch_size = cfg.local_batch_size
@@ -210,7 +211,32 @@ def replaced_modules(tc) -> list[str]:
                   for fqn, node, _p, _a in tc.traverse(cls) if type(node) is cls)
 
 
+def dry_run(cfg: Config, out_dir: Path) -> dict:
+    """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training."""
+    import torch
+    from common import dryrun
+
+    device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
+    tc, _notes = build_trainer_config(cfg, target, out_dir, {})
+    shape = model_shape(cfg)
+    published = PUBLISHED_PARAMS if shape == QWEN3_30B_A3B else None  # the full model only
+    r = dryrun.dry_run(tc, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib, published_params=published,
+                       label=f"{cfg.preset} ({shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
+                             f"top_k {shape['num_experts_per_tok']})")
+    print(dryrun.format_table(r))
+    cli.write_results(out_dir, {"script": "train_moe_nki.py", "config": cfg, "versions": cli.versions(),
+                                "model_shape": shape, "dry_run": r})
+    dryrun.check_published(r)
+    if not r["fits"]:
+        raise UserError(f"the plan does not fit {cfg.per_core_gib:g} GiB per core at {cfg.dry_run_ranks} ranks: "
+                        f"{r['total_bytes'] / 2**30:.2f} GiB needed: " + ", ".join(r["overflow"]))
+    return r
+
+
 def main(cfg: Config) -> dict:
+    if cfg.dry_run:
+        return dry_run(cfg, cli.check_out_dir(cfg.out_dir).resolve())
     if cfg.nproc_per_node > 1 and not device.under_launcher():
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
@@ -236,9 +262,11 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         # A stale final save would be taken for a checkpoint to resume from.
         import shutil
         shutil.rmtree(step_dir)
-    torch.distributed.barrier()
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
+    if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
+        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir)
+    torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()

@@ -60,6 +60,9 @@ class Config:
     export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
     nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+    dry_run: bool = field(default=False, metadata={"help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report per-rank memory"})
+    dry_run_ranks: int = field(default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
+    per_core_gib: float = field(default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
 
     def validate(self) -> None:
         if self.steps <= 0:
@@ -86,6 +89,7 @@ def qwen3_4b() -> Config:
 
 PRESETS = {"tiny": tiny, "qwen3_4b": qwen3_4b}
 HF_MODEL_ID = {"qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507"}  # what to download into hf_assets on trn2
+PUBLISHED_PARAMS = {"4B": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 
 
 def resolve_dataset(cfg: Config) -> tuple[str, str]:
@@ -119,7 +123,6 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
     from torchtitan.models.qwen3 import model_registry
     from torchtitan.models.qwen3.config_registry import qwen3_32b
-    import torch
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from common import titan
@@ -137,14 +140,11 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
             raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
     tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
 
-    tokenizer_dir = found["tokenizer_dir"]
     ckpt = Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None
-    tc.hf_assets_path = str(out_dir / "hf_assets")
-    if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
-        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir, ckpt)
-    torch.distributed.barrier()
+    tc.hf_assets_path = str(out_dir / "hf_assets")  # staged by train(): tokenizer (+ checkpoint config)
     tc.dump_folder = str(out_dir)
-    tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
+    if "dataset" in found:  # a dry run reads no data
+        tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
 
     tc.training.steps = cfg.steps
     tc.training.local_batch_size = cfg.local_batch_size
@@ -167,7 +167,32 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     return tc, notes
 
 
+def dry_run(cfg: Config, out_dir: Path) -> dict:
+    """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training."""
+    import torch
+    from common import dryrun
+
+    device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
+    found = {"hf_config": checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)} \
+        if cfg.hf_checkpoint else {}
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
+    tc, _notes = build_trainer_config(cfg, target, out_dir, found)
+    r = dryrun.dry_run(tc, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+                       published_params=None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor),
+                       label=f"{cfg.preset} (Qwen3 {cfg.flavor})")
+    print(dryrun.format_table(r))
+    cli.write_results(out_dir, {"script": "train_native_qwen3.py", "config": cfg, "versions": cli.versions(),
+                                "dry_run": r})
+    dryrun.check_published(r)
+    if not r["fits"]:
+        raise UserError(f"the plan does not fit {cfg.per_core_gib:g} GiB per core at {cfg.dry_run_ranks} ranks: "
+                        f"{r['total_bytes'] / 2**30:.2f} GiB needed: " + ", ".join(r["overflow"]))
+    return r
+
+
 def main(cfg: Config) -> dict:
+    if cfg.dry_run:
+        return dry_run(cfg, cli.check_out_dir(cfg.out_dir).resolve())
     if cfg.nproc_per_node > 1 and not device.under_launcher():
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
@@ -193,9 +218,12 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         # A stale final save would be taken for a checkpoint to resume from.
         import shutil
         shutil.rmtree(step_dir)
-    torch.distributed.barrier()
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
+    if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
+        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir,
+                                   Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None)
+    torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()

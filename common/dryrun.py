@@ -1,0 +1,134 @@
+"""--dry_run: will this trn2 configuration fit, decided on a CPU machine before renting hardware.
+
+The full-size model is built on the meta device (no memory) from the very Trainer.Config the run
+would use (model spec, overrides, parallelism), and torchtitan's own parallelize function applies
+the parallel plan at the intended world size in one process: collectives go to PyTorch's "fake"
+process-group backend, so FSDP shards exactly as it would on `world_size` ranks. What each rank
+holds is then read from the sharded parameters.
+
+Per-rank memory, in bytes (every term is reported):
+  parameters   local shard x 4          (torchtitan keeps float32 master weights, training.dtype)
+  gradients    local shard x 4          (FSDP reduce-scatters into float32 sharded grads)
+  optimizer    local shard x 8          (AdamW: exp_avg and exp_avg_sq, float32)
+  gathered     2 x largest block x c    (FSDP all-gathers one transformer block in the compute dtype
+                                         (c bytes a value), plus the prefetched next one)
+  activations  an estimate, per rank:   with full activation checkpointing every layer keeps its
+               input (b*s*d*c) and one layer at a time is recomputed; a layer's working set is
+               b*s*(34*d + 5*heads*s)*c/2 (Korthikanti et al. 2022, "Reducing Activation
+               Recomputation", eq. 2, for 16-bit values; scaled by c/2), plus for MoE layers the
+               routed copies: b*s*top_k*(3*moe_hidden + d)*c; plus float32 logits b*s*vocab*4.
+The per-core limit defaults to 24 GiB (one LNC=2 Trainium2 core: 96 GiB HBM per chip, 4 cores).
+"""
+from __future__ import annotations
+
+import torch
+
+from common.errors import UserError
+
+GIB = 1024 ** 3
+TRN2_LNC2_CORE_GIB = 24.0
+
+
+def _bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def activation_estimate(model_config, *, batch: int, seq_len: int, compute_bytes: int, full_ac: bool) -> dict:
+    """Activation bytes per rank for one micro-batch (see the module docstring for the formula)."""
+    layers = model_config.layers
+    attn = layers[0].attention
+    d, heads, vocab = model_config.dim, attn.n_heads, model_config.vocab_size
+    per_layer = batch * seq_len * (34 * d + 5 * heads * seq_len) * compute_bytes // 2
+    moe = getattr(layers[0], "moe", None)
+    if moe is not None:
+        experts = moe.routed_experts.inner_experts
+        per_layer += batch * seq_len * moe.router.top_k * (3 * experts.hidden_dim + d) * compute_bytes
+    kept = len(layers) * batch * seq_len * d * compute_bytes if full_ac else len(layers) * per_layer
+    working = per_layer if full_ac else 0
+    logits = batch * seq_len * vocab * 4
+    return {"checkpointed_or_kept": kept, "recomputed_layer": working, "logits": logits,
+            "total": kept + working + logits}
+
+
+def dry_run(tc, *, world_size: int, per_core_gib: float, published_params: float | None,
+            label: str) -> dict:
+    """Build `tc`'s model on meta, shard it for `world_size` ranks with torchtitan's plan, and size
+    one rank. Call in a process without a process group (it creates and destroys a fake one)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.config import apply_overrides
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    if world_size <= 0:
+        raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
+    gbs, lbs = tc.training.global_batch_size, tc.training.local_batch_size
+    if gbs > 0 and gbs % (lbs * world_size):
+        raise UserError(f"global batch {gbs} is not a multiple of local batch {lbs} x {world_size} ranks")
+    model_config = tc.model_spec.model
+    model_config.update_from_config(config=tc)
+    if tc.override.imports:
+        apply_overrides(tc.override, tc)
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        parallel_dims = ParallelDims.from_config(tc.parallelism, world_size)
+        with torch.device("meta"):
+            model = model_config.build()
+        n_params = sum(p.numel() for p in model.parameters())  # shared (tied) tensors count once
+        blocks = [sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()]
+        model = tc.model_spec.parallelize_fn(
+            model, parallel_dims=parallel_dims, training=tc.training, parallelism=tc.parallelism,
+            compile_config=tc.compile, ac_config=tc.activation_checkpoint, dump_folder=tc.dump_folder)
+        # torchtitan unties a tied lm_head for FSDP and ties it again when it initialises the weights
+        # (after this point): count the shared tensor once, as the rank will hold it.
+        skip = {"lm_head.weight"} if getattr(model_config, "enable_weight_tying", False) else set()
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                    for name, p in model.named_parameters() if name not in skip)
+    finally:
+        dist.destroy_process_group()
+
+    compute = _bytes(tc.training.mixed_precision_param)
+    act = activation_estimate(model_config, batch=lbs, seq_len=tc.training.seq_len, compute_bytes=compute,
+                              full_ac=isinstance(tc.activation_checkpoint, FullAC.Config))
+    per_rank = {"parameters": local * 4, "gradients": local * 4, "optimizer_state": local * 8,
+                "gathered_blocks": 2 * max(blocks) * compute, "activations": act["total"]}
+    total = sum(per_rank.values())
+    limit = int(per_core_gib * GIB)
+    result = {
+        "label": label, "world_size": world_size, "parameters": n_params,
+        "published_parameters": published_params,
+        "parameters_vs_published": (n_params / published_params - 1) if published_params else None,
+        "local_parameters_per_rank": local, "data_parallel_shard": parallel_dims.dp_shard,
+        "per_rank_bytes": per_rank, "activation_terms": act, "total_bytes": total,
+        "per_core_limit_bytes": limit, "fits": total <= limit,
+        "overflow": [] if total <= limit else _overflow(per_rank, limit),
+    }
+    return result
+
+
+def _overflow(per_rank: dict, limit: int) -> list[str]:
+    """Every term, largest first, marking those that alone exceed the limit."""
+    return [f"{name} {b / GIB:.2f} GiB" + (" (alone over the limit)" if b > limit else "")
+            for name, b in sorted(per_rank.items(), key=lambda kv: -kv[1])]
+
+
+def format_table(r: dict) -> str:
+    rows = [f"[dry run] {r['label']}: {r['parameters'] / 1e9:.3f} B parameters"
+            + (f" (published {r['published_parameters'] / 1e9:.1f} B, {100 * r['parameters_vs_published']:+.2f}%)"
+               if r["published_parameters"] else ""),
+            f"[dry run] per rank at {r['world_size']} ranks (FSDP shard {r['data_parallel_shard']}):"]
+    for name, b in r["per_rank_bytes"].items():
+        rows.append(f"    {name:16s} {b / GIB:9.3f} GiB")
+    rows.append(f"    {'total':16s} {r['total_bytes'] / GIB:9.3f} GiB of {r['per_core_limit_bytes'] / GIB:.1f} GiB"
+                f" per core: {'fits' if r['fits'] else 'DOES NOT FIT'}")
+    return "\n".join(rows)
+
+
+def check_published(r: dict, tolerance: float = 0.01) -> None:
+    """The built model's size must match the published one (a wrong shape shows up here first)."""
+    if r["published_parameters"] and abs(r["parameters_vs_published"]) > tolerance:
+        raise UserError(f"{r['label']}: built model has {r['parameters'] / 1e9:.3f} B parameters, "
+                        f"{100 * r['parameters_vs_published']:+.1f}% off the published "
+                        f"{r['published_parameters'] / 1e9:.1f} B")
+
