@@ -386,8 +386,21 @@ def verify_export(export_dir: Path, reference: Path) -> dict:
         "tied_lm_head": bool(tied),
         "lm_head_in_file": "lm_head.weight" in stored,
         "max_abs_logit_diff": float((logits - ref["logits"].float()).abs().max()),
-        "export_versions": json.loads((export_dir / "config.json").read_text()).get("qwen3_recipes_versions"),
+        **version_check(json.loads((export_dir / "config.json").read_text()).get("qwen3_recipes_versions")),
     }
+
+
+def version_check(export_versions: dict | None) -> dict:
+    """The stack an export was made with (stamped in its config.json) against the one reading it:
+    {export_versions, reader_versions, version_mismatch: {package: [made with, read with]}}."""
+    from common.config import versions
+
+    reader = versions()
+    made = export_versions or {}
+    mismatch = {k: [made.get(k), reader.get(k)] for k in sorted(set(made) | set(reader))
+                if made.get(k) != reader.get(k)}
+    return {"export_versions": export_versions, "reader_versions": reader,
+            "version_mismatch": mismatch if export_versions is not None else None}
 
 
 def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool:
@@ -416,8 +429,12 @@ def _main(argv: list[str] | None = None) -> int:
             atomic_write_text(args.out, json.dumps(check, indent=2))
             print(json.dumps(check))
         else:
-            validate_hf_checkpoint(args.ckpt_dir, (args.arch,))
+            cfg = validate_hf_checkpoint(args.ckpt_dir, (args.arch,))
             print(f"{args.ckpt_dir}: ok")
+            stamp = version_check(cfg.get("qwen3_recipes_versions"))
+            if stamp["version_mismatch"]:
+                print("made with a different stack: " + ", ".join(
+                    f"{k} {a} (reading with {b})" for k, (a, b) in stamp["version_mismatch"].items()))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

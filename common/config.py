@@ -190,5 +190,40 @@ def plot_losses(path: str | os.PathLike, losses: list[float], title: str) -> Pat
     return path
 
 
+def read_reference_losses(path: str | os.PathLike) -> list[float]:
+    """Losses from a reference file: a results.json or a golden file (both hold `losses`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        losses = [float(x) for x in data["losses"]]
+    except FileNotFoundError:
+        raise UserError(f"--compare_losses: no file {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--compare_losses: {path} is not a JSON file with a 'losses' list ({e})") from None
+    if not losses:
+        raise UserError(f"--compare_losses: {path} holds no losses")
+    return losses
+
+
+def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: float) -> dict:
+    """Per-step differences between a run's losses and a reference file's first N losses, so a user
+    on trn2 or CUDA sees at step N whether the hardware reproduces the reference."""
+    reference = read_reference_losses(path)
+    n = min(len(losses), len(reference))
+    steps = [{"step": i + 1, "loss": losses[i], "reference": reference[i], "abs_diff": abs(losses[i] - reference[i])}
+             for i in range(n)]
+    worst = max((s["abs_diff"] for s in steps), default=float("nan"))
+    return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
+            "passed": n > 0 and worst <= tolerance, "per_step": steps}
+
+
+def format_loss_comparison(c: dict) -> str:
+    rows = [f"[compare] {c['steps_compared']} steps against {c['reference']} (tolerance {c['tolerance']:g})"]
+    rows += [f"    step {s['step']:3d}  loss {s['loss']:.6f}  reference {s['reference']:.6f}  diff {s['abs_diff']:.2e}"
+             for s in c["per_step"]]
+    rows.append(f"[compare] max abs diff {c['max_abs_diff']:.2e}: "
+                + ("reproduces the reference" if c["passed"] else "DIFFERS from the reference"))
+    return "\n".join(rows)
+
+
 def format_config(cfg) -> str:
     return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())

@@ -84,6 +84,8 @@ class Config:
     export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
     nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+    compare_losses: str | None = field(default=None, metadata={"help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go to results.json"})
+    loss_tolerance: float = field(default=1e-3, metadata={"help": "largest per-step loss difference --compare_losses calls a match"})
     dry_run: bool = field(default=False, metadata={"help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report per-rank memory"})
     dry_run_ranks: int = field(default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
     per_core_gib: float = field(default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
@@ -139,6 +141,8 @@ def resolve_dataset(cfg: Config) -> tuple[str, str]:
 def preflight(cfg: Config) -> dict:
     """Check every input before any process group or model exists, so bad input fails fast."""
     found = {"dataset": resolve_dataset(cfg)}
+    if cfg.compare_losses:
+        cli.read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
     if not (tokenizer_dir / "tokenizer.json").is_file():
         hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
@@ -308,6 +312,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
                 f"max_abs_logit_diff={check['max_abs_logit_diff']:.3g}")
     else:
         trainer.close()
+    if cfg.compare_losses:
+        results["loss_comparison"] = cli.compare_losses(rec.losses, cfg.compare_losses, cfg.loss_tolerance)
+        log(cli.format_loss_comparison(results["loss_comparison"]))
     if dev.is_main:
         cli.plot_losses(out_dir / "loss.png", rec.losses, f"train_moe_nki ({cfg.preset})")
         path = cli.write_results(out_dir, results)

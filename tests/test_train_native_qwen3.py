@@ -7,15 +7,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_clean_error, read_results, run_example
+from conftest import ROOT, assert_clean_error, read_results, run_example
 
 SCRIPT = "train_native_qwen3.py"
+GOLDEN = ROOT / "tests" / "assets" / "golden_losses" / "train_native_qwen3.tiny.json"
+GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other instruction sets may move it
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, prepared_assets):
     out = tmp_path_factory.mktemp("native_tiny")
-    run_example(SCRIPT, "--preset", "tiny", "--steps", "10", "--out_dir", str(out))
+    run_example(SCRIPT, "--preset", "tiny", "--steps", "10", "--out_dir", str(out),
+                "--compare_losses", str(GOLDEN), "--loss_tolerance", str(GOLDEN_TOL))
     return out, read_results(out)
 
 
@@ -30,6 +33,7 @@ def test_tiny_lowers_loss_and_exports(tiny_run):
     assert check["tied_lm_head"] is True and check["lm_head_in_file"] is False
     assert check["max_abs_logit_diff"] <= 1e-5
     assert check["passed"] is True
+    assert check["version_mismatch"] == {}  # made and re-read with the same stack, stamped in config.json
     assert set(res["versions"]) >= {"python", "torch", "torchtitan", "transformers"}
     assert (out / "loss.png").stat().st_size > 1000
     # the export opens as is: config.json and tokenizer files sit beside the weights
@@ -141,3 +145,39 @@ def test_nonpositive_steps_and_missing_neuron(tmp_path):
     assert_clean_error(proc, "--steps")
     proc = run_example(SCRIPT, "--device", "neuron", "--out_dir", str(tmp_path), check=False)
     assert_clean_error(proc, "torch-neuronx")
+
+
+def test_golden_losses(tiny_run):
+    """The first 10 losses of the tiny preset equal the stored golden losses (issue 9)."""
+    _, res = tiny_run
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    comp = res["loss_comparison"]
+    assert comp["steps_compared"] == 10 and comp["reference"] == str(GOLDEN)
+    assert [s["reference"] for s in comp["per_step"]] == golden
+    assert max(abs(a - b) for a, b in zip(res["losses"], golden)) <= GOLDEN_TOL
+    assert comp["passed"] is True
+
+
+def test_compare_losses_reports_a_difference(tmp_path, prepared_assets):
+    """A reference that differs is reported step by step (not an error: the run itself is fine)."""
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"losses": [12.5, 12.4]}))
+    run_example(SCRIPT, "--steps", "2", "--no-export", "--out_dir", str(tmp_path / "run"),
+                "--compare_losses", str(ref))
+    comp = read_results(tmp_path / "run")["loss_comparison"]
+    assert comp["steps_compared"] == 2 and comp["passed"] is False and comp["max_abs_diff"] > 0.4
+
+
+def test_compare_losses_bad_reference(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert_clean_error(run_example(SCRIPT, "--out_dir", str(tmp_path), "--compare_losses", str(bad), check=False),
+                       "not a JSON file with a 'losses' list")
+
+
+def test_export_version_stamp_mismatch_is_reported(tmp_path):
+    from common.checkpoint import version_check
+
+    stamp = version_check({"python": "3.11.7", "torch": "0.0.1"})
+    assert stamp["version_mismatch"]["torch"][0] == "0.0.1"
+    assert version_check(stamp["reader_versions"])["version_mismatch"] == {}
