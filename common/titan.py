@@ -139,6 +139,7 @@ class LossRecorder:
     """Records what torchtitan's MetricsProcessor logs each step (loss, grad norm, tokens seen,
     wall time), so results.json holds numbers, never scraped log lines."""
 
+    steps: list[int] = field(default_factory=list)  # starts after the resumed step when resuming
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     tokens_seen: list[int] = field(default_factory=list)
@@ -149,6 +150,7 @@ class LossRecorder:
         original = mp.log
 
         def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            self.steps.append(int(step))
             self.losses.append(float(global_avg_loss))
             self.grad_norms.append(float(grad_norm))
             self.tokens_seen.append(int((extra_metrics or {}).get("n_tokens_seen", 0)))

@@ -66,6 +66,8 @@ class Config:
     export_tolerance: float = field(default=1e-4, metadata={"help": "max abs logits difference the export check accepts"})
     nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+    compare_losses: str | None = field(default=None, metadata={"help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go to results.json"})
+    loss_tolerance: float = field(default=1e-3, metadata={"help": "largest per-step loss difference --compare_losses calls a match"})
 
     def validate(self) -> None:
         if self.steps <= 0:
@@ -115,6 +117,8 @@ def preflight(cfg: Config) -> dict:
     from common import hf_backend
 
     found = {"dataset": resolve_dataset(cfg)}
+    if cfg.compare_losses:
+        cli.read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     ckpt = Path(cfg.hf_checkpoint)
     if cfg.preset in HF_MODEL_ID and not ckpt.exists():
         raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
@@ -251,6 +255,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
                 f"tied_lm_head={check['tied_lm_head']} max_abs_logit_diff={check['max_abs_logit_diff']:.3g}")
     else:
         trainer.close()
+    if cfg.compare_losses:
+        results["loss_comparison"] = cli.compare_losses(rec.losses, cfg.compare_losses, cfg.loss_tolerance)
+        log(cli.format_loss_comparison(results["loss_comparison"]))
     if dev.is_main:
         cli.plot_losses(out_dir / "loss.png", rec.losses, f"train_hf_backend ({cfg.preset}, {cfg.init})")
         path = cli.write_results(out_dir, results)

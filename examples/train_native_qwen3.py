@@ -56,6 +56,7 @@ class Config:
     dataset_path: str | None = field(default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
     hf_assets: str | None = field(default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
     hf_checkpoint: str | None = field(default=None, metadata={"help": "initial weights: an HF Qwen3 folder (config.json + safetensors); sets the model shape"})
+    checkpoint_every: int = field(default=0, metadata={"help": "save a resumable torchtitan checkpoint every N steps in OUT_DIR/checkpoint; rerunning the same command resumes from the latest (0: none, every run starts fresh)"})
     export: bool = field(default=True, metadata={"help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
     export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
     nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
@@ -69,6 +70,8 @@ class Config:
     def validate(self) -> None:
         if self.steps <= 0:
             raise UserError(f"--steps must be positive, got {self.steps}")
+        if self.checkpoint_every < 0:
+            raise UserError(f"--checkpoint_every must be >= 0, got {self.checkpoint_every}")
         for name in ("local_batch_size", "seq_len", "nproc_per_node"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
@@ -158,14 +161,16 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     tc.optimizer = default_adamw(lr=cfg.lr)
     tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
 
-    tc.checkpoint.enable = bool(cfg.export or ckpt)
-    tc.checkpoint.interval = cfg.steps + 1  # no mid-run saves: only the final HF export
+    tc.checkpoint.enable = bool(cfg.export or ckpt or cfg.checkpoint_every)
+    # Mid-run saves are torchtitan's distributed checkpoints (full training state: weights,
+    # optimizer, scheduler, data loader position); the last save is the HF export.
+    tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
     tc.checkpoint.initial_load_path = str(ckpt) if ckpt else None
     tc.checkpoint.initial_load_in_hf = ckpt is not None
     tc.checkpoint.last_save_model_only = True
     tc.checkpoint.last_save_in_hf = True
     tc.checkpoint.export_dtype = "float32" if cfg.dtype == "float32" else "bfloat16"
-    tc.checkpoint.load_only = not cfg.export
+    tc.checkpoint.load_only = not (cfg.export or cfg.checkpoint_every)
 
     notes = titan.apply_device_settings(tc, dev, attn_backend=cfg.attn_backend, seed=cfg.seed)
     return tc, notes
@@ -218,8 +223,8 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
     step_dir = out_dir / "checkpoint"
-    if step_dir.exists() and dev.is_main:
-        # A stale final save would be taken for a checkpoint to resume from.
+    if step_dir.exists() and dev.is_main and not cfg.checkpoint_every:
+        # Without --checkpoint_every every run starts fresh: a stale save would be resumed from.
         import shutil
         shutil.rmtree(step_dir)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
@@ -240,6 +245,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     results = {
         "script": "train_native_qwen3.py", "config": cfg, "versions": cli.versions(),
         "device": dev.device_type, "world_size": dev.world_size,
+        "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
         "train_seconds": train_s, "export_dir": None, "export_check": None,
     }

@@ -1,0 +1,86 @@
+"""Reliability (issue 8): a run killed with SIGKILL resumes from its last torchtitan checkpoint
+with the same command and then produces the losses of an uninterrupted run; an HF export killed
+half-way leaves the previous complete export (or nothing), never a half-written folder."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, read_results, run_example, script_env
+
+SCRIPT = "train_native_qwen3.py"
+RUN = ("--steps", "8", "--checkpoint_every", "2", "--no-export", "--seed", "3")
+
+
+def _kill_after_checkpoint(out: Path, step: int, timeout: float = 300) -> None:
+    """Start the run, SIGKILL it once torchtitan's checkpoint for `step` is complete (.metadata)."""
+    cmd = [sys.executable, str(ROOT / "examples" / SCRIPT), *RUN, "--out_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = out / "checkpoint" / f"step-{step}" / ".metadata"
+    deadline = time.monotonic() + timeout
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, f"run ended (exit {proc.returncode}) before the step-{step} checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (out / "results.json").exists()  # it really died mid-run
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, prepared_assets):
+    run_example(SCRIPT, *RUN, "--out_dir", str(tmp_path / "straight"))
+    straight = read_results(tmp_path / "straight")
+    assert straight["steps"] == list(range(1, 9)) and straight["resumed_from_step"] == 0
+
+    killed = tmp_path / "killed"
+    _kill_after_checkpoint(killed, 4)
+    run_example(SCRIPT, *RUN, "--out_dir", str(killed))  # the same command
+    resumed = read_results(killed)
+    start = resumed["resumed_from_step"]
+    assert start >= 4 and resumed["steps"] == list(range(start + 1, 9)), resumed["steps"]
+    expected = straight["losses"][start:]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], expected)) <= 1e-5, (resumed["losses"], expected)
+
+
+_EXPORT_LOOP = r"""
+import shutil, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from common.checkpoint import complete_export
+src, work = Path(sys.argv[2]), Path(sys.argv[3])
+cfg = __import__("json").loads((src / "config.json").read_text())
+print("ready", flush=True)
+i = 0
+while True:
+    step = work / f"step-{i}"
+    shutil.copytree(src, step)
+    complete_export(step, work / "hf_export", cfg, src, {"loop": str(i)})
+    i += 1
+"""
+
+
+def test_killed_export_leaves_a_complete_folder_or_none(tmp_path, prepared_assets):
+    from transformers import AutoModelForCausalLM
+
+    src = prepared_assets["tiny_qwen3"]
+    for delay in (0.3, 1.1, 2.3):
+        work = tmp_path / f"w{delay}"
+        work.mkdir()
+        proc = subprocess.Popen([sys.executable, "-c", _EXPORT_LOOP, str(ROOT), str(src), str(work)],
+                                stdout=subprocess.PIPE, text=True, env=script_env())
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        export = work / "hf_export"
+        if export.exists():  # whatever the kill interrupted, the visible folder is a whole export
+            assert json.loads((export / "config.json").read_text())["qwen3_recipes_versions"]["loop"]
+            AutoModelForCausalLM.from_pretrained(export)
+            assert (export / "tokenizer.json").is_file()
