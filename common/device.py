@@ -204,6 +204,19 @@ def under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def planned_world_size(nproc_per_node: int) -> int:
+    """The world size this run will have: the launcher's, or --nproc_per_node for a self-launch."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if under_launcher() else nproc_per_node
+
+
+def check_batch_split(global_batch: int, local_batch: int, world_size: int) -> None:
+    """Data parallel splits the global batch into local batches on every rank (torchtitan adds
+    gradient accumulation for the rest): it must divide evenly. -1 means local x ranks."""
+    if global_batch > 0 and global_batch % (local_batch * world_size):
+        raise UserError(f"global batch {global_batch} is not a multiple of local batch {local_batch} x "
+                        f"{world_size} ranks")
+
+
 def self_launch(nproc_per_node: int, argv: list[str]) -> int:
     """Re-run this script under torchrun with `nproc_per_node` workers on this host, so users can
     skip typing torchrun for a single node. Returns the launcher's exit code."""

@@ -63,9 +63,10 @@ def dry_run(tc, *, world_size: int, per_core_gib: float, published_params: float
 
     if world_size <= 0:
         raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
-    gbs, lbs = tc.training.global_batch_size, tc.training.local_batch_size
-    if gbs > 0 and gbs % (lbs * world_size):
-        raise UserError(f"global batch {gbs} is not a multiple of local batch {lbs} x {world_size} ranks")
+    from common.device import check_batch_split
+
+    lbs = tc.training.local_batch_size
+    check_batch_split(tc.training.global_batch_size, lbs, world_size)
     model_config = tc.model_spec.model
     model_config.update_from_config(config=tc)
     if tc.override.imports:

@@ -183,6 +183,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
 
 
 def main(cfg: Config) -> dict:
+    device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
     if cfg.nproc_per_node > 1 and not device.under_launcher():
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()

@@ -87,11 +87,11 @@ def test_rope_layers_pattern_replaces_exactly_one(tmp_path, prepared_assets):
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["--seq_len", "200", "--lnc", "2", "--check_kernel_shape"], ["sequence length 200", "128 x LNC = 256"]),
     (["--rope_layers", "*layers.9.*"], ["matched no RoPE module"]),
     (["--rope_layer", "*"], ["unrecognized arguments: --rope_layer"]),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, needles, prepared_assets):
+    """(The sequence length the kernel refuses is a row of tests/test_bad_input_matrix.py.)"""
     proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), *args, check=False)
     assert_clean_error(proc, *needles)
     assert not (tmp_path / "results.json").exists()
