@@ -13,10 +13,12 @@ Per-rank memory, in bytes (every term is reported):
   gathered     2 x largest block x c    (FSDP all-gathers one transformer block in the compute dtype
                                          (c bytes a value), plus the prefetched next one)
   activations  an estimate, per rank:   with full activation checkpointing every layer keeps its
-               input (b*s*d*c) and one layer at a time is recomputed; a layer's working set is
-               b*s*(34*d + 5*heads*s)*c/2 (Korthikanti et al. 2022, "Reducing Activation
-               Recomputation", eq. 2, for 16-bit values; scaled by c/2), plus for MoE layers the
-               routed copies: b*s*top_k*(3*moe_hidden + d)*c; plus float32 logits b*s*vocab*4.
+               input (b*s*d*c) and one layer at a time is recomputed; without it every layer keeps
+               its working set, b*s*34*d*c/2 (Korthikanti et al. 2022, "Reducing Activation
+               Recomputation", eq. 2, for 16-bit values, scaled by c/2; their 5*heads*s^2*b term,
+               the stored attention scores, is left out: fused attention (SDPA's flash path, the
+               Neuron attention kernels) keeps no s x s matrix), plus for MoE layers the routed
+               copies b*s*top_k*(3*moe_hidden + d)*c; plus float32 logits b*s*vocab*4.
 The per-core limit defaults to 24 GiB (one LNC=2 Trainium2 core: 96 GiB HBM per chip, 4 cores).
 """
 from __future__ import annotations
@@ -33,27 +35,36 @@ def _bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
-def activation_estimate(model_config, *, batch: int, seq_len: int, compute_bytes: int, full_ac: bool) -> dict:
-    """Activation bytes per rank for one micro-batch (see the module docstring for the formula)."""
-    layers = model_config.layers
-    attn = layers[0].attention
-    d, heads, vocab = model_config.dim, attn.n_heads, model_config.vocab_size
-    per_layer = batch * seq_len * (34 * d + 5 * heads * seq_len) * compute_bytes // 2
-    moe = getattr(layers[0], "moe", None)
-    if moe is not None:
-        experts = moe.routed_experts.inner_experts
-        per_layer += batch * seq_len * moe.router.top_k * (3 * experts.hidden_dim + d) * compute_bytes
-    kept = len(layers) * batch * seq_len * d * compute_bytes if full_ac else len(layers) * per_layer
+def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes: int, full_ac: bool) -> dict:
+    """Activation bytes per rank for one micro-batch (formula in the module docstring). `shape` is
+    an HF config.json dict (hidden_size, num_hidden_layers, num_attention_heads, vocab_size, and for
+    MoE num_experts_per_tok, moe_intermediate_size)."""
+    d, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    heads, vocab = shape["num_attention_heads"], shape["vocab_size"]
+    del heads  # the attention-score term needs an unfused attention; see the module docstring
+    per_layer = batch * seq_len * 34 * d * compute_bytes // 2
+    if shape.get("num_experts_per_tok"):
+        per_layer += batch * seq_len * shape["num_experts_per_tok"] * (3 * shape["moe_intermediate_size"] + d) * compute_bytes
+    kept = layers * batch * seq_len * d * compute_bytes if full_ac else layers * per_layer
     working = per_layer if full_ac else 0
     logits = batch * seq_len * vocab * 4
     return {"checkpointed_or_kept": kept, "recomputed_layer": working, "logits": logits,
             "total": kept + working + logits}
 
 
-def dry_run(tc, *, world_size: int, per_core_gib: float, published_params: float | None,
+def _blocks(model: torch.nn.Module) -> list[int]:
+    """Parameter counts of the transformer blocks: the children of the first `layers` container."""
+    for name, mod in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            return [sum(p.numel() for p in block.parameters()) for block in mod.children()]
+    raise RuntimeError("no `layers` container in the model")
+
+
+def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_params: float | None,
             label: str) -> dict:
     """Build `tc`'s model on meta, shard it for `world_size` ranks with torchtitan's plan, and size
-    one rank. Call in a process without a process group (it creates and destroys a fake one)."""
+    one rank. `shape` is the model's config.json (for the activation estimate and weight tying).
+    Call in a process without a process group (it creates and destroys a fake one)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -77,20 +88,20 @@ def dry_run(tc, *, world_size: int, per_core_gib: float, published_params: float
         with torch.device("meta"):
             model = model_config.build()
         n_params = sum(p.numel() for p in model.parameters())  # shared (tied) tensors count once
-        blocks = [sum(p.numel() for p in layer.parameters()) for layer in model.layers.values()]
+        blocks = _blocks(model)
         model = tc.model_spec.parallelize_fn(
             model, parallel_dims=parallel_dims, training=tc.training, parallelism=tc.parallelism,
             compile_config=tc.compile, ac_config=tc.activation_checkpoint, dump_folder=tc.dump_folder)
         # torchtitan unties a tied lm_head for FSDP and ties it again when it initialises the weights
         # (after this point): count the shared tensor once, as the rank will hold it.
-        skip = {"lm_head.weight"} if getattr(model_config, "enable_weight_tying", False) else set()
+        tied = shape.get("tie_word_embeddings", False)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
-                    for name, p in model.named_parameters() if name not in skip)
+                    for name, p in model.named_parameters() if not (tied and name.endswith("lm_head.weight")))
     finally:
         dist.destroy_process_group()
 
     compute = _bytes(tc.training.mixed_precision_param)
-    act = activation_estimate(model_config, batch=lbs, seq_len=tc.training.seq_len, compute_bytes=compute,
+    act = activation_estimate(shape, batch=lbs, seq_len=tc.training.seq_len, compute_bytes=compute,
                               full_ac=isinstance(tc.activation_checkpoint, FullAC.Config))
     per_rank = {"parameters": local * 4, "gradients": local * 4, "optimizer_state": local * 8,
                 "gathered_blocks": 2 * max(blocks) * compute, "activations": act["total"]}

@@ -66,6 +66,9 @@ class Config:
     export_tolerance: float = field(default=1e-4, metadata={"help": "max abs logits difference the export check accepts"})
     nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+    dry_run: bool = field(default=False, metadata={"help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report per-rank memory"})
+    dry_run_ranks: int = field(default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
+    per_core_gib: float = field(default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
     compare_losses: str | None = field(default=None, metadata={"help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go to results.json"})
     loss_tolerance: float = field(default=1e-3, metadata={"help": "largest per-step loss difference --compare_losses calls a match"})
 
@@ -97,6 +100,14 @@ def qwen3_4b_instruct() -> Config:
 
 PRESETS = {"tiny": tiny, "smollm2": smollm2, "qwen3_4b_instruct": qwen3_4b_instruct}
 HF_MODEL_ID = {"qwen3_4b_instruct": "Qwen/Qwen3-4B-Instruct-2507"}  # what to download into hf_checkpoint on trn2
+# The published config.json of Qwen/Qwen3-4B-Instruct-2507, so a dry run needs no download.
+PUBLISHED_CONFIG = {"qwen3_4b_instruct": {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "rope_theta": 5000000, "tie_word_embeddings": True, "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16", "use_cache": True}}
+PUBLISHED_PARAMS = {"qwen3_4b_instruct": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 
 
 def resolve_dataset(cfg: Config) -> tuple[str, str]:
@@ -155,7 +166,8 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     ckpt = found["checkpoint"]
     tc.hf_assets_path = str(out_dir / "hf_assets")  # staged by train(): tokenizer + config.json
     tc.dump_folder = str(out_dir)
-    tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
+    if "dataset" in found:  # a dry run reads no data
+        tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
 
     tc.training.steps = cfg.steps
     tc.training.local_batch_size = cfg.local_batch_size
@@ -182,7 +194,42 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     return tc, notes
 
 
+def dry_run(cfg: Config, out_dir: Path) -> dict:
+    """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training.
+    Reads only config.json: the downloaded one, or the published one embedded above."""
+    import json
+    import torch
+    from common import dryrun
+
+    device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
+    ckpt = Path(cfg.hf_checkpoint)
+    if (ckpt / "config.json").is_file():
+        shape = checkpoint.read_hf_config(ckpt)
+    elif cfg.preset in PUBLISHED_CONFIG:
+        shape, ckpt = PUBLISHED_CONFIG[cfg.preset], out_dir / "dry_run_config"
+        ckpt.mkdir(exist_ok=True)
+        cli.atomic_write_text(ckpt / "config.json", json.dumps(shape, indent=2))
+    else:
+        raise UserError(f"no config.json in {ckpt}")
+    found = {"checkpoint": ckpt.resolve(), "hf_config": shape}
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
+    tc, _notes = build_trainer_config(cfg, target, out_dir, found)
+    r = dryrun.dry_run(tc, shape=shape, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+                       published_params=PUBLISHED_PARAMS.get(cfg.preset),
+                       label=f"{cfg.preset} ({shape['architectures'][0]}, Transformers backend)")
+    print(dryrun.format_table(r))
+    cli.write_results(out_dir, {"script": "train_hf_backend.py", "config": cfg, "versions": cli.versions(),
+                                "dry_run": r})
+    dryrun.check_published(r)
+    if not r["fits"]:
+        raise UserError(f"the plan does not fit {cfg.per_core_gib:g} GiB per core at {cfg.dry_run_ranks} ranks: "
+                        f"{r['total_bytes'] / 2**30:.2f} GiB needed: " + ", ".join(r["overflow"]))
+    return r
+
+
 def main(cfg: Config) -> dict:
+    if cfg.dry_run:
+        return dry_run(cfg, cli.check_out_dir(cfg.out_dir).resolve())
     device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
     if cfg.nproc_per_node > 1 and not device.under_launcher():
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))

@@ -225,7 +225,7 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
     tc, _notes = build_trainer_config(cfg, target, out_dir, {})
     shape = model_shape(cfg)
     published = PUBLISHED_PARAMS if shape == QWEN3_30B_A3B else None  # the full model only
-    r = dryrun.dry_run(tc, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib, published_params=published,
+    r = dryrun.dry_run(tc, shape=shape, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib, published_params=published,
                        label=f"{cfg.preset} ({shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
                              f"top_k {shape['num_experts_per_tok']})")
     print(dryrun.format_table(r))

@@ -186,7 +186,7 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
         if cfg.hf_checkpoint else {}
     target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
     tc, _notes = build_trainer_config(cfg, target, out_dir, found)
-    r = dryrun.dry_run(tc, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+    r = dryrun.dry_run(tc, shape=checkpoint.hf_config_from_qwen3(tc.model_spec.model), world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
                        published_params=None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor),
                        label=f"{cfg.preset} (Qwen3 {cfg.flavor})")
     print(dryrun.format_table(r))

@@ -53,3 +53,11 @@ def test_moe_reduced_preset_reports_its_own_size(tmp_path):
     assert r["published_parameters"] is None
     assert 1.5e9 < r["parameters"] < 2.5e9  # 4 layers x 64 experts of the 30B-A3B shape plus embeddings
     _table_ok(r)
+
+
+def test_hf_backend_qwen3_4b_instruct_at_64_ranks(tmp_path):
+    """Without the download: the published config.json embedded in the script."""
+    _, r = _dry("train_hf_backend.py", tmp_path, "--preset", "qwen3_4b_instruct")
+    assert abs(r["parameters"] / 4.0e9 - 1) <= 0.01, r["parameters"]
+    _table_ok(r)
+    assert r["fits"]
