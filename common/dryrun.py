@@ -137,6 +137,20 @@ def format_table(r: dict) -> str:
     return "\n".join(rows)
 
 
+def finish(r: dict, *, out_dir, results: dict, per_core_gib: float) -> dict:
+    """Print the table, write results.json with the `dry_run` section, then fail (exit 2) when the
+    size is off the published one or the plan does not fit, naming what overflows."""
+    from common import config as cli
+
+    print(format_table(r))
+    cli.write_results(out_dir, {**results, "versions": cli.versions(), "dry_run": r})
+    check_published(r)
+    if not r["fits"]:
+        raise UserError(f"the plan does not fit {per_core_gib:g} GiB per core at {r['world_size']} ranks: "
+                        f"{r['total_bytes'] / GIB:.2f} GiB needed: " + ", ".join(r["overflow"]))
+    return r
+
+
 def check_published(r: dict, tolerance: float = 0.01) -> None:
     """The built model's size must match the published one (a wrong shape shows up here first)."""
     if r["published_parameters"] and abs(r["parameters_vs_published"]) > tolerance:

@@ -217,14 +217,8 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
     r = dryrun.dry_run(tc, shape=shape, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
                        published_params=PUBLISHED_PARAMS.get(cfg.preset),
                        label=f"{cfg.preset} ({shape['architectures'][0]}, Transformers backend)")
-    print(dryrun.format_table(r))
-    cli.write_results(out_dir, {"script": "train_hf_backend.py", "config": cfg, "versions": cli.versions(),
-                                "dry_run": r})
-    dryrun.check_published(r)
-    if not r["fits"]:
-        raise UserError(f"the plan does not fit {cfg.per_core_gib:g} GiB per core at {cfg.dry_run_ranks} ranks: "
-                        f"{r['total_bytes'] / 2**30:.2f} GiB needed: " + ", ".join(r["overflow"]))
-    return r
+    return dryrun.finish(r, out_dir=out_dir, results={"script": "train_hf_backend.py", "config": cfg},
+                         per_core_gib=cfg.per_core_gib)
 
 
 def main(cfg: Config) -> dict:

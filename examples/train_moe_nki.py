@@ -225,17 +225,12 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
     tc, _notes = build_trainer_config(cfg, target, out_dir, {})
     shape = model_shape(cfg)
     published = PUBLISHED_PARAMS if shape == QWEN3_30B_A3B else None  # the full model only
-    r = dryrun.dry_run(tc, shape=shape, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib, published_params=published,
+    r = dryrun.dry_run(tc, shape=shape, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+                       published_params=published,
                        label=f"{cfg.preset} ({shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
                              f"top_k {shape['num_experts_per_tok']})")
-    print(dryrun.format_table(r))
-    cli.write_results(out_dir, {"script": "train_moe_nki.py", "config": cfg, "versions": cli.versions(),
-                                "model_shape": shape, "dry_run": r})
-    dryrun.check_published(r)
-    if not r["fits"]:
-        raise UserError(f"the plan does not fit {cfg.per_core_gib:g} GiB per core at {cfg.dry_run_ranks} ranks: "
-                        f"{r['total_bytes'] / 2**30:.2f} GiB needed: " + ", ".join(r["overflow"]))
-    return r
+    return dryrun.finish(r, out_dir=out_dir, results={"script": "train_moe_nki.py", "config": cfg, "model_shape": shape},
+                         per_core_gib=cfg.per_core_gib)
 
 
 def main(cfg: Config) -> dict:

@@ -186,17 +186,12 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
         if cfg.hf_checkpoint else {}
     target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
     tc, _notes = build_trainer_config(cfg, target, out_dir, found)
-    r = dryrun.dry_run(tc, shape=checkpoint.hf_config_from_qwen3(tc.model_spec.model), world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+    r = dryrun.dry_run(tc, shape=checkpoint.hf_config_from_qwen3(tc.model_spec.model),
+                       world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
                        published_params=None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor),
                        label=f"{cfg.preset} (Qwen3 {cfg.flavor})")
-    print(dryrun.format_table(r))
-    cli.write_results(out_dir, {"script": "train_native_qwen3.py", "config": cfg, "versions": cli.versions(),
-                                "dry_run": r})
-    dryrun.check_published(r)
-    if not r["fits"]:
-        raise UserError(f"the plan does not fit {cfg.per_core_gib:g} GiB per core at {cfg.dry_run_ranks} ranks: "
-                        f"{r['total_bytes'] / 2**30:.2f} GiB needed: " + ", ".join(r["overflow"]))
-    return r
+    return dryrun.finish(r, out_dir=out_dir, results={"script": "train_native_qwen3.py", "config": cfg},
+                         per_core_gib=cfg.per_core_gib)
 
 
 def main(cfg: Config) -> dict:
