@@ -212,8 +212,9 @@ def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: floa
     steps = [{"step": i + 1, "loss": losses[i], "reference": reference[i], "abs_diff": abs(losses[i] - reference[i])}
              for i in range(n)]
     worst = max((s["abs_diff"] for s in steps), default=float("nan"))
+    first = next((s["step"] for s in steps if s["abs_diff"] > tolerance), None)
     return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
-            "passed": n > 0 and worst <= tolerance, "per_step": steps}
+            "first_differing_step": first, "passed": n > 0 and first is None, "per_step": steps}
 
 
 def format_loss_comparison(c: dict) -> str:
@@ -221,7 +222,8 @@ def format_loss_comparison(c: dict) -> str:
     rows += [f"    step {s['step']:3d}  loss {s['loss']:.6f}  reference {s['reference']:.6f}  diff {s['abs_diff']:.2e}"
              for s in c["per_step"]]
     rows.append(f"[compare] max abs diff {c['max_abs_diff']:.2e}: "
-                + ("reproduces the reference" if c["passed"] else "DIFFERS from the reference"))
+                + ("reproduces the reference" if c["passed"] else
+                   f"DIFFERS from the reference from step {c['first_differing_step']}"))
     return "\n".join(rows)
 
 

@@ -121,14 +121,20 @@ def test_golden_losses(tiny_run):
     assert comp["passed"] is True
 
 
-def test_compare_losses_reports_a_difference(tmp_path, prepared_assets):
-    """A reference that differs is reported step by step (not an error: the run itself is fine)."""
-    ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps({"losses": [12.5, 12.4]}))
-    run_example(SCRIPT, "--steps", "2", "--no-export", "--out_dir", str(tmp_path / "run"),
-                "--compare_losses", str(ref))
-    comp = read_results(tmp_path / "run")["loss_comparison"]
-    assert comp["steps_compared"] == 2 and comp["passed"] is False and comp["max_abs_diff"] > 0.4
+def test_compare_losses_reports_the_first_differing_step(tiny_run, tmp_path):
+    """A reference perturbed from step 4 on is reported as differing from step 4 (the same
+    function --compare_losses calls, on the losses of the tiny run)."""
+    from common.config import compare_losses, format_loss_comparison
+
+    _, res = tiny_run
+    golden = json.loads(GOLDEN.read_text())
+    golden["losses"] = golden["losses"][:3] + [x + 0.01 for x in golden["losses"][3:]]
+    perturbed = tmp_path / "perturbed.json"
+    perturbed.write_text(json.dumps(golden))
+    comp = compare_losses(res["losses"], perturbed, GOLDEN_TOL)
+    assert comp["first_differing_step"] == 4 and comp["passed"] is False
+    assert "from step 4" in format_loss_comparison(comp)
+    assert res["loss_comparison"]["first_differing_step"] is None
 
 
 def test_compare_losses_bad_reference(tmp_path):
