@@ -41,7 +41,10 @@ PUBLIC_COLUMNS = (
     "tested_at", "run_py",
 )
 # Ours, after the public ones: what the protocol measures but the public files do not hold.
-EXTRA_COLUMNS = ("device", "compile_s", "prompt", "generated_text", "judge")
+EXTRA_COLUMNS = ("device", "compile_s", "prompt", "generated_text", "judge",
+                 # --task train (training compatibility): a few steps of the HF-backend recipe
+                 "task", "train_losses", "train_tokens_per_s", "export_max_abs_logit_diff")
+TASKS = ("generate", "train")  # a row's task; files in the public schema hold generation rows only
 VERSION_COLUMNS = ("neuronx_cc", "library_version", "transformers", "accelerate", "torch_neuronx",
                    "torch", "nki", "python", "neuron_driver")
 RESULTS = ("PASS", "FAIL", "EXCLUDED")  # FAIL with `error` set: the run crashed or timed out
@@ -52,7 +55,8 @@ def _arrow_schema():
 
     types = {"tp": pa.int64(), "wall_s": pa.float64(), "hbm_peak_gb": pa.float64(),
              "hbm_capacity_gb": pa.float64(), "cpu_match": pa.bool_(), "english": pa.bool_(),
-             "tested_at": pa.timestamp("us", tz="UTC"), "compile_s": pa.float64()}
+             "tested_at": pa.timestamp("us", tz="UTC"), "compile_s": pa.float64(),
+             "train_tokens_per_s": pa.float64(), "export_max_abs_logit_diff": pa.float64()}
     return pa.schema([(c, types.get(c, pa.string())) for c in PUBLIC_COLUMNS + EXTRA_COLUMNS])
 
 
@@ -106,12 +110,16 @@ def read_table(path: str | os.PathLike):
     return df
 
 
-def recorded(path: Path, model_id: str, stack: dict) -> dict | None:
-    """The row already recorded for `model_id` with exactly this version stack, or None."""
+def _task(value) -> str:
+    return value if isinstance(value, str) and value else "generate"
+
+
+def recorded(path: Path, model_id: str, stack: dict, task: str = "generate") -> dict | None:
+    """The row already recorded for `model_id` and `task` with exactly this version stack, or None."""
     if not path.is_file():
         return None
     df = read_table(path)
-    rows = df[df["model_id"] == model_id]
+    rows = df[(df["model_id"] == model_id) & (df["task"].map(_task) == task)]
     for _, row in rows.iterrows():
         if all((row[c] if isinstance(row[c], str) else None) == stack.get(c) for c in VERSION_COLUMNS):
             return row.to_dict()
@@ -119,7 +127,7 @@ def recorded(path: Path, model_id: str, stack: dict) -> dict | None:
 
 
 def write_row(path: Path, row: dict) -> None:
-    """Add (or replace) one model's row, atomically: the file is rewritten beside itself and renamed,
+    """Add (or replace) one model's row for its task, atomically: the file is rewritten beside itself and renamed,
     so a run killed at any moment leaves the previous complete file, and every finished row readable."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -130,7 +138,9 @@ def write_row(path: Path, row: dict) -> None:
     new = pa.Table.from_pylist([row], schema=schema)
     if path.is_file():
         old = pq.read_table(path)
-        keep = [i for i, m in enumerate(old.column("model_id").to_pylist()) if m != row["model_id"]]
+        tasks = old.column("task").to_pylist() if "task" in old.column_names else [None] * len(old)
+        key = (row["model_id"], _task(row["task"]))
+        keep = [i for i, (m, t) in enumerate(zip(old.column("model_id").to_pylist(), tasks)) if (m, _task(t)) != key]
         old = old.take(pa.array(keep, type=pa.int64()))  # typed: an empty list would infer null
         # Our own files always have this schema; cast anyway so a hand-edited file fails loudly here.
         old = old.select([c for c in schema.names if c in old.column_names])
@@ -370,7 +380,10 @@ def load_results(sources: Iterable[str | os.PathLike]):
     return pd.concat(frames, ignore_index=True)
 
 
-def filter_results(df, name: str | None = None, compiler: str | None = None, transformers: str | None = None):
+def filter_results(df, name: str | None = None, compiler: str | None = None, transformers: str | None = None,
+                   task: str | None = None):
+    if task:
+        df = df[df["task"].map(_task) == task]
     if name:
         df = df[df["model_id"].astype(str).str.contains(name, case=False, regex=False)]
     if compiler:
@@ -381,7 +394,7 @@ def filter_results(df, name: str | None = None, compiler: str | None = None, tra
     return df
 
 
-SHOW = ("model_id", "result", "tp", "runner", "wall_s", "hbm_peak_gb", "cpu_match", "english",
+SHOW = ("model_id", "task", "result", "tp", "runner", "wall_s", "hbm_peak_gb", "cpu_match", "english",
         "neuronx_cc", "transformers", "exclusion", "error")
 
 
@@ -391,6 +404,7 @@ def format_results(df) -> str:
     import pandas as pd
 
     view = df[list(SHOW)].copy()
+    view["task"] = view["task"].map(_task)
     view["wall_s"] = view["wall_s"].round(1)
     view["hbm_peak_gb"] = view["hbm_peak_gb"].round(2)
     view["error"] = view["error"].map(lambda e: str(e).strip().splitlines()[0][:60] if isinstance(e, str) else e)
@@ -407,12 +421,13 @@ def lookup_main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="case-insensitive substring of model_id")
     p.add_argument("--compiler", help="neuronx-cc version prefix ('none': runs without Neuron)")
     p.add_argument("--transformers", help="transformers version prefix")
+    p.add_argument("--task", choices=TASKS, help="generation rows or training rows (default: both)")
     p.add_argument("--run_py", action="store_true",
                    help="print the run_py (script source) of the one matching row instead of the table; "
                         "it is printed, never executed")
     args = p.parse_args(argv)
     try:
-        df = filter_results(load_results(args.sources), args.name, args.compiler, args.transformers)
+        df = filter_results(load_results(args.sources), args.name, args.compiler, args.transformers, args.task)
         if args.run_py:
             if len(df) != 1:
                 ids = ", ".join(f"{m} ({f})" for m, f in zip(df["model_id"], df["source_file"]))

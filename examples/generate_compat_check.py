@@ -20,8 +20,13 @@ for `--max_cores`, no sharding plan, or model code shipped with the checkpoint w
 `--trust_remote_code`). A rerun skips models already recorded for the same version stack (`--redo`
 runs them again). results.json lists the Parquet file and a summary per model.
 
+Training compatibility (`--task train`): per model, a few steps of the HF-backend training recipe
+(examples/train_hf_backend.py) from the checkpoint's weights; PASS when the losses are finite and
+falling and the HF export re-reads with its check passing. Same Parquet file (column `task`), same lookup.
+
 CPU (the default preset, `offline`: tiny Qwen3, tiny Qwen3-MoE and SmolLM2-135M-Instruct, from `make setup`):
     python examples/generate_compat_check.py --no_compile --out_dir runs/compat
+    python examples/generate_compat_check.py --task train --out_dir runs/compat          # training rows
     python examples/generate_compat_check.py --models smollm2-135m-instruct --cores 3 --no_compile \\
         --out_dir runs/compat_tp               # a sharded run: 3 gloo processes, judged for English
     python examples/generate_compat_check.py lookup runs/compat --name qwen3     # search results
@@ -40,8 +45,11 @@ cache. The sharded SmolLM2 command above: 3 processes, english true, about 2 min
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
+import re
+import subprocess
 import sys
 import time
 import traceback
@@ -78,11 +86,14 @@ class Config:
     judge_max_perplexity: float = field(default=compat.JudgeLimits.max_perplexity, metadata={"help": "highest judge perplexity counted as fluent"})
     judge_single_core: bool = field(default=False, metadata={"help": "also judge single-core runs for English (recorded, not part of their verdict)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow checkpoints that ship their own model code (refused by default)"})
+    task: Literal["generate", "train"] = field(default="generate", metadata={"help": "generate: the inference protocol; train: a few steps of the HF-backend training recipe per model (training compatibility)"})
+    train_steps: int = field(default=4, metadata={"help": "--task train: steps per model"})
+    train_lr: float = field(default=3e-4, metadata={"help": "--task train: peak learning rate (low enough not to wreck pretrained weights)"})
     redo: bool = field(default=False, metadata={"help": "run models already recorded for this version stack again"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
 
     def validate(self) -> None:
-        for name in ("max_cores", "new_tokens", "timeout_s", "lnc"):
+        for name in ("max_cores", "new_tokens", "timeout_s", "lnc", "train_steps"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
         if self.core_memory_gib <= 0 or self.judge_max_perplexity <= 0:
@@ -286,6 +297,60 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
     return dict(row, result="PASS" if passed else "FAIL")
 
 
+# ------------------------------------------------------------------------------------------ --task train
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "train_hf_backend.py"
+# One short document, repeated: every batch holds the same text, so a model that trains correctly
+# lowers its loss step after step (on fresh text the batch-to-batch spread of a pretrained model's
+# loss, about +-0.3 on SmolLM2, hides a few steps of learning).
+TRAIN_TEXT = ("The harbour was quiet in the early morning, and the fishermen mended their nets while "
+              "the gulls waited on the old stone wall.")
+
+
+def fixed_text_dataset(folder: Path, copies: int = 256) -> Path:
+    """A folder of JSON lines with one `text` field, as torchtitan's c4_test loader reads them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cli.atomic_write_text(folder / "train.jsonl", (json.dumps({"text": TRAIN_TEXT}) + "\n") * copies)
+    return folder
+
+
+def train_model(cfg: Config, spec: str, dev_type: str, out_dir: Path) -> dict:
+    """Training compatibility: a few steps of the HF-backend recipe (examples/train_hf_backend.py,
+    torchtitan's Transformers backend) from the checkpoint's own weights on one repeated text
+    (TRAIN_TEXT), as a subprocess with the per-model time limit, then its HF export re-read by
+    transformers. PASS: every loss finite, the last below the first, the export check passed."""
+    row = {"model_id": spec, "device": dev_type, "task": "train", "runner": "train_hf_backend", "tp": 1}
+    folder = resolve_model(spec)
+    if compat.needs_remote_code(folder):
+        return dict(row, result="EXCLUDED", exclusion="ships its own model code (auto_map); training never runs it")
+    run_dir = out_dir / "train_runs" / re.sub(r"[^A-Za-z0-9._-]", "_", spec)
+    data = fixed_text_dataset(out_dir / "train_runs" / "fixed_text")
+    cmd = [sys.executable, str(TRAIN_SCRIPT), "--hf_checkpoint", str(folder), "--steps", str(cfg.train_steps),
+           "--dataset", str(data),
+           "--lr", str(cfg.train_lr), "--warmup_steps", "1", "--seq_len", "64", "--local_batch_size", "2",
+           "--device", cfg.device, "--out_dir", str(run_dir)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(row, result="FAIL", error=f"timed out after {cfg.timeout_s} s (training and export)")
+    row["wall_s"] = time.perf_counter() - start
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        return dict(row, result="FAIL", error=errors[-1] if errors else proc.stderr[-3000:])
+    res = json.loads((run_dir / "results.json").read_text())
+    losses, check = res["losses"], res["export_check"] or {}
+    finite = all(math.isfinite(x) for x in losses)
+    falling = finite and len(losses) > 1 and losses[-1] < losses[0]
+    reasons = [text for ok, text in ((finite, "a loss is not finite"), (falling, "loss did not fall"),
+                                     (check.get("passed"), "export check failed")) if not ok]
+    row.update(train_losses=json.dumps(losses), train_tokens_per_s=res["tokens_per_s"],
+               export_max_abs_logit_diff=check.get("max_abs_logit_diff"),
+               notes=f"{len(losses)} steps of train_hf_backend.py on one repeated text, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+                     f"export: missing {check.get('missing_keys')}, unexpected {check.get('unexpected_keys')}"
+                     + ("; " + "; ".join(reasons) if reasons else ""))
+    return dict(row, result="FAIL" if reasons else "PASS")
+
+
 def main(cfg: Config) -> dict:
     from tqdm import tqdm
 
@@ -295,6 +360,8 @@ def main(cfg: Config) -> dict:
     dev_type = device.resolve_device_type(cfg.device)
     judge_dir = Path(cfg.judge_model) if cfg.judge_model else assets.smollm2_dir()
     run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
+    if cfg.task == "train":  # the training script runs too: keep its source beside this one
+        run_py += f"\n# ---- {TRAIN_SCRIPT.name}, run as a subprocess by --task train ----\n" + TRAIN_SCRIPT.read_text()
     stack = compat.stack_versions()
     path = compat.results_file(out_dir, stack)
     print(f"[config] {cli.format_config(cfg)}", flush=True)
@@ -313,20 +380,22 @@ def main(cfg: Config) -> dict:
     bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
     for spec in bar:
         bar.set_postfix_str(spec)
-        old = None if cfg.redo else compat.recorded(path, spec, stack)
+        old = None if cfg.redo else compat.recorded(path, spec, stack, cfg.task)
         if old is not None:
             summary.append({"model_id": spec, "skipped": True, "result": old["result"]})
             tqdm.write(f"[skip] {spec}: already recorded for this stack ({old['result']}); --redo to run again")
             continue
         t0 = time.perf_counter()
         try:
-            row = check_model(cfg, spec, dev_type, judge)
+            row = train_model(cfg, spec, dev_type, out_dir) if cfg.task == "train" else \
+                dict(check_model(cfg, spec, dev_type, judge), task="generate")
         except Exception as e:  # noqa: BLE001  one model's failure is its row; the next model still runs
-            row = {"model_id": spec, "device": dev_type, "prompt": cfg.prompt, "result": "FAIL",
+            row = {"model_id": spec, "device": dev_type, "prompt": cfg.prompt, "task": cfg.task, "result": "FAIL",
                    "error": f"{type(e).__name__}: {e}"[:4000]}
         row.update(stack, run_py=run_py)
         compat.write_row(path, row)
-        keys = ("result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb", "exclusion", "error")
+        keys = ("task", "result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb",
+                "train_losses", "exclusion", "error")
         summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
         tqdm.write(f"[model] {spec}: {row['result']} cores={row.get('tp')} runner={row.get('runner')} "
                    f"cpu_match={row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "

@@ -112,6 +112,26 @@ def test_rerun_skips_recorded_models_and_keeps_the_file(offline_run):
     assert [(m["model_id"], m["skipped"]) for m in read_results(out)["models"]] == [(m, True) for m in models]
 
 
+def test_training_rows_beside_generation_rows(offline_run):
+    """--task train (issue 9): a few steps of the HF-backend recipe per offline model, written to the
+    same Parquet file as the generation rows and found by the lookup. Runs after the rerun test
+    (which expects the file unchanged)."""
+    out, _, _, _ = offline_run
+    run_example(SCRIPT, "--task", "train", "--models", ",".join(OFFLINE), "--out_dir", str(out))
+    df = pd.read_parquet(_only_file(out))
+    train = {r["model_id"]: r for r in df[df["task"] == "train"].to_dict("records")}
+    assert set(train) == set(OFFLINE) and set(df[df["task"] == "generate"]["model_id"]) >= set(OFFLINE)
+    for model_id in ("tiny-qwen3", "smollm2-135m-instruct"):  # the HF-backend recipe trains Qwen3 and Llama
+        r = train[model_id]
+        losses = json.loads(r["train_losses"])
+        assert r["result"] == "PASS" and len(losses) == 4 and losses[-1] < losses[0], (model_id, r["notes"])
+        assert r["export_max_abs_logit_diff"] <= 1e-4 and "train_hf_backend.py" in r["run_py"]
+    moe = train["tiny-qwen3-moe"]  # an architecture the recipe does not train: FAIL, with the reason
+    assert moe["result"] == "FAIL" and "Qwen3MoeForCausalLM" in moe["error"]
+    proc = run_example(SCRIPT, "lookup", str(out), "--task", "train")
+    assert proc.stdout.splitlines()[-1] == "3 row(s)" and "train_hf_backend" in proc.stdout
+
+
 def _gpt2_without_plan(dest: Path) -> Path:
     """A real (random) GPT-2: transformers gives it no tensor-parallel plan, and it has no experts."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -193,7 +213,7 @@ def test_lookup_reads_ours_and_public_files(offline_run, tmp_path, capsys):
     assert "exclusion" not in pq.read_schema(public).names
 
     # the script's subcommand, once as a subprocess ...
-    proc = run_example(SCRIPT, "lookup", str(out), str(public), "--name", "QWEN3")
+    proc = run_example(SCRIPT, "lookup", str(out), str(public), "--name", "QWEN3", "--task", "generate")
     lines = proc.stdout.splitlines()
     assert lines[-1] == "4 row(s)"  # tiny-qwen3, tiny-qwen3-moe, and the two public rows
     assert sum("Qwen/Qwen3" in line for line in lines) == 2 and sum("tiny-qwen3" in line for line in lines) == 2
@@ -210,15 +230,15 @@ def test_lookup_reads_ours_and_public_files(offline_run, tmp_path, capsys):
 
     code, stdout, _ = lookup("--compiler", "2.23", "--transformers", "5.16")
     assert code == 0 and stdout.splitlines()[-1] == "2 row(s)" and "tiny" not in stdout
-    code, stdout, _ = lookup("--compiler", "none", "--name", "smollm2")
+    code, stdout, _ = lookup("--compiler", "none", "--name", "smollm2", "--task", "generate")
     assert stdout.splitlines()[-1] == "1 row(s)" and "PASS" in stdout
     code, stdout, _ = lookup("--transformers", "4.")
     assert stdout.splitlines()[-1] == "0 row(s)"
-    code, stdout, _ = lookup("--name", "smollm2", "--run_py")
+    code, stdout, _ = lookup("--name", "smollm2", "--run_py", "--task", "generate")
     assert code == 0 and stdout == (ROOT / "examples" / SCRIPT).read_text()
     code, _, stderr = lookup("--name", "broken", "--run_py")  # a crashed model's row still holds its script
     assert code == 0 and not stderr
-    code, _, stderr = lookup("--name", "qwen3", "--run_py")
+    code, _, stderr = lookup("--name", "qwen3", "--run_py", "--task", "generate")
     assert code == 2 and stderr.startswith("error: --run_py needs exactly one matching row, found 4")
     assert compat.lookup_main([str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nowhere'} is neither")
