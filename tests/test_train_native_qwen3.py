@@ -85,17 +85,17 @@ def test_round_trip_non_default_shape(tmp_path, prepared_assets):
         assert torch.equal(exported[key], tensor), key
 
 
-def test_pretrained_beats_random(tmp_path, prepared_assets):
-    trained = tmp_path / "trained"
-    run_example(SCRIPT, "--steps", "30", "--lr", "3e-3", "--seq_len", "128", "--out_dir", str(trained))
-    random_first = read_results(trained)["losses"][0]
+def test_pretrained_beats_random(tiny_run, tmp_path):
+    """The tiny run's export (10 steps) loaded back, self-launched over 2 processes (the HF load also
+    works with FSDP-sharded parameters): its first loss is well below the random init's."""
+    trained, res = tiny_run
+    random_first = res["losses"][0]
     again = tmp_path / "again"
-    # self-launched over 2 processes: the HF load also works with FSDP-sharded parameters
     run_example(SCRIPT, "--hf_checkpoint", str(trained / "hf_export"), "--steps", "1", "--seq_len", "128",
                 "--no-export", "--nproc_per_node", "2", "--out_dir", str(again))
     assert read_results(again)["world_size"] == 2
     pretrained_first = read_results(again)["losses"][0]
-    assert pretrained_first < 0.8 * random_first, (pretrained_first, random_first)
+    assert pretrained_first < random_first - 0.4, (pretrained_first, random_first)
 
 
 @pytest.fixture(scope="module")

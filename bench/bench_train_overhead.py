@@ -1,0 +1,156 @@
+"""Benchmark 1: step time and tokens/s of each training script's CPU preset against the same model,
+data and batch run through torchtitan's stock entry point, measured side by side; and model FLOPs
+utilisation against this machine's peak.
+
+For each script (train_native_qwen3.py, train_hf_backend.py, train_moe_nki.py), two kinds of
+process alternate (ours, stock, then stock, ours, ...), `--repeats` of each:
+  - `ours`: the script's own command line, `python examples/X.py --steps N --no-export` (the HF export
+    comes after the last step, so it is left out of both);
+  - `stock`: `torchtitan.train.main()`, the function `python -m torchtitan.train` runs, given the very
+    Trainer.Config the script's `build_trainer_config` returns for the same flags, with only the
+    CPU workarounds torchtitan cannot do without (see bench/timed_train.py: device routed before
+    import, launcher variables for one process, SDPA document attention, gloo SUM, no CUDA graphs;
+    for the HF backend the rotary-buffer fix). For train_moe_nki.py the baseline is torchtitan's
+    own MoE and RoPE (`--stock`: what the stock entry point would run); ours has the grouped-expert
+    op and NKIRoPE, with the preset's float32 expert matmuls (torchtitan's experts run bfloat16).
+Step time: per-step timestamps from the same hook in both (`MetricsProcessor.log`, called once at
+the end of every step), step 1 left out (warm-up), the median over the remaining steps of a
+process, then the median over the repeats. tokens/s = tokens per step / step time.
+`ours_over_stock` = median step time of ours / of stock (1.00 = no overhead; target <= 1.03).
+`ours_over_stock_cpu`: the same from the process CPU time per step (all threads), which other
+processes on a shared machine disturb less than wall time; the target is judged on wall time.
+
+MFU = torchtitan's FLOPs per token (its `get_nparams_and_flops`: 6 x parameters + the attention
+term) x tokens/s / peak. Peak, two ways, both in results.json, for the cores a training process
+uses (`--threads`, 1 by default): `measured` = the best of 5 float32 2048x2048 matmuls on that many
+threads, timed before and after the runs (their median; the practical peak); `nominal` = threads x
+/proc/cpuinfo clock x FLOPs per cycle (2 FMA pipes x vector lanes x 2). The MFU column uses the
+measured peak.
+
+    python bench/bench_train_overhead.py --out_dir runs/bench/train_overhead          # all three scripts
+    python bench/bench_train_overhead.py --scripts native --out_dir runs/bench/train_native
+    python bench/bench_train_overhead.py --preset tiny --out_dir runs/bench/train_tiny  # tests: native, 3 short steps
+
+On a busy 2-core machine each process costs about 30 s (half of it import and set-up): the default
+(3 scripts x 2 kinds x 3 repeats x 8 steps) took 10 minutes; one script about 3.5.
+results.json: `rows` (one per script), `peak_flops`, `target`.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common_bench as cb  # noqa: E402
+from common import config as cli  # noqa: E402
+from common.errors import UserError  # noqa: E402
+
+SCRIPTS = {"native": "train_native_qwen3.py", "hf": "train_hf_backend.py", "moe": "train_moe_nki.py"}
+STOCK_ARGS = {"moe": ["--stock"]}  # torchtitan's own modules: what its stock entry point runs
+TARGET = 1.03
+
+
+@dataclass
+class Config:
+    preset: str = "default"
+    out_dir: str = field(default="runs/bench/train_overhead", metadata={"help": "results.json, logs/, timings/ go here"})
+    scripts: str = field(default="native,hf,moe", metadata={"help": "comma-separated: native, hf, moe"})
+    steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)"})
+    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
+    repeats: int = field(default=3, metadata={"help": "processes of each kind, alternating"})
+    extra_args: str = field(default="", metadata={"help": "flags added to every training command (e.g. '--seq_len 64')"})
+
+    def validate(self) -> None:
+        if self.steps < 3 or self.repeats <= 0:
+            raise UserError("--steps must be at least 3 (step 1 is warm-up) and --repeats positive")
+
+
+def default() -> Config:
+    """Each script's CPU preset as it is, 8 steps, 3 alternating repeats."""
+    return Config()
+
+
+def tiny() -> Config:
+    """Harness check: train_native_qwen3.py only, 3 steps of 1 x 32 tokens, 1 repeat."""
+    return replace(Config(), scripts="native", steps=3, repeats=1, extra_args="--seq_len 32 --local_batch_size 1")
+
+
+PRESETS = {"default": default, "tiny": tiny}
+
+
+def peak(n_samples: list[float]) -> float:
+    return statistics.median(n_samples)
+
+
+def main(cfg: Config) -> dict:
+    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    names = [s for s in cfg.scripts.split(",") if s]
+    if not names or any(s not in SCRIPTS for s in names):
+        raise UserError(f"--scripts takes a comma-separated subset of {', '.join(SCRIPTS)}, got {cfg.scripts!r}")
+    extra = cfg.extra_args.split()
+    threads = cb.set_threads(cfg.threads)  # the peak is measured on as many threads as a training process uses
+    matmul = [cb.measured_matmul_flops()]
+    nominal = cb.nominal_peak_flops(cores=threads)
+    rows, raw = [], {}
+    for name in names:
+        args = ["--steps", str(cfg.steps), "--no-export", *extra]
+        runs = {"ours": ("ours", SCRIPTS[name], args, 1),
+                "stock": ("stock", SCRIPTS[name], [*args, *STOCK_ARGS.get(name, [])], 1)}
+        print(f"[bench] {SCRIPTS[name]}: ours vs torchtitan.train.main, {cfg.repeats} repeat(s)", flush=True)
+        stats = cb.alternate_training(runs, repeats=cfg.repeats, threads=cfg.threads, out_dir=out_dir / name)
+        raw[name] = stats
+        s = {k: cb.training_summary(v) for k, v in stats.items()}
+        rows.append({"script": SCRIPTS[name],
+                     "ours_step_ms": s["ours"]["step_s"]["median"] * 1e3,
+                     "stock_step_ms": s["stock"]["step_s"]["median"] * 1e3,
+                     "ours_over_stock": cb.ratio(s["ours"]["step_s"]["median"], s["stock"]["step_s"]["median"]),
+                     "ours_cpu_step_ms": s["ours"]["cpu_step_s"]["median"] * 1e3,
+                     "stock_cpu_step_ms": s["stock"]["cpu_step_s"]["median"] * 1e3,
+                     "ours_over_stock_cpu": cb.ratio(s["ours"]["cpu_step_s"]["median"], s["stock"]["cpu_step_s"]["median"]),
+                     "ours_tokens_per_s": s["ours"]["tokens_per_s"]["median"],
+                     "stock_tokens_per_s": s["stock"]["tokens_per_s"]["median"],
+                     "tokens_per_step": s["ours"]["tokens_per_step"],
+                     "flops_per_token_ours": s["ours"]["flops_per_token"],
+                     "flops_per_token_stock": s["stock"]["flops_per_token"],
+                     "ours_process_s": s["ours"]["process_wall_s"]["median"],
+                     "stock_process_s": s["stock"]["process_wall_s"]["median"],
+                     "first_losses": {"ours": s["ours"]["first_losses"], "stock": s["stock"]["first_losses"]},
+                     "summary": s})
+    matmul.append(cb.measured_matmul_flops())
+    peak_measured = statistics.median(matmul)
+    for r in rows:
+        for kind in ("ours", "stock"):
+            achieved = (r[f"flops_per_token_{kind}"] or 0) * r[f"{kind}_tokens_per_s"]
+            r[f"{kind}_achieved_gflops"] = achieved / 1e9
+            r[f"{kind}_mfu_measured_pct"] = 100 * achieved / peak_measured
+            r[f"{kind}_mfu_nominal_pct"] = 100 * achieved / nominal["flops"]
+    worst = max(r["ours_over_stock"] for r in rows)
+    target = {"what": f"our training scripts within 3% of torchtitan's stock step time (ours_over_stock <= {TARGET})",
+              "worst_ours_over_stock": worst, "met": worst <= TARGET,
+              "per_script": {r["script"]: r["ours_over_stock"] <= TARGET for r in rows}}
+    table = cb.format_table(rows, [("script", "script", ""), ("ours_step_ms", "ours ms/step", ".0f"),
+                                   ("stock_step_ms", "stock ms/step", ".0f"), ("ours_over_stock", "ours / stock", ".3f"),
+                                   ("ours_over_stock_cpu", "ours / stock (CPU time)", ".3f"),
+                                   ("ours_tokens_per_s", "ours tok/s", ".0f"), ("stock_tokens_per_s", "stock tok/s", ".0f"),
+                                   ("ours_mfu_measured_pct", "ours MFU %", ".1f"), ("stock_mfu_measured_pct", "stock MFU %", ".1f")])
+    table += (f"\n{threads} thread(s) per process; peak: measured float32 matmul {peak_measured / 1e9:.1f} GFLOP/s (median of {len(matmul)}); "
+              f"nominal {nominal['flops'] / 1e9:.1f} GFLOP/s = {nominal['how']}"
+              f"\ntarget: {target['what']}: {'met' if target['met'] else 'MISSED'} (worst {worst:.3f})")
+    results = {"config": cfg,
+               "baseline": "torchtitan.train.main() (python -m torchtitan.train) on the Trainer.Config the script builds; "
+                           "train_moe_nki.py: torchtitan's own MoE and RoPE (--stock). See bench/timed_train.py",
+               "method": {"threads_per_process": cfg.threads, "repeats": cfg.repeats, "steps": cfg.steps, "order": "alternating ours/stock processes",
+                          "statistic": "median over processes of the median step interval, step 1 excluded"},
+               "peak_flops": {"measured": peak_measured, "measured_samples": matmul,
+                              "measured_how": f"best of 5 float32 2048x2048 matmuls on {threads} thread(s), before and after the runs",
+                              "nominal": nominal},
+               "rows": rows, "target": target}
+    cb.write(out_dir, "train_overhead", results, table)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main, Config, PRESETS, __doc__, default_preset="default"))

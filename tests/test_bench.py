@@ -1,0 +1,105 @@
+"""bench/: every benchmark runs in its tiny mode, exits 0 and writes results.json with its ratios
+present and finite. The harness is checked, not the speed: no test asserts a timing or a target."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, script_env
+
+
+def run_bench(script: str, out_dir, *args: str, timeout: int = 900) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / script), "--preset", "tiny", "--out_dir", str(out_dir), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["table"] in proc.stdout  # the table printed is the table stored
+    for key in ("benchmark", "machine", "versions", "config"):
+        assert key in results, key
+    assert results["machine"]["cpus"] >= 1 and results["machine"]["cpu_model"]
+    return results
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_common_bench_alternates_and_takes_medians():
+    sys.path.insert(0, str(ROOT))
+    from bench import common_bench as cb
+
+    order = []
+    samples = cb.alternate({"a": lambda: order.append("a") or 1.0, "b": lambda: order.append("b") or 3.0},
+                           repeats=3, warmup=1, log=None)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # reversed every other round
+    assert samples == {"a": [1.0, 1.0, 1.0], "b": [3.0, 3.0, 3.0]}  # warm-up round dropped
+    assert cb.summary([3.0, 1.0, 2.0, float("nan")])["median"] == 2.0
+    assert cb.ratio(3.0, 1.5) == 2.0 and math.isnan(cb.ratio(1.0, 0.0))
+    stats = cb.step_stats({"times": [0.0, 5.0, 6.0, 8.0, 9.0], "cpu_times": [0, 1, 2, 3, 4],
+                           "tokens_seen": [10, 20, 30, 40]})
+    assert stats["step_s"] == 1.0 and stats["tokens_per_step"] == 10 and stats["tokens_per_s"] == 10.0  # step 1 left out
+    nominal = cb.nominal_peak_flops()
+    assert nominal["flops_per_cycle_per_core"] in (8, 16, 32, 64) and nominal["cores"] >= 1
+
+
+def test_bench_rope(tmp_path):
+    r = run_bench("bench_rope.py", tmp_path)
+    assert r["rows"] and r["target"]["worst_cossin_over_op"] is not None
+    for row in r["rows"]:
+        for key in ("op_ms", "cossin_ms", "hf_ms", "cossin_over_op", "hf_over_op"):
+            assert finite(row[key]), (key, row[key])
+
+
+def test_bench_moe(tmp_path):
+    r = run_bench("bench_moe.py", tmp_path)
+    assert [row["experts"] for row in r["rows"]] == [8, 16]
+    for row in r["rows"]:
+        for key in ("op_fp32_ms", "loop_fp32_ms", "op_bf16_ms", "stock_bf16_ms", "loop_over_op", "stock_over_op"):
+            assert finite(row[key]), (key, row[key])
+    assert finite(r["target"]["loop_over_op_at_16"])
+
+
+def test_bench_train_overhead(tmp_path):
+    r = run_bench("bench_train_overhead.py", tmp_path)
+    (row,) = r["rows"]
+    for key in ("ours_step_ms", "stock_step_ms", "ours_over_stock", "ours_tokens_per_s", "stock_tokens_per_s",
+                "ours_mfu_measured_pct", "stock_mfu_measured_pct", "ours_mfu_nominal_pct"):
+        assert finite(row[key]), (key, row[key])
+    assert finite(r["peak_flops"]["measured"]) and finite(r["peak_flops"]["nominal"]["flops"])
+    # the same model, data and batch on both sides: the same losses
+    assert row["first_losses"]["ours"] == pytest.approx(row["first_losses"]["stock"], abs=1e-4)
+    assert "torchtitan.train.main" in r["baseline"]
+
+
+def test_bench_hf_vs_native(tmp_path):
+    r = run_bench("bench_hf_vs_native.py", tmp_path)
+    assert [row["path"] for row in r["rows"]] == ["native", "hf"]
+    assert finite(r["hf_over_native"])
+    for row in r["rows"]:
+        assert finite(row["step_ms"]) and finite(row["tokens_per_s"])
+    # one model: the first losses of the two paths agree (README: within 2e-6)
+    assert r["rows"][0]["first_losses"] == pytest.approx(r["rows"][1]["first_losses"], abs=1e-4)
+
+
+def test_bench_scaling(tmp_path):
+    r = run_bench("bench_scaling.py", tmp_path)
+    runs = {row["run"]: row for row in r["rows"]}
+    assert set(runs) == {"tiny_1p", "small_1p", "tiny_2p"}
+    for row in runs.values():
+        assert finite(row["step_ms"]) and finite(row["step_over_tiny"]) and finite(row["flops_over_tiny"])
+    assert runs["small_1p"]["flops_over_tiny"] > 1.0  # the larger model does more work per token
+    assert finite(runs["tiny_2p"]["speedup"]) and finite(runs["tiny_2p"]["parallel_efficiency"])
+
+
+def test_bench_compat_check(tmp_path):
+    r = run_bench("bench_compat_check.py", tmp_path)
+    if r["skipped"]:
+        pytest.skip(r["skipped"])
+    (row,) = r["rows"]
+    for key in ("load_s", "generation_s", "reference_s", "judging_s", "script_wall_s"):
+        assert finite(row[key]), (key, row[key])
+    assert row["compile_s"] == 0.0 and row["cpu_match"] is True
