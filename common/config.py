@@ -166,8 +166,10 @@ def check_out_dir(out_dir: str) -> Path:
     return path
 
 
-def plot_losses(path: str | os.PathLike, losses: list[float], title: str) -> Path | None:
-    """A PNG of loss per step, written atomically. Returns None when there is nothing to plot."""
+def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
+                steps: list[int] | None = None) -> Path | None:
+    """A PNG of loss per step (`steps`: their numbers, default 1..N), written atomically.
+    Returns None when there is nothing to plot."""
     if not losses:
         return None
     import matplotlib
@@ -177,7 +179,7 @@ def plot_losses(path: str | os.PathLike, losses: list[float], title: str) -> Pat
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(range(1, len(losses) + 1), losses, marker="o")
+    ax.plot(steps or range(1, len(losses) + 1), losses, marker="o")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
@@ -204,13 +206,17 @@ def read_reference_losses(path: str | os.PathLike) -> list[float]:
     return losses
 
 
-def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: float) -> dict:
+def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: float,
+                   steps: list[int] | None = None) -> dict:
     """Per-step differences between a run's losses and a reference file's first N losses, so a user
-    on trn2 or CUDA sees at step N whether the hardware reproduces the reference."""
+    on trn2 or CUDA sees at step N whether the hardware reproduces the reference. `steps` numbers
+    the losses (from 1; a resumed run starts later); the reference's loss i is step i."""
     reference = read_reference_losses(path)
-    n = min(len(losses), len(reference))
-    steps = [{"step": i + 1, "loss": losses[i], "reference": reference[i], "abs_diff": abs(losses[i] - reference[i])}
-             for i in range(n)]
+    numbered = list(zip(steps or range(1, len(losses) + 1), losses))
+    pairs = [(s, loss) for s, loss in numbered if 1 <= s <= len(reference)]
+    n = len(pairs)
+    steps = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
+             for s, loss in pairs]
     worst = max((s["abs_diff"] for s in steps), default=float("nan"))
     first = next((s["step"] for s in steps if s["abs_diff"] > tolerance), None)
     return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,

@@ -6,9 +6,12 @@ Each workaround is a named function that says why it exists and when it can go.
 """
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,7 @@ from torchtitan.config import override
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
 from torchtitan.trainer import Trainer
 
+from common.config import atomic_write_text
 from common.device import DeviceInfo
 
 ATTN_BACKENDS = ("sdpa", "flex")
@@ -145,6 +149,8 @@ class LossRecorder:
     tokens_seen: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
 
+    progress: Path | None = None  # rank 0: OUT_DIR/losses.jsonl, one line a step, kept across resumes
+
     def attach(self, trainer) -> None:
         mp = trainer.metrics_processor
         original = mp.log
@@ -155,10 +161,27 @@ class LossRecorder:
             self.grad_norms.append(float(grad_norm))
             self.tokens_seen.append(int((extra_metrics or {}).get("n_tokens_seen", 0)))
             self.times.append(time.perf_counter())
+            if self.progress is not None:
+                self._append_progress(int(step), float(global_avg_loss))
             return original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
         mp.log = log
         self.times.append(time.perf_counter())  # t0: training starts after attach
+
+    def _append_progress(self, step: int, loss: float) -> None:
+        """Append one line; on a run's first step keep only the earlier steps of the run it resumes
+        (a fresh run starts the file anew), so the file is the whole loss curve across kills."""
+        if len(self.steps) == 1:
+            kept = [r for r in read_progress(self.progress) if r["step"] < step]
+            atomic_write_text(self.progress, "".join(json.dumps(r) + "\n" for r in kept))
+        with open(self.progress, "a") as f:  # a kill can cut the last line; read_progress skips it
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+
+    def history(self) -> dict:
+        """Steps and losses of the whole run, resumed parts included (rank 0, with `progress`)."""
+        rows = read_progress(self.progress) if self.progress is not None else []
+        rows = rows or [{"step": s, "loss": l} for s, l in zip(self.steps, self.losses)]
+        return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows]}
 
     def tokens_per_s(self) -> float:
         """Global tokens per second, leaving out step 1 (warm-up, compilation) when there are more."""
@@ -170,6 +193,46 @@ class LossRecorder:
         else:
             return math.nan
         return dn / dt if dt > 0 else math.nan
+
+
+def read_progress(path: Path) -> list[dict]:
+    """The rows of a losses.jsonl; a last line cut by a kill is skipped."""
+    rows = []
+    if path is not None and Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), float):
+                rows.append(row)
+    return rows
+
+
+def apply_checkpoint_settings(cfg: Trainer.Config, *, steps: int, every: int, export: bool,
+                              initial_hf: Path | None = None, dtype: str = "float32") -> None:
+    """torchtitan's checkpointer as the three training scripts use it. Mid-run saves (every
+    `every` steps, 0: none) are distributed checkpoints of the whole training state (weights,
+    optimizer, LR schedule, data loader position) in OUT_DIR/checkpoint/step-N; torchtitan resumes
+    from the latest one when the same command runs again. The last save is model-only in HF
+    safetensors: the export. `initial_hf` is an HF folder to start from when there is nothing to
+    resume."""
+    cfg.checkpoint.enable = bool(export or initial_hf or every)
+    cfg.checkpoint.interval = every or steps + 1
+    cfg.checkpoint.initial_load_path = str(initial_hf) if initial_hf else None
+    cfg.checkpoint.initial_load_in_hf = initial_hf is not None
+    cfg.checkpoint.last_save_model_only = True
+    cfg.checkpoint.last_save_in_hf = True
+    cfg.checkpoint.export_dtype = "float32" if dtype == "float32" else "bfloat16"
+    cfg.checkpoint.load_only = not (export or every)
+
+
+def clear_stale_checkpoints(out_dir: Path, every: int, is_main: bool) -> None:
+    """Without --checkpoint_every every run starts fresh: a save left in OUT_DIR/checkpoint (the
+    previous run's final one) would otherwise be resumed from. Call on every rank before a barrier."""
+    step_dir = Path(out_dir) / "checkpoint"
+    if is_main and not every and step_dir.exists():
+        shutil.rmtree(step_dir)
 
 
 REFERENCE_TEXT = ("The export check feeds this sentence to the trained model and to the exported "

@@ -65,6 +65,7 @@ class Config:
     top_k: int = field(default=4, metadata={"help": "experts per token"})
     steps: int = field(default=10, metadata={"help": "training steps"})
     out_dir: str = field(default="runs/moe_nki", metadata={"help": "results.json, loss.png, hf_export/ go here"})
+    checkpoint_every: int = field(default=0, metadata={"help": "save a resumable torchtitan checkpoint every N steps in OUT_DIR/checkpoint; rerunning the same command resumes from the latest (0: none, every run starts fresh)"})
     device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for init and data order"})
     lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
@@ -93,6 +94,8 @@ class Config:
     def validate(self) -> None:
         if self.steps <= 0:
             raise UserError(f"--steps must be positive, got {self.steps}")
+        if self.checkpoint_every < 0:
+            raise UserError(f"--checkpoint_every must be >= 0, got {self.checkpoint_every}")
         for name in ("num_layers", "num_experts", "top_k", "local_batch_size", "seq_len", "nproc_per_node"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
@@ -195,11 +198,10 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     tc.parallelism.tensor_parallel_degree = 1
     tc.parallelism.expert_parallel_degree = 1
 
-    tc.checkpoint.enable = cfg.export
-    tc.checkpoint.interval = cfg.steps + 1  # no mid-run saves: only the final HF export
-    tc.checkpoint.last_save_model_only = True
-    tc.checkpoint.last_save_in_hf = True
-    tc.checkpoint.export_dtype = "float32" if cfg.dtype == "float32" else "bfloat16"
+    # Mid-run saves: torchtitan's distributed checkpoints (resumed by the same command); the last
+    # save is the HF export.
+    titan.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
+                                    dtype=cfg.dtype)
 
     notes = titan.apply_trainer_settings(tc, dev, seed=cfg.seed)
     return tc, notes
@@ -258,10 +260,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
     step_dir = out_dir / "checkpoint"
-    if step_dir.exists() and dev.is_main:
-        # A stale final save would be taken for a checkpoint to resume from.
-        import shutil
-        shutil.rmtree(step_dir)
+    titan.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
@@ -272,11 +271,12 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     trainer = tc.build()
     replacements = replaced_modules(tc)
     log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
-    rec = titan.LossRecorder()
+    rec = titan.LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
+    history = rec.history()  # the whole curve, steps before a resume included
 
     load = torch.tensor(moe_module.expert_load(trainer.model_parts[0]) or [0], dtype=torch.int64)
     torch.distributed.all_reduce(load)  # every rank routed its own tokens
@@ -285,7 +285,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     results = {
         "script": "train_moe_nki.py", "config": cfg, "versions": cli.versions(),
         "device": dev.device_type, "world_size": dev.world_size, "model_shape": model_shape(cfg),
+        "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
+        "history": history,
         "train_seconds": train_s, "replacements": replacements,
         "expert_load": load.tolist() if not cfg.stock else None,
         "routing_bias": {"load_balance_coeff": cfg.load_balance_coeff or None, "exported": False,
@@ -309,10 +311,11 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     else:
         trainer.close()
     if cfg.compare_losses:
-        results["loss_comparison"] = cli.compare_losses(rec.losses, cfg.compare_losses, cfg.loss_tolerance)
+        results["loss_comparison"] = cli.compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
+                                                        steps=history["steps"])
         log(cli.format_loss_comparison(results["loss_comparison"]))
     if dev.is_main:
-        cli.plot_losses(out_dir / "loss.png", rec.losses, f"train_moe_nki ({cfg.preset})")
+        cli.plot_losses(out_dir / "loss.png", history["losses"], f"train_moe_nki ({cfg.preset})", steps=history["steps"])
         path = cli.write_results(out_dir, results)
         log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
     return results

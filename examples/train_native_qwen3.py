@@ -161,16 +161,10 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     tc.optimizer = default_adamw(lr=cfg.lr)
     tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
 
-    tc.checkpoint.enable = bool(cfg.export or ckpt or cfg.checkpoint_every)
-    # Mid-run saves are torchtitan's distributed checkpoints (full training state: weights,
-    # optimizer, scheduler, data loader position); the last save is the HF export.
-    tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
-    tc.checkpoint.initial_load_path = str(ckpt) if ckpt else None
-    tc.checkpoint.initial_load_in_hf = ckpt is not None
-    tc.checkpoint.last_save_model_only = True
-    tc.checkpoint.last_save_in_hf = True
-    tc.checkpoint.export_dtype = "float32" if cfg.dtype == "float32" else "bfloat16"
-    tc.checkpoint.load_only = not (cfg.export or cfg.checkpoint_every)
+    # Mid-run saves: torchtitan's distributed checkpoints (resumed by the same command); the last
+    # save is the HF export.
+    titan.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
+                                    initial_hf=ckpt, dtype=cfg.dtype)
 
     notes = titan.apply_device_settings(tc, dev, attn_backend=cfg.attn_backend, seed=cfg.seed)
     return tc, notes
@@ -219,10 +213,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
     step_dir = out_dir / "checkpoint"
-    if step_dir.exists() and dev.is_main and not cfg.checkpoint_every:
-        # Without --checkpoint_every every run starts fresh: a stale save would be resumed from.
-        import shutil
-        shutil.rmtree(step_dir)
+    titan.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
@@ -232,17 +223,19 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
-    rec = titan.LossRecorder()
+    rec = titan.LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
+    history = rec.history()  # the whole curve, steps before a resume included
 
     results = {
         "script": "train_native_qwen3.py", "config": cfg, "versions": cli.versions(),
         "device": dev.device_type, "world_size": dev.world_size,
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
+        "history": history,
         "train_seconds": train_s, "export_dir": None, "export_check": None,
     }
     if cfg.export:
@@ -262,10 +255,11 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     else:
         trainer.close()
     if cfg.compare_losses:
-        results["loss_comparison"] = cli.compare_losses(rec.losses, cfg.compare_losses, cfg.loss_tolerance)
+        results["loss_comparison"] = cli.compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
+                                                        steps=history["steps"])
         log(cli.format_loss_comparison(results["loss_comparison"]))
     if dev.is_main:
-        cli.plot_losses(out_dir / "loss.png", rec.losses, f"train_native_qwen3 ({cfg.preset})")
+        cli.plot_losses(out_dir / "loss.png", history["losses"], f"train_native_qwen3 ({cfg.preset})", steps=history["steps"])
         path = cli.write_results(out_dir, results)
         log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
     return results

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,33 @@ def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def kill_after_checkpoint(script: str, *args: str, out_dir: Path, step: int, torchrun: int = 0,
+                          timeout: float = 400) -> None:
+    """Run an example, SIGKILL it (every process of it) once torchtitan's checkpoint for `step` is
+    complete (its .metadata is written last), and check that it died mid-run."""
+    path = str(ROOT / "examples" / script)
+    cmd = [sys.executable, path, *args, "--out_dir", str(out_dir)]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
+               path, *args, "--out_dir", str(out_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # its own process group: the kill reaches every rank
+    marker = Path(out_dir) / "checkpoint" / f"step-{step}" / ".metadata"
+    deadline = time.monotonic() + timeout
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, f"run ended (exit {proc.returncode}) before the step-{step} checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert not (Path(out_dir) / "results.json").exists()  # it really died mid-run
 
 
 def read_results(out_dir: Path) -> dict:

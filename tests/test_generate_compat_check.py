@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import assets, compat
-from conftest import ROOT, assert_clean_error, read_results, run_example
+from conftest import ROOT, assert_clean_error, read_results, run_example, script_env
 
 SCRIPT = "generate_compat_check.py"
 OFFLINE = ("tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct")
@@ -46,22 +50,57 @@ def _broken_copy(src: Path, dest: Path) -> Path:
     return dest
 
 
+def _kill_after_first_row(args: tuple, out: Path, timeout: float = 300) -> pd.DataFrame:
+    """Start the check, SIGKILL it (its workers too) as soon as its Parquet file holds a row, and
+    return what a reader then finds in the file (issue 8: finished rows survive a kill)."""
+    cmd = [sys.executable, str(ROOT / "examples" / SCRIPT), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not list(out.glob("*.parquet")):
+            assert proc.poll() is None, f"the check ended (exit {proc.returncode}) before its first row"
+            assert time.monotonic() < deadline, "no row in time"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    models = args[args.index("--models") + 1].split(",")
+    done = read_results(out)["models"] if (out / "results.json").exists() else []  # written after each model
+    assert len(done) < len(models)  # it died mid-run
+    return pd.read_parquet(_only_file(out))
+
+
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory, model_assets):
     """The offline preset's three models, with a broken one slipped in second: it crashes in its
-    worker, gets a FAIL row with its error, and the models after it still run."""
+    worker, gets a FAIL row with its error, and the models after it still run. The first attempt
+    is SIGKILLed once a row is written; the same command then skips the recorded models."""
     tmp = tmp_path_factory.mktemp("compat_offline")
     broken = _broken_copy(model_assets["tiny_qwen3_moe"], tmp / "broken-moe")
     models = [OFFLINE[0], str(broken), *OFFLINE[1:]]
     out = tmp / "out"
     args = ("--preset", "offline", "--no_compile", "--models", ",".join(models), "--out_dir", str(out))
     start = time.perf_counter()
+    killed = _kill_after_first_row(args, out)
     run_example(SCRIPT, *args)
-    return out, time.perf_counter() - start, args, models
+    return out, time.perf_counter() - start, args, models, killed
+
+
+def test_killed_check_keeps_its_rows_and_the_rerun_skips_them(offline_run):
+    out, _, _, models, killed = offline_run
+    assert 1 <= len(killed) < len(models) and list(killed["model_id"]) == models[: len(killed)]
+    assert killed.iloc[0]["result"] == "PASS" and killed.iloc[0]["run_py"]
+    assert [f.name for f in out.iterdir() if f.name.startswith(".")] == []  # no half-written file is left
+    skipped = [(m["model_id"], m["skipped"]) for m in read_results(out)["models"]]
+    assert skipped == [(m, i < len(killed)) for i, m in enumerate(models)]
+    after = pd.read_parquet(_only_file(out))
+    kept = ["model_id", "result", "tested_at", "wall_s", "generated_text", "run_py"]  # the rerun kept the rows it found
+    assert after.iloc[: len(killed)][kept].to_dict("records") == killed[kept].to_dict("records")
 
 
 def test_offline_preset_rows(offline_run):
-    out, _, _, models = offline_run
+    out, _, _, models, _ = offline_run
     path = _only_file(out)
     stack = compat.stack_versions()
     assert path.name == f"neuronx-cc-none__transformers-{stack['transformers']}.parquet"
@@ -102,7 +141,7 @@ def test_offline_preset_rows(offline_run):
 
 
 def test_rerun_skips_recorded_models_and_keeps_the_file(offline_run):
-    out, first_s, args, models = offline_run
+    out, first_s, args, models, _ = offline_run
     path = _only_file(out)
     before = path.read_bytes()
     start = time.perf_counter()
@@ -116,7 +155,7 @@ def test_training_rows_beside_generation_rows(offline_run):
     """--task train (issue 9): a few steps of the HF-backend recipe per offline model, written to the
     same Parquet file as the generation rows and found by the lookup. Runs after the rerun test
     (which expects the file unchanged)."""
-    out, _, _, _ = offline_run
+    out, _, _, _, _ = offline_run
     # SmolLM2 is left out here to keep the suite short (its training row takes 90 s on 2 cores; it
     # PASSes: loss 4.35 -> 0.47 in 4 steps, README); the two tiny models show both verdicts.
     models = ("tiny-qwen3", "tiny-qwen3-moe")

@@ -9,29 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from conftest import ROOT, read_results, run_example, script_env
+from conftest import ROOT, kill_after_checkpoint, read_results, run_example, script_env
 
 SCRIPT = "train_native_qwen3.py"
 RUN = ("--steps", "8", "--checkpoint_every", "2", "--no-export", "--seed", "3")
-
-
-def _kill_after_checkpoint(out: Path, step: int, timeout: float = 300) -> None:
-    """Start the run, SIGKILL it once torchtitan's checkpoint for `step` is complete (.metadata)."""
-    cmd = [sys.executable, str(ROOT / "examples" / SCRIPT), *RUN, "--out_dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = out / "checkpoint" / f"step-{step}" / ".metadata"
-    deadline = time.monotonic() + timeout
-    try:
-        while not marker.exists():
-            assert proc.poll() is None, f"run ended (exit {proc.returncode}) before the step-{step} checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert not (out / "results.json").exists()  # it really died mid-run
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, prepared_assets):
@@ -40,13 +22,16 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, prepared_asset
     assert straight["steps"] == list(range(1, 9)) and straight["resumed_from_step"] == 0
 
     killed = tmp_path / "killed"
-    _kill_after_checkpoint(killed, 4)
+    kill_after_checkpoint(SCRIPT, *RUN, out_dir=killed, step=4)
     run_example(SCRIPT, *RUN, "--out_dir", str(killed))  # the same command
     resumed = read_results(killed)
     start = resumed["resumed_from_step"]
     assert start >= 4 and resumed["steps"] == list(range(start + 1, 9)), resumed["steps"]
     expected = straight["losses"][start:]
     assert max(abs(a - b) for a, b in zip(resumed["losses"], expected)) <= 1e-5, (resumed["losses"], expected)
+    # losses.jsonl keeps the killed run's steps: the whole curve (results, loss.png) spans the kill
+    assert resumed["history"]["steps"] == list(range(1, 9))
+    assert max(abs(a - b) for a, b in zip(resumed["history"]["losses"], straight["losses"])) <= 1e-5
 
 
 _EXPORT_LOOP = r"""

@@ -1,5 +1,5 @@
-"""examples/train_moe_nki.py (issue 5): the tiny preset trains 10 steps as plain python and under
-torchrun 2 with the grouped-expert, SDPA and RoPE replacements, exports a Qwen3MoeForCausalLM that
+"""examples/train_moe_nki.py (issue 5): the tiny preset trains 10 steps as plain python (killed
+after its step-5 checkpoint and resumed, issue 8) and under torchrun 2 with the grouped-expert, SDPA and RoPE replacements, exports a Qwen3MoeForCausalLM that
 transformers re-reads (no missing or unexpected keys, max abs logit diff <= 1e-5 with float32
 experts), counts tokens per expert; and the replaced model matches torchtitan's stock MoE over 3
 steps from the same weights (bfloat16 experts on both sides: losses within 1e-4)."""
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import ROOT, assert_clean_error, read_results, run_example
+from conftest import ROOT, assert_clean_error, kill_after_checkpoint, read_results, run_example
 
 SCRIPT = "train_moe_nki.py"
 GOLDEN = ROOT / "tests" / "assets" / "golden_losses" / "train_moe_nki.tiny.json"
@@ -25,12 +25,12 @@ def _expected_replacements():
                   for m in ("attention.inner_attention", "attention.rope", "moe.routed_experts"))
 
 
-def _check_run(res, steps, world):
-    losses = res["losses"]
-    assert len(losses) == steps and losses[-1] < losses[0] - 0.1, losses
+def _check_run(res, world):
+    losses, steps = res["losses"], len(res["steps"])
+    assert losses[-1] < res["history"]["losses"][0] - 0.1, res["history"]
     assert res["world_size"] == world and res["tokens_per_s"] > 0
     assert res["replacements"] == _expected_replacements()
-    load = res["expert_load"]
+    load = res["expert_load"]  # this run's steps (a resumed run counts only its own)
     assert len(load) == EXPERTS and sum(load) == steps * world * BATCH * SEQ * TOP_K * LAYERS
     check = res["export_check"]
     assert check["missing_keys"] == [] and check["unexpected_keys"] == []
@@ -38,13 +38,20 @@ def _check_run(res, steps, world):
     assert res["routing_bias"] == {"load_balance_coeff": None, "exported": False, "expert_bias_max_abs": 0.0}
 
 
-def test_tiny_plain_python(tmp_path, prepared_assets):
-    proc = run_example(SCRIPT, "--steps", "10", "--out_dir", str(tmp_path), "--compare_losses", str(GOLDEN),
-                       "--loss_tolerance", str(GOLDEN_TOL))
+def test_tiny_plain_python_killed_and_resumed(tmp_path, prepared_assets):
+    """The default command with --checkpoint_every 5, SIGKILLed after its step-5 checkpoint and run
+    again (issue 8): the second run resumes, and the whole curve (steps 1-10 over both runs)
+    equals the stored golden losses of an uninterrupted run (issue 9)."""
+    run = ("--steps", "10", "--checkpoint_every", "5", "--compare_losses", str(GOLDEN),
+           "--loss_tolerance", str(GOLDEN_TOL))
+    kill_after_checkpoint(SCRIPT, *run, out_dir=tmp_path, step=5)
+    proc = run_example(SCRIPT, *run, "--out_dir", str(tmp_path))
     res = read_results(tmp_path)
-    _check_run(res, 10, 1)
+    assert res["resumed_from_step"] >= 5 and res["steps"] == list(range(res["resumed_from_step"] + 1, 11))
+    _check_run(res, 1)
     golden = json.loads(GOLDEN.read_text())["losses"]  # issue 9: the first 10 losses are stored
-    assert max(abs(a - b) for a, b in zip(res["losses"], golden)) <= GOLDEN_TOL
+    assert res["history"]["steps"] == list(range(1, 11))
+    assert max(abs(a - b) for a, b in zip(res["history"]["losses"], golden)) <= GOLDEN_TOL
     assert res["loss_comparison"]["passed"] and res["loss_comparison"]["steps_compared"] == 10
     logged = sorted(m.group(2) for m in OVERRIDE.finditer(proc.stdout + proc.stderr))
     assert logged == res["replacements"]  # torchtitan logs one line per replaced module
@@ -55,7 +62,9 @@ def test_tiny_plain_python(tmp_path, prepared_assets):
 
 def test_tiny_torchrun_two_ranks(tmp_path, prepared_assets):
     run_example(SCRIPT, "--steps", "10", "--out_dir", str(tmp_path), torchrun=2)
-    _check_run(read_results(tmp_path), 10, 2)
+    res = read_results(tmp_path)
+    assert res["steps"] == list(range(1, 11))
+    _check_run(res, 2)
 
 
 def test_replacements_match_torchtitan_stock_moe(tmp_path, prepared_assets):
