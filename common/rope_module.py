@@ -18,7 +18,8 @@ NKIRoPE keeps CosSinRoPE's Config fields and cache, so checkpoints and `from_hf`
 It never indexes the cache with positions (no gather, which Trainium runs poorly): with no
 positions it slices the first `seq` rows; with per-token positions (torchtitan's packed documents
 restart at 0) it computes those rows from the positions with the same float32 arithmetic as the
-cache, so the rows are the ones a gather would fetch.
+cache, so the rows are the ones a gather would fetch. The first layer of a forward computes them,
+the other layers reuse them (the same positions tensor reaches every layer).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from torchtitan.models.common.rope import CosSinRoPE, _yarn_inv_freq
 from common.errors import UserError
 from common.rope_op import rope
 
-__all__ = ["NKIRoPE", "nki_rope", "register", "ALL_LAYERS"]
+__all__ = ["NKIRoPE", "nki_rope", "register", "clear_rows_cache", "ALL_LAYERS"]
 
 ALL_LAYERS = "*"
 
@@ -50,10 +51,27 @@ class NKIRoPE(CosSinRoPE):
         if seq > self.cache.shape[0]:
             raise UserError(f"sequence length {seq} is longer than the RoPE cache ({self.cache.shape[0]} positions, "
                             "the model's max_seq_len)")
-        table = self.cache[:seq] if positions is None else self.rows_for(positions)
+        table = self.cache[:seq] if positions is None else self._rows_once_per_forward(positions)
         if table.dim() == 3 and table.shape[0] == 1:
             table = table[0]  # one set of positions for the whole batch
         return rope(query, key, table, lnc=self.config.lnc, check_kernel_shape=self.config.check_kernel_shape)
+
+    def _rows_once_per_forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """rows_for(positions), computed by the first layer of a forward and reused by the others:
+        every layer gets the same `positions` tensor, and the rows depend only on it and the RoPE
+        settings. The entry holds that tensor, so its identity cannot be reused by another one; an
+        in-place change bumps its version and misses."""
+        global _rows_entry
+        key = (positions.device, positions._version, self._rows_settings())
+        if _rows_entry is not None and _rows_entry[0] is positions and _rows_entry[1] == key:
+            return _rows_entry[2]
+        table = self.rows_for(positions)
+        _rows_entry = (positions, key, table)
+        return table
+
+    def _rows_settings(self) -> tuple:
+        c = self.config
+        return (c.dim, c.theta, c.scaling, c.rope_factor, c.beta_fast, c.beta_slow, c.original_seq_len, c.truncate)
 
     def rows_for(self, positions: torch.Tensor) -> torch.Tensor:
         """cat(cos, sin) for per-token `positions` [batch or 1, seq] -> [batch or 1, seq, 2 * dim].
@@ -72,6 +90,15 @@ class NKIRoPE(CosSinRoPE):
         freqs = positions.to(inv_freq.dtype).unsqueeze(-1) * inv_freq  # = torch.outer, row by row
         theta = torch.cat([freqs, freqs], dim=-1)
         return torch.cat([theta.cos(), theta.sin()], dim=-1)
+
+
+_rows_entry: tuple | None = None  # (positions, key, rows): the latest forward's table, shared by the layers
+
+
+def clear_rows_cache() -> None:
+    """Forget the shared table (benchmarks time a first layer with it)."""
+    global _rows_entry
+    _rows_entry = None
 
 
 def nki_rope(cfg: CosSinRoPE.Config, *, lnc: int = 2, check_kernel_shape: bool = False) -> NKIRoPE.Config:

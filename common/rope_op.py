@@ -77,8 +77,10 @@ def _rope_nki(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, ln
     from nkilib.core.embeddings.rope_hf import rope_hf
 
     check_rope_shapes(x_q, x_k, rope_cache, lnc=lnc, kernel_shape=True)
-    x_q, x_k = x_q.contiguous(), x_k.contiguous()  # the kernel addresses HBM as dense [b, h, s, d]
-    q_out, k_out = torch.empty_like(x_q), torch.empty_like(x_k)
+    if not (x_q.is_contiguous() and x_k.is_contiguous()):  # `rope()` hands dense [b, h, s, d] here
+        q_out, k_out = _rope_nki(x_q.contiguous(), x_k.contiguous(), rope_cache, lnc, backward)
+        return torch.empty_like(x_q).copy_(q_out), torch.empty_like(x_k).copy_(k_out)  # the caller's strides
+    q_out, k_out = torch.empty_like(x_q), torch.empty_like(x_k)  # the kernel addresses HBM as dense [b, h, s, d]
     # The kernel loads cos/sin tiles in q's dtype; hand it the cache in that dtype.
     cache = rope_cache.to(x_q.dtype).contiguous()
     if cache.dim() == 2:
@@ -92,37 +94,36 @@ def _rope_nki(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, ln
     return q_out, k_out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def _rotate_half_backward(x: torch.Tensor) -> torch.Tensor:
-    """The adjoint (transpose) of rotate_half: what its input's gradient is, given its output's."""
-    h = x.shape[-1] // 2
-    return torch.cat((x[..., h:], -x[..., :h]), dim=-1)
-
-
 def _rope_torch(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, lnc: int,
                 backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's math in PyTorch (same signature as `_rope_nki`), gather-free: slices and cat.
+    """The kernel's math in PyTorch (same signature as `_rope_nki`), gather-free.
 
-    Computes in float32 (float64 for float64 inputs) and casts back, as torchtitan's CosSinRoPE
-    does, so bf16 results match torchtitan bit for bit. `lnc` only matters to the kernel."""
+    rotate_half(x) * sin is a swap of x's halves times a signed sin, and its adjoint likewise:
+        forward   y  = x * cos + swap(x) * cat(-sin1, sin2)      swap(x) = cat(x2, x1)
+        backward  dx = g * cos + swap(g) * cat(sin2, -sin1)
+    equal bit for bit to the rotate-half form (x2 * -s1 == -(x2 * s1) in IEEE arithmetic). The signed
+    tables are built from the cache rows ([seq, head_dim] work, not per head).
+
+    Takes q and k in any dense strides (`rope()` hands it [batch, heads, seq, head_dim] views of the
+    caller's [batch, seq, heads, head_dim] tensors: no layout copy off Trainium) and writes outputs
+    with the same strides, as the fake impl promises. Computes in float32 (float64 for float64
+    inputs) and rounds once to the input dtype, as torchtitan's CosSinRoPE does, so bf16 results
+    match torchtitan bit for bit. `lnc` only matters to the kernel."""
     del lnc
     compute = torch.promote_types(x_q.dtype, torch.float32)
     d = x_q.shape[-1]
+    h = d // 2
     cos, sin = rope_cache[..., :d].to(compute), rope_cache[..., d:].to(compute)
+    if backward:
+        signed_sin = torch.cat((sin[..., h:], -sin[..., :h]), dim=-1)
+    else:
+        signed_sin = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
     if rope_cache.dim() == 3:  # [batch, seq, 2d] -> [batch, 1, seq, d] against [batch, heads, seq, d]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)
 
     def one(x: torch.Tensor) -> torch.Tensor:
         xf = x.to(compute)
-        if backward:
-            y = xf * cos + _rotate_half_backward(xf * sin)
-        else:
-            y = xf * cos + _rotate_half(xf) * sin
-        return y.to(x.dtype).contiguous()  # dense outputs, as the fake impl promises
+        return torch.add(xf * cos, torch.roll(xf, h, dims=-1) * signed_sin, out=torch.empty_like(x))
 
     return one(x_q), one(x_k)
 
@@ -148,14 +149,12 @@ def rope_bwd(grad_q: torch.Tensor, grad_k: torch.Tensor, rope_cache: torch.Tenso
 
 @rope_fwd.register_fake
 def _(q, k, rope_cache, lnc):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format)
+    return torch.empty_like(q), torch.empty_like(k)  # the inputs' strides
 
 
 @rope_bwd.register_fake
 def _(grad_q, grad_k, rope_cache, lnc):
-    return torch.empty_like(grad_q, memory_format=torch.contiguous_format), \
-        torch.empty_like(grad_k, memory_format=torch.contiguous_format)
+    return torch.empty_like(grad_q), torch.empty_like(grad_k)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -184,9 +183,12 @@ def rope(q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor, *, lnc: int
     (seq a multiple of 128 x LNC, head_dim <= 128) is always checked on a Neuron device, and on
     other devices when `check_kernel_shape` is set, so a CPU run can catch a Trainium-bound config.
     The cache gets no gradient, even with requires_grad set."""
-    # The kernel layout is [batch, heads, seq, head_dim]; the kernel reads it densely.
-    q_k, k_k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
-    check_rope_shapes(q_k, k_k, rope_cache, lnc=lnc,
-                      kernel_shape=check_kernel_shape or q.device.type == "neuron")
+    # The kernel layout is [batch, heads, seq, head_dim]. The NKI kernel reads it densely, so on
+    # Trainium the permute is materialised; the PyTorch path takes the permuted views as they are.
+    on_neuron = q.device.type == "neuron"
+    q_k, k_k = q.transpose(1, 2), k.transpose(1, 2)
+    if on_neuron:
+        q_k, k_k = q_k.contiguous(), k_k.contiguous()
+    check_rope_shapes(q_k, k_k, rope_cache, lnc=lnc, kernel_shape=check_kernel_shape or on_neuron)
     q_out, k_out = torch.ops.qwen3_recipes.rope_fwd(q_k, k_k, rope_cache, lnc)
     return q_out.transpose(1, 2), k_out.transpose(1, 2)

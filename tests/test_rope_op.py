@@ -45,12 +45,20 @@ def _max_abs(ours, ref):
     return max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, ref))
 
 
-def test_opcheck():
-    q, k, dq, dk = (t.transpose(1, 2).contiguous() for t in _inputs(8, 16, torch.float32, q_heads=4, kv_heads=2))
+@pytest.mark.parametrize("dense", [True, False], ids=["kernel_layout", "permuted_views"])
+def test_opcheck(dense):
+    """Registration, fake impl and autograd, on dense [b, h, s, d] tensors (what the kernel gets) and
+    on [b, h, s, d] views of [b, s, h, d] tensors (what `rope()` hands the PyTorch path): outputs
+    keep the inputs' strides, as the fake impl says."""
+    q, k, dq, dk = (t.transpose(1, 2) for t in _inputs(8, 16, torch.float32, q_heads=4, kv_heads=2))
+    if dense:
+        q, k, dq, dk = (t.contiguous() for t in (q, k, dq, dk))
     cache = _cache(8, 16)
     torch.library.opcheck(torch.ops.qwen3_recipes.rope_fwd.default,
                           (q.requires_grad_(), k.requires_grad_(), cache, 2))
     torch.library.opcheck(torch.ops.qwen3_recipes.rope_bwd.default, (dq, dk, cache, 2))
+    out_q, _ = torch.ops.qwen3_recipes.rope_fwd(q, k, cache, 2)
+    assert out_q.stride() == q.stride()
 
 
 def test_gradcheck_float64():

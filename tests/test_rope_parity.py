@@ -34,6 +34,23 @@ def test_rows_for_positions_equal_the_cache_rows():
     assert torch.equal(mod.rows_for(positions), mod.cache[positions])
 
 
+def test_rows_are_computed_once_per_forward_and_never_stale():
+    """Layers 2..N of a forward reuse the rows the first layer computed for the same positions
+    tensor; another tensor, an in-place change or other RoPE settings compute them anew."""
+    a, b = (rope_module.NKIRoPE.Config(dim=64, max_seq_len=1024, theta=1e6).build() for _ in range(2))
+    other = rope_module.NKIRoPE.Config(dim=64, max_seq_len=1024, theta=1e4).build()
+    positions = torch.cat([torch.arange(100), torch.arange(28)])[None]
+    rope_module.clear_rows_cache()
+    first = a._rows_once_per_forward(positions)
+    assert b._rows_once_per_forward(positions) is first  # the next layer: no recompute
+    equal_copy = positions.clone()
+    assert b._rows_once_per_forward(equal_copy) is not first  # a new tensor (the next step's)
+    assert torch.equal(b._rows_once_per_forward(equal_copy), first)
+    assert not torch.equal(other._rows_once_per_forward(equal_copy), first)  # other theta
+    equal_copy[0, 5:] += 3  # in place
+    assert torch.equal(a._rows_once_per_forward(equal_copy), a.cache[equal_copy])
+
+
 def test_nki_rope_module_matches_cosine_sine_rope():
     stock = CosSinRoPE.Config(dim=64, max_seq_len=1024, theta=1e6).build()
     ours = rope_module.NKIRoPE.Config(dim=64, max_seq_len=1024, theta=1e6).build()
