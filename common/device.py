@@ -191,6 +191,9 @@ def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> Dev
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend=BACKENDS[device_type], timeout=timedelta(seconds=timeout_s))
+    # torchtitan's init_distributed skips everything when the group exists, including this: it runs
+    # backward on the calling thread (activation-checkpoint recompute must see the process groups).
+    torch.autograd.set_multithreading_enabled(False)
     return DeviceInfo(device, device_type, BACKENDS[device_type], rank, local_rank, world_size)
 
 
