@@ -35,8 +35,10 @@ assets: env
 demo: setup
 	$(PYTHON) examples/train_native_qwen3.py --preset tiny --steps 10 --out_dir runs/demo_native_qwen3
 
+# Two pytest workers, one test file each at a time (module fixtures run once): most tests run
+# training processes whose imports and set-up use one core.
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
 clean-runs:
 	rm -rf runs
