@@ -50,7 +50,8 @@ def test_bench_rope(tmp_path):
     r = run_bench("bench_rope.py", tmp_path)
     assert r["rows"] and r["target"]["worst_cossin_over_op"] is not None
     for row in r["rows"]:
-        for key in ("op_ms", "cossin_ms", "hf_ms", "cossin_over_op", "hf_over_op"):
+        for key in ("op_ms", "op_first_layer_ms", "cossin_ms", "hf_ms", "cossin_over_op", "cossin_over_op_first_layer",
+                    "hf_over_op"):
             assert finite(row[key]), (key, row[key])
 
 
@@ -58,7 +59,8 @@ def test_bench_moe(tmp_path):
     r = run_bench("bench_moe.py", tmp_path)
     assert [row["experts"] for row in r["rows"]] == [8, 16]
     for row in r["rows"]:
-        for key in ("op_fp32_ms", "loop_fp32_ms", "op_bf16_ms", "stock_bf16_ms", "loop_over_op", "stock_over_op"):
+        for key in ("op_fp32_ms", "loop_fp32_ms", "matmuls_fp32_ms", "op_bf16_ms", "stock_bf16_ms", "loop_over_op",
+                    "stock_over_op", "loop_over_matmuls", "op_over_matmuls"):
             assert finite(row[key]), (key, row[key])
     assert finite(r["target"]["loop_over_op_at_16"])
 
