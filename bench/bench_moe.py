@@ -18,7 +18,7 @@ Candidates, all with the same weights:
 Ratios > 1 mean the op is faster: `loop_over_op` (float32), `stock_over_op` (bfloat16). Each sample
 is the median of `--iters` calls; samples alternate in rounds, warm-up rounds dropped, medians reported.
 
-    python bench/bench_moe.py --out_dir runs/bench/moe                  # about 8 minutes on a busy 2-core machine (bfloat16
+    python bench/bench_moe.py --out_dir runs/bench/moe                  # about 4 minutes on a 2-core machine (bfloat16
                                                                         # grouped matmuls are slow on CPUs without bf16 units)
     python bench/bench_moe.py --preset tiny --out_dir runs/bench/moe_tiny   # seconds (tests)
 
@@ -47,9 +47,9 @@ class Config:
     dim: int = field(default=256, metadata={"help": "model width (a multiple of 8 for torch._grouped_mm)"})
     hidden: int = field(default=256, metadata={"help": "expert hidden size (a multiple of 8)"})
     top_k: int = field(default=4, metadata={"help": "experts per token"})
-    repeats: int = field(default=5, metadata={"help": "alternating rounds measured per expert count"})
+    repeats: int = field(default=3, metadata={"help": "alternating rounds measured per expert count"})
     warmup: int = field(default=1, metadata={"help": "rounds run first and discarded"})
-    iters: int = field(default=5, metadata={"help": "calls per sample (the sample is their median)"})
+    iters: int = field(default=3, metadata={"help": "calls per sample (the sample is their median)"})
     threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
     seed: int = field(default=0, metadata={"help": "seed for weights and inputs"})
 
@@ -61,7 +61,7 @@ class Config:
 
 
 def default() -> Config:
-    """1024 tokens, dim 256, hidden 256, top_k 4, 8/16/32/64 experts, 5 rounds of 5 calls."""
+    """1024 tokens, dim 256, hidden 256, top_k 4, 8/16/32/64 experts, 3 rounds of 3 calls."""
     return Config()
 
 

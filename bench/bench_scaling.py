@@ -14,7 +14,7 @@ then over repeats. Ratios against tiny_1p: `step_over_tiny` (size: compare with 
 torchtitan's FLOPs per token ratio; processes: 0.5 would be perfect scaling), `speedup` and
 `parallel_efficiency` (= speedup / processes) for the 2-process run.
 
-    python bench/bench_scaling.py --out_dir runs/bench/scaling                 # about 9 minutes on a busy 2-core machine
+    python bench/bench_scaling.py --out_dir runs/bench/scaling                 # about 4 minutes on a 2-core machine
     python bench/bench_scaling.py --preset tiny --out_dir runs/bench/scaling_tiny   # tests
 
 On a 2-core machine two processes share the two cores with each other (and with anything else
@@ -51,9 +51,9 @@ class Config:
     out_dir: str = field(default="runs/bench/scaling", metadata={"help": "results.json, models/, logs/, timings/ go here"})
     sizes: str = field(default="small", metadata={"help": "comma-separated larger sizes besides tiny: small, medium"})
     processes: int = field(default=2, metadata={"help": "process count of the multi-process run (1: none)"})
-    steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)"})
+    steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
     threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
-    repeats: int = field(default=3, metadata={"help": "processes of each run, alternating"})
+    repeats: int = field(default=2, metadata={"help": "processes of each run, alternating"})
     global_batch: int = field(default=4, metadata={"help": "sequences per step, split over the processes"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
 
@@ -65,7 +65,7 @@ class Config:
 
 
 def default() -> Config:
-    """tiny and small at 1 process, tiny at 2 processes, global batch 4 x 128 tokens, 8 steps, 3 repeats."""
+    """tiny and small at 1 process, tiny at 2 processes, global batch 4 x 128 tokens, 6 steps, 2 repeats."""
     return Config()
 
 

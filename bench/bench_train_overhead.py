@@ -27,12 +27,13 @@ threads, timed before and after the runs (their median; the practical peak); `no
 /proc/cpuinfo clock x FLOPs per cycle (2 FMA pipes x vector lanes x 2). The MFU column uses the
 measured peak.
 
+    python bench/bench_train_overhead.py --scripts native --out_dir runs/bench/train_native   # one script, ~2 min
     python bench/bench_train_overhead.py --out_dir runs/bench/train_overhead          # all three scripts
-    python bench/bench_train_overhead.py --scripts native --out_dir runs/bench/train_native
     python bench/bench_train_overhead.py --preset tiny --out_dir runs/bench/train_tiny  # tests: native, 3 short steps
 
-On a busy 2-core machine each process costs about 30 s (half of it import and set-up): the default
-(3 scripts x 2 kinds x 3 repeats x 8 steps) took 10 minutes; one script about 3.5.
+Each process costs about 30 s on a 2-core machine (most of it import and set-up): one script
+(2 kinds x 2 repeats x 6 steps) takes about 2 minutes, the default (all three) about 6; more
+repeats (`--repeats 3`, `--steps 8`) narrow the spread.
 results.json: `rows` (one per script), `peak_flops`, `target`.
 """
 from __future__ import annotations
@@ -58,9 +59,9 @@ class Config:
     preset: str = "default"
     out_dir: str = field(default="runs/bench/train_overhead", metadata={"help": "results.json, logs/, timings/ go here"})
     scripts: str = field(default="native,hf,moe", metadata={"help": "comma-separated: native, hf, moe"})
-    steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)"})
+    steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
     threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
-    repeats: int = field(default=3, metadata={"help": "processes of each kind, alternating"})
+    repeats: int = field(default=2, metadata={"help": "processes of each kind, alternating"})
     extra_args: str = field(default="", metadata={"help": "flags added to every training command (e.g. '--seq_len 64')"})
 
     def validate(self) -> None:
@@ -69,7 +70,7 @@ class Config:
 
 
 def default() -> Config:
-    """Each script's CPU preset as it is, 8 steps, 3 alternating repeats."""
+    """Each script's CPU preset as it is, 6 steps, 2 alternating repeats."""
     return Config()
 
 
