@@ -156,14 +156,12 @@ def test_training_rows_beside_generation_rows(offline_run):
     same Parquet file as the generation rows and found by the lookup. Runs after the rerun test
     (which expects the file unchanged)."""
     out, _, _, _, _ = offline_run
-    # SmolLM2 is left out here to keep the suite short (its training row takes 90 s on 2 cores; it
-    # PASSes: loss 4.35 -> 0.47 in 4 steps, README); the two tiny models show both verdicts.
-    models = ("tiny-qwen3", "tiny-qwen3-moe")
+    models = OFFLINE  # every offline model: Qwen3, Qwen3-MoE, Llama (SmolLM2, about 90 s of it)
     run_example(SCRIPT, "--task", "train", "--models", ",".join(models), "--out_dir", str(out))
     df = pd.read_parquet(_only_file(out))
     train = {r["model_id"]: r for r in df[df["task"] == "train"].to_dict("records")}
     assert set(train) == set(models) and set(df[df["task"] == "generate"]["model_id"]) >= set(OFFLINE)
-    for model_id in ("tiny-qwen3",):  # the HF-backend recipe trains Qwen3 and Llama
+    for model_id in ("tiny-qwen3", "smollm2-135m-instruct"):  # the HF-backend recipe trains Qwen3 and Llama
         r = train[model_id]
         losses = json.loads(r["train_losses"])
         assert r["result"] == "PASS" and len(losses) == 4 and losses[-1] < losses[0], (model_id, r["notes"])
@@ -171,7 +169,7 @@ def test_training_rows_beside_generation_rows(offline_run):
     moe = train["tiny-qwen3-moe"]  # an architecture the recipe does not train: FAIL, with the reason
     assert moe["result"] == "FAIL" and "Qwen3MoeForCausalLM" in moe["error"]
     proc = run_example(SCRIPT, "lookup", str(out), "--task", "train")
-    assert proc.stdout.splitlines()[-1] == "2 row(s)" and "train_hf_backend" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "3 row(s)" and "train_hf_backend" in proc.stdout
 
 
 def _gpt2_without_plan(dest: Path) -> Path:
