@@ -783,6 +783,19 @@ def corpus_dir(check: bool = True) -> Path:
     return _asset_dir("corpus", check)
 
 
+def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
+    """The training scripts' `--dataset`/`--dataset_path` as (torchtitan dataset name, folder).
+    Everything loads as torchtitan's c4_test does: `load_dataset(folder, split="train")` over JSON
+    lines with a `text` field. 'corpus' is the offline English corpus from set-up."""
+    if dataset == "corpus":
+        return "c4_test", str(corpus_dir())
+    folder = (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
+    if not Path(folder).is_dir():
+        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
+                        "pointing at a torchtitan checkout's tests/assets/c4_test)")
+    return "c4_test", str(Path(folder).resolve())
+
+
 def smollm2_dir(check: bool = True) -> Path:
     """SmolLM2-135M-Instruct as an HF folder (config.json, model.safetensors, tokenizer files)."""
     return _asset_dir("smollm2", check)

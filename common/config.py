@@ -233,5 +233,19 @@ def format_loss_comparison(c: dict) -> str:
     return "\n".join(rows)
 
 
+def finish_run(results: dict, history: dict, *, compare_with: str | None, tolerance: float, out_dir: Path,
+               title: str, is_main: bool) -> Path | None:
+    """A training run's last steps: the loss comparison (`--compare_losses`) over the whole curve,
+    then on rank 0 loss.png and results.json (atomic). Returns the results.json path on rank 0."""
+    if compare_with:
+        results["loss_comparison"] = compare_losses(history["losses"], compare_with, tolerance, steps=history["steps"])
+        if is_main:
+            print(format_loss_comparison(results["loss_comparison"]), flush=True)
+    if not is_main:
+        return None
+    plot_losses(Path(out_dir) / "loss.png", history["losses"], title, steps=history["steps"])
+    return write_results(out_dir, results)
+
+
 def format_config(cfg) -> str:
     return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())

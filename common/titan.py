@@ -276,3 +276,29 @@ def sdpa_document_attention(cfg: FlexAttention.Config) -> SDPADocumentAttention.
 
 override(target=FlexAttention.Config, exact=True,
          description="causal + packed-document attention through SDPA (CPU, Trainium, CUDA)")(sdpa_document_attention)
+
+
+def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokenizer_dir: Path,
+                     tied_expected: bool, tol: float, is_main: bool, save_reference=None) -> dict:
+    """The end of a run with --export. Every rank: logits of a fixed sentence from the trained model
+    (`save_reference`, default `save_reference_logits`), then `trainer.close()`, which writes
+    torchtitan's last save (HF safetensors) to OUT_DIR/checkpoint/step-STEPS. Rank 0: config.json,
+    tokenizer and version stamp added and the folder moved to OUT_DIR/hf_export atomically
+    (`checkpoint.complete_export`), re-read by transformers in a fresh process, logits compared.
+    Returns the results entries (`export_dir`, `export_check`) on rank 0, {} on the others."""
+    from common import checkpoint
+    from common import config as cli
+
+    reference = Path(out_dir) / "export_reference.safetensors"
+    (save_reference or save_reference_logits)(trainer, tokenizer_dir, reference, is_main=is_main)
+    trainer.close()
+    if not is_main:
+        return {}
+    export_dir = checkpoint.complete_export(Path(out_dir) / "checkpoint" / f"step-{steps}", Path(out_dir) / "hf_export",
+                                            hf_cfg, tokenizer_dir, cli.versions())
+    check = checkpoint.verify_export_subprocess(export_dir, reference, Path(out_dir) / "export_check.json")
+    check["passed"] = checkpoint.export_check_passed(check, tied_expected=tied_expected, tol=tol)
+    print(f"[export] {export_dir}: missing={check['missing_keys']} unexpected={check['unexpected_keys']} "
+          f"tied_lm_head={check['tied_lm_head']} max_abs_logit_diff={check['max_abs_logit_diff']:.3g} "
+          f"passed={check['passed']}", flush=True)
+    return {"export_dir": str(export_dir), "export_check": check}

@@ -115,24 +115,11 @@ PUBLISHED_CONFIG = {"qwen3_4b_instruct": {
 PUBLISHED_PARAMS = {"qwen3_4b_instruct": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 
 
-def resolve_dataset(cfg: Config) -> tuple[str, str]:
-    """(torchtitan dataset name, folder). Everything loads as torchtitan's c4_test does:
-    `load_dataset(folder, split="train")` over JSON lines with a `text` field."""
-    if cfg.dataset == "corpus":
-        return "c4_test", str(assets.corpus_dir())
-    folder = cfg.dataset_path if cfg.dataset == "c4_test" else cfg.dataset
-    folder = folder or "tests/assets/c4_test"
-    if not Path(folder).is_dir():
-        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
-                        "pointing at a torchtitan checkout's tests/assets/c4_test)")
-    return "c4_test", str(Path(folder).resolve())
-
-
 def preflight(cfg: Config) -> dict:
     """Check every input before any process group or model exists, so bad input fails fast."""
     from common import hf_backend
 
-    found = {"dataset": resolve_dataset(cfg)}
+    found = {"dataset": assets.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
         cli.read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     ckpt = Path(cfg.hf_checkpoint)
@@ -245,7 +232,6 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
 
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
-    step_dir = out_dir / "checkpoint"
     titan.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
@@ -282,28 +268,16 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "export_dir": None, "export_check": None,
     }
     if cfg.export:
-        tokenizer_dir = found["checkpoint"]
         hf_cfg = hf_backend.export_config(found["hf_config"], dtype=tc.checkpoint.export_dtype)
-        reference = out_dir / "export_reference.safetensors"
-        hf_backend.save_reference_logits(trainer, tokenizer_dir, reference, is_main=dev.is_main)
-        trainer.close()
-        if dev.is_main:
-            export_dir = checkpoint.complete_export(step_dir / f"step-{cfg.steps}", out_dir / "hf_export",
-                                                    hf_cfg, tokenizer_dir, cli.versions())
-            check = checkpoint.verify_export_subprocess(export_dir, reference, out_dir / "export_check.json")
-            check["passed"] = checkpoint.export_check_passed(check, tied_expected=tied, tol=cfg.export_tolerance)
-            results.update(export_dir=str(export_dir), export_check=check)
-            log(f"[export] {export_dir}: missing={check['missing_keys']} unexpected={check['unexpected_keys']} "
-                f"tied_lm_head={check['tied_lm_head']} max_abs_logit_diff={check['max_abs_logit_diff']:.3g}")
+        results.update(titan.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
+                                              tokenizer_dir=found["checkpoint"], tied_expected=tied,
+                                              tol=cfg.export_tolerance, is_main=dev.is_main,
+                                              save_reference=hf_backend.save_reference_logits))
     else:
         trainer.close()
-    if cfg.compare_losses:
-        results["loss_comparison"] = cli.compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
-                                                        steps=history["steps"])
-        log(cli.format_loss_comparison(results["loss_comparison"]))
+    path = cli.finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
+                          out_dir=out_dir, title=f"train_hf_backend ({cfg.preset}, {cfg.init})", is_main=dev.is_main)
     if dev.is_main:
-        cli.plot_losses(out_dir / "loss.png", history["losses"], f"train_hf_backend ({cfg.preset}, {cfg.init})", steps=history["steps"])
-        path = cli.write_results(out_dir, results)
         log(f"[done] {cfg.init}: losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; "
             f"{results['tokens_per_s']:.0f} tokens/s; {path}")
     return results

@@ -129,21 +129,9 @@ def model_shape(cfg: Config) -> dict:
             "num_experts_per_tok": cfg.top_k}
 
 
-def resolve_dataset(cfg: Config) -> tuple[str, str]:
-    """(torchtitan dataset name, folder), loaded as torchtitan's c4_test: JSON lines with `text`."""
-    if cfg.dataset == "corpus":
-        return "c4_test", str(assets.corpus_dir())
-    folder = cfg.dataset_path if cfg.dataset == "c4_test" else cfg.dataset
-    folder = folder or "tests/assets/c4_test"
-    if not Path(folder).is_dir():
-        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
-                        "pointing at a torchtitan checkout's tests/assets/c4_test)")
-    return "c4_test", str(Path(folder).resolve())
-
-
 def preflight(cfg: Config) -> dict:
     """Check every input before any process group or model exists, so bad input fails fast."""
-    found = {"dataset": resolve_dataset(cfg)}
+    found = {"dataset": assets.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
         cli.read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
@@ -259,7 +247,6 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
 
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
-    step_dir = out_dir / "checkpoint"
     titan.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
@@ -296,27 +283,14 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     }
     if cfg.export:
         hf_cfg = checkpoint.hf_config_from_qwen3_moe(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
-        reference = out_dir / "export_reference.safetensors"
-        titan.save_reference_logits(trainer, tokenizer_dir, reference, is_main=dev.is_main)
-        trainer.close()
-        if dev.is_main:
-            export_dir = checkpoint.complete_export(step_dir / f"step-{cfg.steps}", out_dir / "hf_export",
-                                                    hf_cfg, tokenizer_dir, cli.versions())
-            check = checkpoint.verify_export_subprocess(export_dir, reference, out_dir / "export_check.json")
-            check["passed"] = checkpoint.export_check_passed(
-                check, tied_expected=hf_cfg["tie_word_embeddings"], tol=cfg.export_tolerance)
-            results.update(export_dir=str(export_dir), export_check=check)
-            log(f"[export] {export_dir}: missing={check['missing_keys']} unexpected={check['unexpected_keys']} "
-                f"max_abs_logit_diff={check['max_abs_logit_diff']:.3g}")
+        results.update(titan.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
+                                              tokenizer_dir=tokenizer_dir, tied_expected=hf_cfg["tie_word_embeddings"],
+                                              tol=cfg.export_tolerance, is_main=dev.is_main))
     else:
         trainer.close()
-    if cfg.compare_losses:
-        results["loss_comparison"] = cli.compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
-                                                        steps=history["steps"])
-        log(cli.format_loss_comparison(results["loss_comparison"]))
+    path = cli.finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
+                          out_dir=out_dir, title=f"train_moe_nki ({cfg.preset})", is_main=dev.is_main)
     if dev.is_main:
-        cli.plot_losses(out_dir / "loss.png", history["losses"], f"train_moe_nki ({cfg.preset})", steps=history["steps"])
-        path = cli.write_results(out_dir, results)
         log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
     return results
 
