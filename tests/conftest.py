@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -24,13 +25,18 @@ def script_env() -> dict:
     return env
 
 
+def example_command(script: str, *args: str, torchrun: int = 0) -> list[str]:
+    """The command line of an example: plain python, or torchrun with `torchrun` processes."""
+    path = str(ROOT / "examples" / script)
+    if torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
+                path, *args]
+    return [sys.executable, path, *args]
+
+
 def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,
                 check: bool = True) -> subprocess.CompletedProcess:
-    path = str(ROOT / "examples" / script)
-    cmd = [sys.executable, path, *args]
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={torchrun}", path, *args]
+    cmd = example_command(script, *args, torchrun=torchrun)
     proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
@@ -38,30 +44,33 @@ def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,
     return proc
 
 
-def kill_after_checkpoint(script: str, *args: str, out_dir: Path, step: int, torchrun: int = 0,
-                          timeout: float = 400) -> None:
-    """Run an example, SIGKILL it (every process of it) once torchtitan's checkpoint for `step` is
-    complete (its .metadata is written last), and check that it died mid-run."""
-    path = str(ROOT / "examples" / script)
-    cmd = [sys.executable, path, *args, "--out_dir", str(out_dir)]
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
-               path, *args, "--out_dir", str(out_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, torchrun: int = 0,
+              timeout: float = 400) -> None:
+    """Run an example and SIGKILL it, every process of it, as soon as `ready()` holds; fail if it
+    ends first or `what` does not happen within `timeout` seconds."""
+    proc = subprocess.Popen(example_command(script, *args, torchrun=torchrun), cwd=ROOT, env=script_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # its own process group: the kill reaches every rank
-    marker = Path(out_dir) / "checkpoint" / f"step-{step}" / ".metadata"
     deadline = time.monotonic() + timeout
     try:
-        while not marker.exists():
-            assert proc.poll() is None, f"run ended (exit {proc.returncode}) before the step-{step} checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.2)
+        while not ready():
+            assert proc.poll() is None, f"run ended (exit {proc.returncode}) before {what}"
+            assert time.monotonic() < deadline, f"no {what} in time"
+            time.sleep(0.1)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def kill_after_checkpoint(script: str, *args: str, out_dir: Path, step: int, torchrun: int = 0) -> None:
+    """Run an example, SIGKILL it (every process of it) once torchtitan's checkpoint for `step` is
+    complete (its .metadata is written last), and check that it died mid-run."""
+    marker = Path(out_dir) / "checkpoint" / f"step-{step}" / ".metadata"
+    kill_when(script, *args, "--out_dir", str(out_dir), ready=marker.exists, what=f"the step-{step} checkpoint",
+              torchrun=torchrun)
     assert not (Path(out_dir) / "results.json").exists()  # it really died mid-run
 
 

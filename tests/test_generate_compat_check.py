@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import assets, compat
-from conftest import ROOT, assert_clean_error, read_results, run_example, script_env
+from conftest import ROOT, assert_clean_error, kill_when, read_results, run_example
 
 SCRIPT = "generate_compat_check.py"
 OFFLINE = ("tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct")
@@ -53,18 +49,7 @@ def _broken_copy(src: Path, dest: Path) -> Path:
 def _kill_after_first_row(args: tuple, out: Path, timeout: float = 300) -> pd.DataFrame:
     """Start the check, SIGKILL it (its workers too) as soon as its Parquet file holds a row, and
     return what a reader then finds in the file (issue 8: finished rows survive a kill)."""
-    cmd = [sys.executable, str(ROOT / "examples" / SCRIPT), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while not list(out.glob("*.parquet")):
-            assert proc.poll() is None, f"the check ended (exit {proc.returncode}) before its first row"
-            assert time.monotonic() < deadline, "no row in time"
-            time.sleep(0.1)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_when(SCRIPT, *args, ready=lambda: any(out.glob("*.parquet")), what="its first row", timeout=timeout)
     models = args[args.index("--models") + 1].split(",")
     done = read_results(out)["models"] if (out / "results.json").exists() else []  # written after each model
     assert len(done) < len(models)  # it died mid-run
