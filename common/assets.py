@@ -633,24 +633,28 @@ TINY_QWEN3_CONFIG: dict[str, Any] = {
 TINY_QWEN3_SEED = 0
 
 
-def _build_tiny_qwen3(out: Path) -> dict[str, Any]:
+def _build_seeded_model(out: Path, config_cls: str, model_cls: str, config: dict, seed: int) -> dict[str, Any]:
+    """A seeded random transformers model of `config`, saved with the Qwen3 tokenizer files."""
     import torch
     import transformers
 
-    with _step("initialise a seeded random Qwen3ForCausalLM and save it with the Qwen3 tokenizer"):
-        config = transformers.Qwen3Config(**TINY_QWEN3_CONFIG)
-        torch.manual_seed(TINY_QWEN3_SEED)
-        transformers.Qwen3ForCausalLM(config).save_pretrained(out)
+    with _step(f"initialise a seeded random {model_cls} and save it with the Qwen3 tokenizer"):
+        torch.manual_seed(seed)
+        getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).save_pretrained(out)
         source = tokenizer_dir()
         for name in TOKENIZER_FILES:
             shutil.copy2(source / name, out / name)
     return {
         "kind": "generated",
-        "seed": TINY_QWEN3_SEED,
-        "config": TINY_QWEN3_CONFIG,
+        "seed": seed,
+        "config": config,
         "tokenizer_from": ASSETS["tokenizer"].folder,
         "built_with": _versions("transformers", "torch"),
     }
+
+
+def _build_tiny_qwen3(out: Path) -> dict[str, Any]:
+    return _build_seeded_model(out, "Qwen3Config", "Qwen3ForCausalLM", TINY_QWEN3_CONFIG, TINY_QWEN3_SEED)
 
 
 def _check_tiny_qwen3(folder: Path) -> None:
@@ -690,23 +694,8 @@ TINY_QWEN3_MOE_SEED = 0
 
 
 def _build_tiny_qwen3_moe(out: Path) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    with _step("initialise a seeded random Qwen3MoeForCausalLM and save it with the Qwen3 tokenizer"):
-        config = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE_CONFIG)
-        torch.manual_seed(TINY_QWEN3_MOE_SEED)
-        transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
-        source = tokenizer_dir()
-        for name in TOKENIZER_FILES:
-            shutil.copy2(source / name, out / name)
-    return {
-        "kind": "generated",
-        "seed": TINY_QWEN3_MOE_SEED,
-        "config": TINY_QWEN3_MOE_CONFIG,
-        "tokenizer_from": ASSETS["tokenizer"].folder,
-        "built_with": _versions("transformers", "torch"),
-    }
+    return _build_seeded_model(out, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_QWEN3_MOE_CONFIG,
+                               TINY_QWEN3_MOE_SEED)
 
 
 def _check_tiny_qwen3_moe(folder: Path) -> None:
