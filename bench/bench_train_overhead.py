@@ -82,10 +82,6 @@ def tiny() -> Config:
 PRESETS = {"default": default, "tiny": tiny}
 
 
-def peak(n_samples: list[float]) -> float:
-    return statistics.median(n_samples)
-
-
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     names = [s for s in cfg.scripts.split(",") if s]

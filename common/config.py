@@ -215,12 +215,12 @@ def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: floa
     numbered = list(zip(steps or range(1, len(losses) + 1), losses))
     pairs = [(s, loss) for s, loss in numbered if 1 <= s <= len(reference)]
     n = len(pairs)
-    steps = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
-             for s, loss in pairs]
-    worst = max((s["abs_diff"] for s in steps), default=float("nan"))
-    first = next((s["step"] for s in steps if s["abs_diff"] > tolerance), None)
+    per_step = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
+                for s, loss in pairs]
+    worst = max((r["abs_diff"] for r in per_step), default=float("nan"))
+    first = next((r["step"] for r in per_step if r["abs_diff"] > tolerance), None)
     return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
-            "first_differing_step": first, "passed": n > 0 and first is None, "per_step": steps}
+            "first_differing_step": first, "passed": n > 0 and first is None, "per_step": per_step}
 
 
 def format_loss_comparison(c: dict) -> str:

@@ -62,7 +62,7 @@ class NKIRoPE(CosSinRoPE):
         settings. The entry holds that tensor, so its identity cannot be reused by another one; an
         in-place change bumps its version and misses."""
         global _rows_entry
-        key = (positions.device, positions._version, self._rows_settings())
+        key = (positions._version, self._rows_settings())
         if _rows_entry is not None and _rows_entry[0] is positions and _rows_entry[1] == key:
             return _rows_entry[2]
         table = self.rows_for(positions)

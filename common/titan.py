@@ -21,7 +21,8 @@ from torchtitan.config import override
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
 from torchtitan.trainer import Trainer
 
-from common.config import atomic_write_text
+from common import checkpoint
+from common import config as cli
 from common.device import DeviceInfo
 
 ATTN_BACKENDS = ("sdpa", "flex")
@@ -173,7 +174,7 @@ class LossRecorder:
         (a fresh run starts the file anew), so the file is the whole loss curve across kills."""
         if len(self.steps) == 1:
             kept = [r for r in read_progress(self.progress) if r["step"] < step]
-            atomic_write_text(self.progress, "".join(json.dumps(r) + "\n" for r in kept))
+            cli.atomic_write_text(self.progress, "".join(json.dumps(r) + "\n" for r in kept))
         with open(self.progress, "a") as f:  # a kill can cut the last line; read_progress skips it
             f.write(json.dumps({"step": step, "loss": loss}) + "\n")
 
@@ -286,9 +287,6 @@ def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokeni
     tokenizer and version stamp added and the folder moved to OUT_DIR/hf_export atomically
     (`checkpoint.complete_export`), re-read by transformers in a fresh process, logits compared.
     Returns the results entries (`export_dir`, `export_check`) on rank 0, {} on the others."""
-    from common import checkpoint
-    from common import config as cli
-
     reference = Path(out_dir) / "export_reference.safetensors"
     (save_reference or save_reference_logits)(trainer, tokenizer_dir, reference, is_main=is_main)
     trainer.close()

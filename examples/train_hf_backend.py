@@ -92,7 +92,7 @@ def tiny() -> Config:
 
 def smollm2() -> Config:
     """CPU: the real pretrained SmolLM2-135M-Instruct (Llama architecture) from set-up, float32,
-    local batch 1 as in the guide, 64 tokens a sequence (about 2 s a step on 2 cores)."""
+    local batch 1 as in the guide, 64 tokens a sequence (about 3.3 s a step on 2 cores)."""
     return replace(Config(), hf_checkpoint=str(assets.smollm2_dir(check=False)), lr=3e-4, local_batch_size=1,
                    seq_len=64)
 
