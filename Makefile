@@ -30,7 +30,7 @@ $(STAMP): requirements.txt
 
 assets: env
 	@echo "== preparing offline assets in $(CACHE)/assets (tokenizer, corpus, models)"
-	$(PYTHON) -m common.assets prepare
+	$(PYTHON) -m tools.prepare_assets prepare
 
 demo: setup
 	$(PYTHON) examples/train_native_qwen3.py --preset tiny --steps 10 --out_dir runs/demo_native_qwen3

@@ -5,7 +5,7 @@ Stage split: for each model, the script's own per-process function
 `examples/generate_compat_check.py:generate_on_device(job)` runs in this process (a single-core job,
 as the CPU preset runs every offline model), with timers around transformers'
 `AutoModelForCausalLM.from_pretrained` and `GenerationMixin.generate` (class attributes, wrapped for
-the duration of the call and restored), then the English judge (`common.compat.EnglishJudge`, as
+the duration of the call and restored), then the English judge (`compat_check.rows.EnglishJudge`, as
 the script builds it) judges the text:
     load        first from_pretrained (weights into the model that is checked)
     compile     the script's `compile_s` (Dynamo + inductor; 0 with --no_compile, the default here)
@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 SCRIPT = cb.ROOT / "examples" / "generate_compat_check.py"
@@ -179,7 +179,8 @@ def main(cfg: Config) -> dict:
         results = {"config": cfg, "skipped": msg, "rows": []}
         cb.write(out_dir, "compat_check", results, f"compat check: {msg}")
         return results
-    from common import assets, compat
+    from common import paths
+    from compat_check import rows as compat
 
     specs = script.model_specs(cfg.models)
     judge_cache: list = []
@@ -188,7 +189,7 @@ def main(cfg: Config) -> dict:
     def judge():
         if not judge_cache:
             t0 = time.perf_counter()
-            judge_cache.append(compat.EnglishJudge(assets.smollm2_dir(), compat.JudgeLimits()))
+            judge_cache.append(compat.EnglishJudge(paths.smollm2_dir(), compat.JudgeLimits()))
             judge_load.append(time.perf_counter() - t0)
         return judge_cache[0]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import assets  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import paths  # noqa: E402
+from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 
@@ -59,7 +59,7 @@ PRESETS = {"default": default, "tiny": tiny}
 
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    tiny_dir = assets.tiny_qwen3_dir()
+    tiny_dir = paths.tiny_qwen3_dir()
     args = ["--steps", str(cfg.steps), "--no-export", *cfg.extra_args.split()]
     runs = {"native": ("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(tiny_dir), *args], 1),
             "hf": ("ours", "train_hf_backend.py", ["--hf_checkpoint", str(tiny_dir), *args], 1)}

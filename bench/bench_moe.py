@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 
@@ -102,8 +102,8 @@ def candidates(cfg: Config, num_experts: int, gen) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from common.moe_module import grouped_experts_op
-    from common.moe_op import grouped_experts
+    from common.kernels.moe_module import grouped_experts_op
+    from common.kernels.moe_op import grouped_experts
 
     T, D, H, E, K = cfg.tokens, cfg.dim, cfg.hidden, num_experts, cfg.top_k
     x0 = torch.randn(T, D, generator=gen)

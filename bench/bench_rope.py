@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 # (name, batch, seq, q_heads, kv_heads, head_dim, positions): rope_parity.py's shapes and one
@@ -100,8 +100,8 @@ def candidates(shape, dtype, gen) -> dict:
 
     sys.path.insert(0, str(cb.ROOT / "examples"))
     from rope_parity import make_positions  # the parity check's position kinds, not a copy
-    from common import rope_module
-    from common.rope_module import NKIRoPE
+    from common.kernels import rope_module
+    from common.kernels.rope_module import NKIRoPE
 
     _, b, s, hq, hkv, d, kind = shape
     pos = make_positions(kind, b, s, gen)

@@ -32,11 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import assets  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import checkpoint, cli, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
-# Larger dense Qwen3 shapes, the rest as assets.TINY_QWEN3_CONFIG (vocabulary, rope, tied embeddings).
+# Larger dense Qwen3 shapes, the rest as the tiny Qwen3's config.json (vocabulary, rope, tied embeddings).
 SIZES = {
     "small": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32},
@@ -82,7 +81,7 @@ def write_model(size: str, folder: Path) -> Path:
     import torch
     import transformers
 
-    shape = {**assets.TINY_QWEN3_CONFIG, **SIZES[size]}
+    shape = {**checkpoint.read_hf_config(paths.tiny_qwen3_dir()), **SIZES[size]}
     if (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()).get("hidden_size") \
             == shape["hidden_size"] and (folder / "model.safetensors").is_file():
         return folder
@@ -90,8 +89,8 @@ def write_model(size: str, folder: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).save_pretrained(tmp)
-    for name in assets.TOKENIZER_FILES:
-        shutil.copy2(assets.tiny_qwen3_dir() / name, tmp / name)
+    for name in checkpoint.TOKENIZER_FILES:
+        shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
@@ -104,7 +103,7 @@ def main(cfg: Config) -> dict:
         raise UserError(f"--sizes takes a comma-separated subset of {', '.join(SIZES)}, got {cfg.sizes!r}")
     common = ["--steps", str(cfg.steps), "--no-export", "--seq_len", str(cfg.seq_len)]
     one = ["--local_batch_size", str(cfg.global_batch)]
-    models = {"tiny": assets.tiny_qwen3_dir(), **{s: write_model(s, out_dir / "models" / s) for s in sizes}}
+    models = {"tiny": paths.tiny_qwen3_dir(), **{s: write_model(s, out_dir / "models" / s) for s in sizes}}
     runs = {f"{m}_1p": ("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(folder), *common, *one], 1)
             for m, folder in models.items()}
     if cfg.processes > 1:

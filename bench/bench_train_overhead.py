@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 SCRIPTS = {"native": "train_native_qwen3.py", "hf": "train_hf_backend.py", "moe": "train_moe_nki.py"}

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import config as cli  # noqa: E402
+from common import cli  # noqa: E402
+from common.results import versions, write_results  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ alternating repeats
@@ -255,9 +256,9 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 
 def write(out_dir: Path, name: str, results: dict, table: str) -> Path:
-    """results.json (STYLE 9) with the benchmark's name, machine, versions and the table text."""
-    results = {"benchmark": name, "machine": machine(), "versions": cli.versions(), **results, "table": table}
-    path = cli.write_results(out_dir, results)
+    """results.json with the benchmark's name, machine, versions and the table text."""
+    results = {"benchmark": name, "machine": machine(), "versions": versions(), **results, "table": table}
+    path = write_results(out_dir, results)
     print(table)
     print(f"[bench] {name}: {path}")
     return path

@@ -40,8 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import config as cli  # noqa: E402
+from common import cli  # noqa: E402
 from common import device  # noqa: E402
+from common.results import atomic_write_text  # noqa: E402
 
 RECORD: dict = {"mode": None, "script": None, "start": None, "steps": [], "times": [], "losses": [],
                 "tokens_seen": [], "cpu_times": [], "flops_per_token": None, "world_size": None}
@@ -74,9 +75,9 @@ def install_timer(fix_hf_rotary: bool) -> None:
 
     def timed_train(self, *a, **k):
         if fix_hf_rotary:
-            from common import hf_backend
-            hf_backend.recompute_rotary_buffers(self.model_parts[0])
-            hf_backend.check_rotary_buffers(self.model_parts[0])
+            from hf_backend import fixes as hf_fixes
+            hf_fixes.recompute_rotary_buffers(self.model_parts[0])
+            hf_fixes.check_rotary_buffers(self.model_parts[0])
         RECORD["start"] = time.perf_counter()
         RECORD["times"].append(RECORD["start"])  # times[0]: training starts; times[i]: step i ends
         RECORD["cpu_times"].append(time.process_time())
@@ -140,7 +141,7 @@ def main() -> int:
     finally:
         RECORD["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
         if int(os.environ.get("RANK", "0")) == 0 and RECORD["steps"]:
-            cli.atomic_write_text(ns.timing_file, json.dumps(RECORD, indent=1) + "\n")
+            atomic_write_text(ns.timing_file, json.dumps(RECORD, indent=1) + "\n")
     return code
 
 

@@ -1,9 +1,9 @@
-"""HF checkpoints in and out of torchtitan: validation before a load, config.json both ways,
-completing torchtitan's HF export (it writes only safetensors + index), atomic writes, and a
-verification that re-reads the export with transformers in a separate process.
+"""HF checkpoints in and out of torchtitan: validation before a load (headers, keys, shapes,
+architecture, no remote code) and config.json both ways (torchtitan model specs for dense and MoE
+Qwen3 built from it, and written back from them).
 
-Usage of the verifier on its own:
-    python -m common.checkpoint verify EXPORT_DIR --reference REF.safetensors --out check.json
+A folder on its own:
+    python -m common.checkpoint validate CKPT_DIR [--arch Qwen3ForCausalLM]
 """
 from __future__ import annotations
 
@@ -295,149 +295,23 @@ def hf_config_from_qwen3_moe(model_config, *, dtype: str = "float32") -> dict:
 
 
 # --------------------------------------------------------------------------- export
-def stage_hf_assets(dest: Path, tokenizer_dir: Path, checkpoint_dir: Path | None = None) -> Path:
-    """torchtitan reads the tokenizer and (for a load) config.json + index from one folder,
-    `hf_assets_path`. Build it from links: tokenizer files, plus the checkpoint's config/index."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        src = tokenizer_dir / name
-        if src.is_file():
-            (dest / name).symlink_to(src.resolve())
-    if checkpoint_dir is not None:
-        for src in [checkpoint_dir / "config.json", *checkpoint_dir.glob("*.safetensors.index.json")]:
-            if src.is_file():
-                (dest / src.name).symlink_to(src.resolve())
-    return dest
-
-
-def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer_dir: Path,
-                    versions: dict) -> Path:
-    """Turn torchtitan's last HF save (safetensors + index only) into a folder that
-    `from_pretrained` opens as is: add config.json and the tokenizer files, then move it into
-    place with one rename. A previous export is replaced only once the new one is complete."""
-    if not step_dir.is_dir():
-        raise RuntimeError(f"torchtitan wrote no HF export at {step_dir}")
-    tmp = export_dir.with_name(f".{export_dir.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.move(str(step_dir), tmp)
-    shutil.rmtree(tmp / "sharded", ignore_errors=True)  # torchtitan's pre-consolidation shards
-    cfg = dict(hf_config)
-    cfg["qwen3_recipes_versions"] = versions  # the stack the export was made with
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, tmp / name)
-    _fsync_tree(tmp)
-    old = export_dir.with_name(f".{export_dir.name}.old")
-    if export_dir.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(export_dir, old)
-    os.replace(tmp, export_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return export_dir
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------- verification
-def verify_export_subprocess(export_dir: Path, reference: Path, out_json: Path) -> dict:
-    """Re-read the export with transformers in a fresh process (no state shared with the trainer,
-    whose libraries may have patched transformers) and return the check as a dict."""
-    repo_root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "common.checkpoint", "verify", str(export_dir),
-           "--reference", str(reference), "--out", str(out_json)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"export verification failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(out_json.read_text())
-
-
-def verify_export(export_dir: Path, reference: Path) -> dict:
-    """Load the export with AutoModelForCausalLM and compare its logits on the reference input."""
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    ref = load_file(str(reference))
-    model, info = AutoModelForCausalLM.from_pretrained(
-        export_dir, dtype=torch.float32, output_loading_info=True)
-    model.eval()
-    stored = set(checkpoint_tensors(export_dir))
-    lm_head = model.get_output_embeddings().weight
-    tied = lm_head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-    with torch.no_grad():
-        logits = model(ref["input_ids"], position_ids=ref["position_ids"]).logits.float()
-    return {
-        "missing_keys": sorted(info["missing_keys"]),
-        "unexpected_keys": sorted(info["unexpected_keys"]),
-        "mismatched_keys": [str(k) for k in info.get("mismatched_keys", [])],
-        "tied_lm_head": bool(tied),
-        "lm_head_in_file": "lm_head.weight" in stored,
-        "max_abs_logit_diff": float((logits - ref["logits"].float()).abs().max()),
-        **version_check(json.loads((export_dir / "config.json").read_text()).get("qwen3_recipes_versions")),
-    }
-
-
-def version_check(export_versions: dict | None) -> dict:
-    """The stack an export was made with (stamped in its config.json) against the one reading it:
-    {export_versions, reader_versions, version_mismatch: {package: [made with, read with]}}."""
-    from common.config import versions
-
-    reader = versions()
-    made = export_versions or {}
-    mismatch = {k: [made.get(k), reader.get(k)] for k in sorted(set(made) | set(reader))
-                if made.get(k) != reader.get(k)}
-    return {"export_versions": export_versions, "reader_versions": reader,
-            "version_mismatch": mismatch if export_versions is not None else None}
-
-
-def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool:
-    return (not check["missing_keys"] and not check["unexpected_keys"]
-            and not check.get("mismatched_keys")
-            and check["tied_lm_head"] == tied_expected
-            and check["max_abs_logit_diff"] <= tol)
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="re-read an HF export and compare logits with a reference")
-    v.add_argument("export_dir", type=Path)
-    v.add_argument("--reference", type=Path, required=True,
-                   help="safetensors file with input_ids, position_ids and the trained model's logits")
-    v.add_argument("--out", type=Path, required=True, help="where to write the check as JSON")
-    c = sub.add_parser("validate", help="check an HF checkpoint folder before loading it")
-    c.add_argument("ckpt_dir", type=Path)
-    c.add_argument("--arch", default="Qwen3ForCausalLM")
+    p = argparse.ArgumentParser(description="Check an HF checkpoint folder before loading it.")
+    p.add_argument("cmd", choices=["validate"])
+    p.add_argument("ckpt_dir", type=Path)
+    p.add_argument("--arch", default="Qwen3ForCausalLM")
     args = p.parse_args(argv)
     try:
-        if args.cmd == "verify":
-            check = verify_export(args.export_dir, args.reference)
-            from common.config import atomic_write_text
-            atomic_write_text(args.out, json.dumps(check, indent=2))
-            print(json.dumps(check))
-        else:
-            cfg = validate_hf_checkpoint(args.ckpt_dir, (args.arch,))
-            print(f"{args.ckpt_dir}: ok")
-            stamp = version_check(cfg.get("qwen3_recipes_versions"))
-            if stamp["version_mismatch"]:
-                print("made with a different stack: " + ", ".join(
-                    f"{k} {a} (reading with {b})" for k, (a, b) in stamp["version_mismatch"].items()))
+        validate_hf_checkpoint(args.ckpt_dir, (args.arch,))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(f"{args.ckpt_dir}: ok")
     return 0
 
 

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from common.errors import UserError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "neuron")
-# One process group backend per device type (STYLE 7).
+# One process group backend per device type.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,29 @@ class _CPUDeviceModule(SimpleNamespace):
         return SimpleNamespace(total_memory=self._total, name=self.get_device_name())
 
     def memory_stats(self, device=None) -> dict[str, int]:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        peak = peak_memory_bytes("cpu")
         return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+
+
+def synchronize(device_type: str) -> None:
+    """Wait for queued device work, so that a wall time covers it."""
+    import torch
+
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    elif device_type == "neuron":  # only reached after setup() found torch-neuronx
+        torch.neuron.synchronize()
+
+
+def peak_memory_bytes(device_type: str) -> int:
+    """Peak device memory of this process. CPU has no device memory: the peak resident set size."""
+    import torch
+
+    if device_type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    if device_type == "neuron":
+        return int(torch.neuron.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def route_torchtitan_device(device_type: str) -> None:
@@ -156,7 +178,7 @@ def route_torchtitan_device(device_type: str) -> None:
 
 
 def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
-    """Neuron runtime/compiler settings, from config fields, in one place (STYLE 4). Trainium only:
+    """Neuron runtime/compiler settings, from config fields, in one place. Trainium only:
     LNC (logical NeuronCore size) must match the NKI kernels' launch grid; the NEFF cache keeps
     compiled graphs across runs so only the first run pays for neuronx-cc."""
     env = {"NEURON_LOGICAL_NC_CONFIG": str(lnc)}

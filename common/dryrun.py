@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from common.device import GIB
 from common.errors import UserError
+from common.results import versions, write_results
 
-GIB = 1024 ** 3
 TRN2_LNC2_CORE_GIB = 24.0
 
 
@@ -140,10 +141,10 @@ def format_table(r: dict) -> str:
 def finish(r: dict, *, out_dir, results: dict, per_core_gib: float) -> dict:
     """Print the table, write results.json with the `dry_run` section, then fail (exit 2) when the
     size is off the published one or the plan does not fit, naming what overflows."""
-    from common import config as cli
+    from common import cli
 
     print(format_table(r))
-    cli.write_results(out_dir, {**results, "versions": cli.versions(), "dry_run": r})
+    write_results(out_dir, {**results, "versions": versions(), "dry_run": r})
     check_published(r)
     if not r["fits"]:
         raise UserError(f"the plan does not fit {per_core_gib:g} GiB per core at {r['world_size']} ranks: "

@@ -59,9 +59,10 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import assets, compat, device  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import cli, device, paths  # noqa: E402
+from compat_check import rows as compat  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.results import atomic_write_text, versions, write_results  # noqa: E402
 
 
 @dataclass
@@ -120,8 +121,8 @@ def trn2_selected() -> Config:
 
 
 PRESETS = {"offline": offline, "trn2_selected": trn2_selected}
-OFFLINE_MODELS = {"tiny-qwen3": assets.tiny_qwen3_dir, "tiny-qwen3-moe": assets.tiny_qwen3_moe_dir,
-                  "smollm2-135m-instruct": assets.smollm2_dir}
+OFFLINE_MODELS = {"tiny-qwen3": paths.tiny_qwen3_dir, "tiny-qwen3-moe": paths.tiny_qwen3_moe_dir,
+                  "smollm2-135m-instruct": paths.smollm2_dir}
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]  # never pickles
 
 
@@ -196,12 +197,12 @@ def generate_on_device(job: dict) -> dict:
               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
     with torch.no_grad():
         out = model.generate(ids.to(dev.device), cache_implementation="static", **greedy)
-    compat.synchronize(dev.device_type)
+    device.synchronize(dev.device_type)
     wall_s = time.perf_counter() - start
     tokens = out[0, ids.shape[1]:].tolist()
     report = {"tokens": tokens, "text": tok.decode(tokens, skip_special_tokens=True), "wall_s": wall_s,
               "compile_s": compat.compile_seconds() if job["compile"] else 0.0,
-              "peak_bytes": compat.peak_memory_bytes(dev.device_type)}
+              "peak_bytes": device.peak_memory_bytes(dev.device_type)}
     if job["runner"] == "single":  # the reference: the same checkpoint, CPU, eager, default (dynamic) cache
         del model
         ref = AutoModelForCausalLM.from_pretrained(job["folder"], **load).eval()
@@ -267,7 +268,7 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
     need = compat.min_cores(size, cfg.core_memory_gib)
     plan = compat.choose_plan(hf_config, need, cfg.max_cores, cfg.sharding, cfg.cores)
     row.update(tp=plan.cores, runner=plan.runner, hbm_capacity_gb=plan.cores * cfg.core_memory_gib,
-               notes=f"weights {size / compat.GIB:.3f} GiB need {need} core(s) of {cfg.core_memory_gib:g} GiB")
+               notes=f"weights {size / device.GIB:.3f} GiB need {need} core(s) of {cfg.core_memory_gib:g} GiB")
     if plan.runner is None:
         return dict(row, result="EXCLUDED", exclusion=plan.exclusion)
     job = {"folder": str(folder), "cores": plan.cores, "runner": plan.runner, "device": dev_type,
@@ -278,7 +279,7 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
         rep = run_processes(job)
     except (TimeoutError, RuntimeError) as e:
         return dict(row, result="FAIL", error=str(e))
-    row.update(wall_s=rep["wall_s"], compile_s=rep["compile_s"], hbm_peak_gb=rep["peak_bytes"] / compat.GIB,
+    row.update(wall_s=rep["wall_s"], compile_s=rep["compile_s"], hbm_peak_gb=rep["peak_bytes"] / device.GIB,
                generated_text=rep["text"])
     compiled = f"compiled ({'neuron' if dev_type == 'neuron' else 'inductor'})" if not cfg.no_compile else "eager"
     row["notes"] += f"; {plan.runner} on {plan.cores} {dev_type} process(es), {compiled}, static cache"
@@ -309,7 +310,7 @@ TRAIN_TEXT = ("The harbour was quiet in the early morning, and the fishermen men
 def fixed_text_dataset(folder: Path, copies: int = 256) -> Path:
     """A folder of JSON lines with one `text` field, as torchtitan's c4_test loader reads them."""
     folder.mkdir(parents=True, exist_ok=True)
-    cli.atomic_write_text(folder / "train.jsonl", (json.dumps({"text": TRAIN_TEXT}) + "\n") * copies)
+    atomic_write_text(folder / "train.jsonl", (json.dumps({"text": TRAIN_TEXT}) + "\n") * copies)
     return folder
 
 
@@ -358,7 +359,7 @@ def main(cfg: Config) -> dict:
     specs = model_specs(cfg.models)
     check_specs(specs)
     dev_type = device.resolve_device_type(cfg.device)
-    judge_dir = Path(cfg.judge_model) if cfg.judge_model else assets.smollm2_dir()
+    judge_dir = Path(cfg.judge_model) if cfg.judge_model else paths.smollm2_dir()
     run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
     if cfg.task == "train":  # the training script runs too: keep its source beside this one
         run_py += f"\n# ---- {TRAIN_SCRIPT.name}, run as a subprocess by --task train ----\n" + TRAIN_SCRIPT.read_text()
@@ -375,7 +376,7 @@ def main(cfg: Config) -> dict:
             judge_cache.append(compat.EnglishJudge(judge_dir if judge_dir.is_dir() else resolve_model(str(judge_dir)), limits))
         return judge_cache[0]
 
-    summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": cli.versions(),
+    summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
                             "stack": stack, "files": [str(path)], "models": []}
     bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
     for spec in bar:
@@ -403,9 +404,9 @@ def main(cfg: Config) -> dict:
                    + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
                    + (f" excluded: {row['exclusion']}" if row.get("exclusion") else ""))
         results["models"] = summary
-        cli.write_results(out_dir, results)
+        write_results(out_dir, results)
     results["models"] = summary
-    cli.write_results(out_dir, results)
+    write_results(out_dir, results)
     print(f"[done] {len(summary)} model(s); rows in {path}", flush=True)
     return results
 

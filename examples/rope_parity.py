@@ -42,9 +42,9 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import assets, checkpoint, device  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import checkpoint, cli, device, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.results import versions, write_results  # noqa: E402
 
 FP32_TOL = 1e-6
 BF16_ROUNDINGS = 6  # see the module docstring
@@ -125,7 +125,7 @@ def check_op(name, dtype, shape, lnc, check_kernel_shape, dev, gen) -> list[dict
     from torchtitan.models.common.rope import CosSinRoPE
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
-    from common.rope_module import NKIRoPE
+    from common.kernels.rope_module import NKIRoPE
 
     _, b, s, hq, hkv, d, kind = shape
     positions = make_positions(kind, b, s, gen)
@@ -179,11 +179,12 @@ def replace_rope(cfg: Config) -> tuple:
     says, through torchtitan's registry (the call the trainer makes; one log line per module)."""
     from torchtitan.config import apply_overrides
     from torchtitan.config.override import OverrideConfig
-    from common import rope_module, titan
+    from common import torchtitan_fixes
+    from common.kernels import rope_module
 
-    hf_cfg = checkpoint.read_hf_config(assets.tiny_qwen3_dir())
+    hf_cfg = checkpoint.read_hf_config(paths.tiny_qwen3_dir())
     stock_cfg = checkpoint.qwen3_spec_from_hf(hf_cfg, where="tiny-qwen3").model
-    titan.use_attention_backend(stock_cfg, "sdpa")
+    torchtitan_fixes.use_attention_backend(stock_cfg, "sdpa")
     ours_cfg = copy.deepcopy(stock_cfg)
     entry = rope_module.register(cfg.rope_layers)
     lines = apply_overrides(OverrideConfig(imports=[(entry, {"lnc": cfg.lnc, "check_kernel_shape": cfg.check_kernel_shape})]),
@@ -249,7 +250,7 @@ def summarize(rows: list[dict], dtype: str) -> dict:
 
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    assets.tiny_qwen3_dir()  # fail fast if set-up has not run
+    paths.tiny_qwen3_dir()  # fail fast if set-up has not run
     dev_info = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         return run(cfg, dev_info, out_dir)
@@ -284,12 +285,12 @@ def run(cfg: Config, dev_info, out_dir: Path) -> dict:
     model_ok = max(model[k] for k in ("model_logits_max_abs_diff", "model_packed_logits_max_abs_diff",
                                       "model_loss_abs_diff", "model_packed_loss_abs_diff",
                                       "model_grad_max_abs_diff", "model_packed_grad_max_abs_diff")) <= FP32_TOL
-    results = {"script": "rope_parity.py", "config": cfg, "versions": cli.versions(),
+    results = {"script": "rope_parity.py", "config": cfg, "versions": versions(),
                "device": dev_info.device_type, "kernel": "nki rope_hf" if dev_info.device_type == "neuron" else "pytorch",
                "float32": summarize(rows, "float32"), "bfloat16": summarize(rows, "bfloat16"),
                **model, "model_passed": model_ok, "cases": rows, "seconds": time.perf_counter() - t0}
     results["passed"] = results["float32"]["passed"] and results["bfloat16"]["passed"] and model_ok
-    path = cli.write_results(out_dir, results)
+    path = write_results(out_dir, results)
     print(f"[done] float32 fwd {results['float32']['forward_max_abs_diff']:.3g} bwd "
           f"{results['float32']['backward_max_abs_diff']:.3g}; bfloat16 fwd {results['bfloat16']['forward_max_abs_diff']:.3g} "
           f"bwd {results['bfloat16']['backward_max_abs_diff']:.3g}; passed={results['passed']}; {path}")

@@ -38,15 +38,15 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import assets, checkpoint, device  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import checkpoint, cli, device, export, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.results import LossRecorder, atomic_write_text, finish_run, read_reference_losses, versions  # noqa: E402
 
 
 @dataclass
 class Config:
     preset: str = "tiny"
-    hf_checkpoint: str = field(default_factory=lambda: str(assets.tiny_qwen3_dir(check=False)),
+    hf_checkpoint: str = field(default_factory=lambda: str(paths.tiny_qwen3_dir(check=False)),
                                metadata={"help": "HF model folder: config.json (the architecture), *.safetensors, tokenizer"})
     init: Literal["pretrained", "random"] = field(default="pretrained", metadata={"help": "pretrained: load the folder's weights; random: only its config.json, torchtitan's init"})
     steps: int = field(default=10, metadata={"help": "training steps"})
@@ -93,7 +93,7 @@ def tiny() -> Config:
 def smollm2() -> Config:
     """CPU: the real pretrained SmolLM2-135M-Instruct (Llama architecture) from set-up, float32,
     local batch 1 as in the guide, 64 tokens a sequence (about 3.3 s a step on 2 cores)."""
-    return replace(Config(), hf_checkpoint=str(assets.smollm2_dir(check=False)), lr=3e-4, local_batch_size=1,
+    return replace(Config(), hf_checkpoint=str(paths.smollm2_dir(check=False)), lr=3e-4, local_batch_size=1,
                    seq_len=64)
 
 
@@ -117,21 +117,21 @@ PUBLISHED_PARAMS = {"qwen3_4b_instruct": 4.0e9}  # Qwen3-4B model card: 4.0 B pa
 
 def preflight(cfg: Config) -> dict:
     """Check every input before any process group or model exists, so bad input fails fast."""
-    from common import hf_backend
+    from hf_backend import fixes as hf_fixes
 
-    found = {"dataset": assets.training_dataset(cfg.dataset, cfg.dataset_path)}
+    found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
-        cli.read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
+        read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     ckpt = Path(cfg.hf_checkpoint)
     if cfg.preset in HF_MODEL_ID and not ckpt.exists():
         raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
-    if ckpt.resolve().is_relative_to(assets.CACHE_DIR.resolve()) and not ckpt.exists():
+    if ckpt.resolve().is_relative_to(paths.CACHE_DIR.resolve()) and not ckpt.exists():
         raise UserError(f"{ckpt} does not exist: prepare the assets first (`make setup`)")
     if cfg.init == "pretrained":  # config, architecture, files, keys and shapes
-        found["hf_config"] = checkpoint.validate_hf_checkpoint(ckpt, hf_backend.ARCHITECTURES)
+        found["hf_config"] = checkpoint.validate_hf_checkpoint(ckpt, hf_fixes.ARCHITECTURES)
     else:  # a random init needs only the architecture
         found["hf_config"] = checkpoint.read_hf_config(ckpt)
-        checkpoint.require_architecture(found["hf_config"], hf_backend.ARCHITECTURES, ckpt)
+        checkpoint.require_architecture(found["hf_config"], hf_fixes.ARCHITECTURES, ckpt)
     if not (ckpt / "tokenizer.json").is_file():
         raise UserError(f"no tokenizer.json in {ckpt}: the HF folder must carry its tokenizer")
     found["checkpoint"] = ckpt.resolve()
@@ -146,7 +146,8 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     from torchtitan.experiments.transformers_modeling_backend import model_registry
     from torchtitan.experiments.transformers_modeling_backend.config_registry import (
         transformers_modeling_backend_full)
-    from common import hf_backend, titan
+    from common import torchtitan_fixes
+    from hf_backend import fixes as hf_fixes
 
     tc = transformers_modeling_backend_full()
     tc.hf_model = str(found["checkpoint"])  # a local folder: the architecture comes from its config.json
@@ -171,12 +172,12 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
 
     # Initial weights from the folder's safetensors (pretrained); mid-run saves: torchtitan's
     # distributed checkpoints (resumed by the same command); the last save is the HF export.
-    titan.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
+    export.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
                                     initial_hf=ckpt if cfg.init == "pretrained" else None, dtype=cfg.dtype)
 
-    notes = titan.apply_trainer_settings(tc, dev, seed=cfg.seed)
+    notes = torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)
     if cfg.attn_backend == "sdpa":
-        hf_backend.route_attention_to_sdpa(tc.model_spec)
+        hf_fixes.route_attention_to_sdpa(tc.model_spec)
         notes.append("attention -> HF SDPA with a packed-document mask")
     return tc, notes
 
@@ -195,7 +196,7 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
     elif cfg.preset in PUBLISHED_CONFIG:
         shape, ckpt = PUBLISHED_CONFIG[cfg.preset], out_dir / "dry_run_config"
         ckpt.mkdir(exist_ok=True)
-        cli.atomic_write_text(ckpt / "config.json", json.dumps(shape, indent=2))
+        atomic_write_text(ckpt / "config.json", json.dumps(shape, indent=2))
     else:
         raise UserError(f"no config.json in {ckpt}")
     found = {"checkpoint": ckpt.resolve(), "hf_config": shape}
@@ -226,38 +227,39 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
-    from common import hf_backend, titan
+    from common import torchtitan_fixes
+    from hf_backend import fixes as hf_fixes
 
     init_logger()  # torchtitan's step lines (loss, tokens/s, memory) on rank 0
 
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
-    titan.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
+    export.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
-        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), found["checkpoint"], found["checkpoint"])
+        export.stage_hf_assets(Path(tc.hf_assets_path), found["checkpoint"], found["checkpoint"])
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
     model = trainer.model_parts[0]  # HFTransformerModel: `model.model` is the transformers model
-    was_wrong = hf_backend.recompute_rotary_buffers(model)
-    n_checked = hf_backend.check_rotary_buffers(model)
+    was_wrong = hf_fixes.recompute_rotary_buffers(model)
+    n_checked = hf_fixes.check_rotary_buffers(model)
     tied = bool(found["hf_config"].get("tie_word_embeddings", False))
-    hf_backend.check_embeddings_tied(model, tied)
+    hf_fixes.check_embeddings_tied(model, tied)
     log(f"[hf] {type(model.model).__name__}: {n_checked} rotary buffers match config.json"
         f"{' after recomputing ' + '; '.join(was_wrong) if was_wrong else ''}; embeddings tied: {tied}")
-    rec = titan.LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
+    rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     history = rec.history()  # the whole curve, steps before a resume included
-    hf_backend.check_rotary_buffers(model)
-    hf_backend.check_embeddings_tied(model, tied)
+    hf_fixes.check_rotary_buffers(model)
+    hf_fixes.check_embeddings_tied(model, tied)
 
     results = {
-        "script": "train_hf_backend.py", "config": cfg, "versions": cli.versions(),
+        "script": "train_hf_backend.py", "config": cfg, "versions": versions(),
         "device": dev.device_type, "world_size": dev.world_size, "init": cfg.init,
         "model": type(model.model).__name__,
         "first_step_loss": rec.losses[0] if rec.losses else None,
@@ -268,14 +270,14 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "export_dir": None, "export_check": None,
     }
     if cfg.export:
-        hf_cfg = hf_backend.export_config(found["hf_config"], dtype=tc.checkpoint.export_dtype)
-        results.update(titan.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
+        hf_cfg = hf_fixes.export_config(found["hf_config"], dtype=tc.checkpoint.export_dtype)
+        results.update(export.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
                                               tokenizer_dir=found["checkpoint"], tied_expected=tied,
                                               tol=cfg.export_tolerance, is_main=dev.is_main,
-                                              save_reference=hf_backend.save_reference_logits))
+                                              pass_positions=True))
     else:
         trainer.close()
-    path = cli.finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
+    path = finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
                           out_dir=out_dir, title=f"train_hf_backend ({cfg.preset}, {cfg.init})", is_main=dev.is_main)
     if dev.is_main:
         log(f"[done] {cfg.init}: losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; "

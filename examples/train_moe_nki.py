@@ -40,9 +40,9 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import assets, checkpoint, device  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import checkpoint, cli, device, export, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.results import LossRecorder, finish_run, read_reference_losses, versions  # noqa: E402
 
 # Qwen3-30B-A3B as published (config.json of Qwen/Qwen3-30B-A3B): the shape every preset cuts from.
 QWEN3_30B_A3B = {
@@ -131,10 +131,10 @@ def model_shape(cfg: Config) -> dict:
 
 def preflight(cfg: Config) -> dict:
     """Check every input before any process group or model exists, so bad input fails fast."""
-    found = {"dataset": assets.training_dataset(cfg.dataset, cfg.dataset_path)}
+    found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
-        cli.read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
-    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
+        read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
+    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else paths.tokenizer_dir()
     if not (tokenizer_dir / "tokenizer.json").is_file():
         hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
         raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
@@ -144,12 +144,12 @@ def preflight(cfg: Config) -> dict:
 
 def replacement_imports(cfg: Config, dev: device.DeviceInfo) -> list:
     """torchtitan `override.imports`: what the trainer swaps before it builds the model."""
-    from common import rope_module
+    from common.kernels import rope_module
 
-    imports = ["common.titan.sdpa_document_attention"]  # FlexAttention has no backward off CUDA
+    imports = ["common.torchtitan_fixes.sdpa_document_attention"]  # FlexAttention has no backward off CUDA
     if not cfg.stock:
         imports += [
-            ("common.moe_module.grouped_experts_op", {"compute_dtype": cfg.expert_dtype}),
+            ("common.kernels.moe_module.grouped_experts_op", {"compute_dtype": cfg.expert_dtype}),
             (rope_module.register(cfg.rope_layers),
              {"lnc": cfg.lnc, "check_kernel_shape": dev.device_type == "neuron"}),
         ]
@@ -161,7 +161,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
-    from common import titan
+    from common import torchtitan_fixes
 
     tc = qwen3_30b_a3b()
     tc.model_spec = checkpoint.qwen3_moe_spec_from_hf(model_shape(cfg), where=f"{cfg.preset} preset")
@@ -188,18 +188,18 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
 
     # Mid-run saves: torchtitan's distributed checkpoints (resumed by the same command); the last
     # save is the HF export.
-    titan.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
+    export.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
                                     dtype=cfg.dtype)
 
-    notes = titan.apply_trainer_settings(tc, dev, seed=cfg.seed)
+    notes = torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)
     return tc, notes
 
 
 def replaced_modules(tc) -> list[str]:
     """FQNs of the modules the registry swapped, read back from the config tree."""
-    from common.moe_module import OpRoutedExperts
-    from common.rope_module import NKIRoPE
-    from common.titan import SDPADocumentAttention
+    from common.kernels.moe_module import OpRoutedExperts
+    from common.kernels.rope_module import NKIRoPE
+    from common.torchtitan_fixes import SDPADocumentAttention
 
     return sorted(fqn for cls in (SDPADocumentAttention.Config, OpRoutedExperts.Config, NKIRoPE.Config)
                   for fqn, node, _p, _a in tc.traverse(cls) if type(node) is cls)
@@ -241,24 +241,25 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
-    from common import moe_module, titan
+    from common import torchtitan_fixes
+    from common.kernels import moe_module
 
     init_logger()  # torchtitan's [Override] lines and step lines on rank 0
 
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
-    titan.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
+    export.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
-        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir)
+        export.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir)
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
     replacements = replaced_modules(tc)
     log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
-    rec = titan.LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
+    rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
     trainer.train()
@@ -270,7 +271,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     bias = [layer.moe.expert_bias_E for layer in trainer.model_parts[0].layers.values()
             if getattr(layer.moe, "expert_bias_E", None) is not None]
     results = {
-        "script": "train_moe_nki.py", "config": cfg, "versions": cli.versions(),
+        "script": "train_moe_nki.py", "config": cfg, "versions": versions(),
         "device": dev.device_type, "world_size": dev.world_size, "model_shape": model_shape(cfg),
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
@@ -283,12 +284,12 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     }
     if cfg.export:
         hf_cfg = checkpoint.hf_config_from_qwen3_moe(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
-        results.update(titan.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
+        results.update(export.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
                                               tokenizer_dir=tokenizer_dir, tied_expected=hf_cfg["tie_word_embeddings"],
                                               tol=cfg.export_tolerance, is_main=dev.is_main))
     else:
         trainer.close()
-    path = cli.finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
+    path = finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
                           out_dir=out_dir, title=f"train_moe_nki ({cfg.preset})", is_main=dev.is_main)
     if dev.is_main:
         log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")

@@ -32,9 +32,9 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import assets, checkpoint, device  # noqa: E402
-from common import config as cli  # noqa: E402
+from common import checkpoint, cli, device, export, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.results import LossRecorder, finish_run, read_reference_losses, versions  # noqa: E402
 
 
 @dataclass
@@ -99,10 +99,10 @@ PUBLISHED_PARAMS = {"4B": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 
 def preflight(cfg: Config) -> dict:
     """Check every input before any process group or model exists, so bad input fails fast."""
-    found = {"dataset": assets.training_dataset(cfg.dataset, cfg.dataset_path)}
+    found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
-        cli.read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
-    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else assets.tokenizer_dir()
+        read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
+    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else paths.tokenizer_dir()
     if not (tokenizer_dir / "tokenizer.json").is_file():
         hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
         raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
@@ -119,14 +119,15 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     from torchtitan.models.qwen3.config_registry import qwen3_32b
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.common.config_utils import decoder_vocab_size
-    from common import titan
+    from common import torchtitan_fixes
 
     tc = qwen3_32b()
     if cfg.hf_checkpoint:  # the shape comes from the checkpoint's config.json
         tc.model_spec = checkpoint.qwen3_spec_from_hf(found["hf_config"], where=cfg.hf_checkpoint)
     elif cfg.flavor == "tiny":
-        tiny_cfg = {"architectures": list(checkpoint.QWEN3_DENSE), **assets.TINY_QWEN3_CONFIG}
-        tc.model_spec = checkpoint.qwen3_spec_from_hf(tiny_cfg, where="tiny preset")
+        # the shape of the tiny Qwen3 prepared at set-up (its weights are not loaded: torchtitan's init)
+        tiny_dir = paths.tiny_qwen3_dir()
+        tc.model_spec = checkpoint.qwen3_spec_from_hf(checkpoint.read_hf_config(tiny_dir), where=tiny_dir)
     else:
         try:
             tc.model_spec = model_registry(cfg.flavor)
@@ -150,10 +151,10 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
 
     # Mid-run saves: torchtitan's distributed checkpoints (resumed by the same command); the last
     # save is the HF export.
-    titan.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
+    export.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
                                     initial_hf=ckpt, dtype=cfg.dtype)
 
-    notes = titan.apply_device_settings(tc, dev, attn_backend=cfg.attn_backend, seed=cfg.seed)
+    notes = torchtitan_fixes.apply_device_settings(tc, dev, attn_backend=cfg.attn_backend, seed=cfg.seed)
     return tc, notes
 
 
@@ -193,23 +194,23 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
-    from common import titan
+    from common import torchtitan_fixes
 
     init_logger()  # torchtitan's step lines (loss, tokens/s, memory) on rank 0
 
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
-    titan.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
+    export.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
-        checkpoint.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir,
+        export.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir,
                                    Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None)
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
-    rec = titan.LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
+    rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
     trainer.train()
@@ -217,7 +218,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     history = rec.history()  # the whole curve, steps before a resume included
 
     results = {
-        "script": "train_native_qwen3.py", "config": cfg, "versions": cli.versions(),
+        "script": "train_native_qwen3.py", "config": cfg, "versions": versions(),
         "device": dev.device_type, "world_size": dev.world_size,
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
@@ -226,12 +227,12 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     }
     if cfg.export:
         hf_cfg = checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
-        results.update(titan.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
+        results.update(export.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
                                               tokenizer_dir=tokenizer_dir, tied_expected=hf_cfg["tie_word_embeddings"],
                                               tol=cfg.export_tolerance, is_main=dev.is_main))
     else:
         trainer.close()
-    path = cli.finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
+    path = finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
                           out_dir=out_dir, title=f"train_native_qwen3 ({cfg.preset})", is_main=dev.is_main)
     if dev.is_main:
         log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")

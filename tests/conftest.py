@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages (compat_check, hf_backend)
 
 
 def script_env() -> dict:
@@ -90,6 +91,6 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None
 
 @pytest.fixture(scope="session")
 def prepared_assets():
-    from common import assets
+    from tools import prepare_assets as assets
 
     return assets.prepare(["tokenizer", "corpus", "tiny_qwen3"])

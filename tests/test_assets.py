@@ -1,4 +1,4 @@
-"""Tests for common/assets.py, on the real prepared assets.
+"""Tests for tools/prepare_assets.py, on the real prepared assets.
 
 The first run builds whatever is missing (about 2 minutes, needs PyPI and Debian's apt repos);
 afterwards `prepare` only checks the cached copies and the file runs offline in well under a minute:
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import assets
+from common import paths
+from tools import prepare_assets as assets
 from common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,25 +181,25 @@ def test_smollm2_parameters_and_fluency() -> None:
 def test_verify_dir_names_the_corrupt_file(tokenizer_path: Path, tmp_path: Path) -> None:
     copy = tmp_path / "tok"
     shutil.copytree(tokenizer_path, copy)
-    assets.verify_dir(copy, deep=True)
+    paths.verify_dir(copy, deep=True)
 
     merges = copy / "merges.txt"
     data = bytearray(merges.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the sha256 can tell
     merges.write_bytes(bytes(data))
-    assets.verify_dir(copy)  # the fast check compares sizes only
+    paths.verify_dir(copy)  # the fast check compares sizes only
     with pytest.raises(UserError, match=r"merges\.txt is corrupt"):
-        assets.verify_dir(copy, deep=True)
+        paths.verify_dir(copy, deep=True)
 
     (copy / "vocab.json").write_bytes(b"{}")
     with pytest.raises(UserError, match=r"vocab\.json is 2 bytes"):
-        assets.verify_dir(copy)
+        paths.verify_dir(copy)
     (copy / "tokenizer.json").unlink()
     with pytest.raises(UserError, match=r"tokenizer\.json is missing"):
-        assets.verify_dir(copy)
+        paths.verify_dir(copy)
     (copy / "manifest.json").unlink()
     with pytest.raises(UserError, match=r"manifest\.json is missing"):
-        assets.verify_dir(copy)
+        paths.verify_dir(copy)
 
 
 def test_prepare_twice_is_fast() -> None:
@@ -214,7 +215,7 @@ def run_cli(*args: str, cache: Path | None = None) -> subprocess.CompletedProces
     env = dict(os.environ)
     if cache is not None:
         env["QWEN3_RECIPES_CACHE"] = str(cache)
-    return subprocess.run([sys.executable, "-m", "common.assets", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "tools.prepare_assets", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -225,7 +226,7 @@ def test_cli_path_and_errors(tokenizer_path: Path, tmp_path: Path) -> None:
     result = run_cli("path", "corpus", cache=tmp_path)  # an empty cache
     assert result.returncode == 2
     assert result.stderr.startswith("error: corpus assets not prepared in ")
-    assert "python -m common.assets prepare --only corpus" in result.stderr and "Traceback" not in result.stderr
+    assert "python -m tools.prepare_assets prepare --only corpus" in result.stderr and "Traceback" not in result.stderr
 
     result = run_cli("prepare", "--only", "tokenizer,gpt5", cache=tmp_path)
     assert result.returncode == 2 and result.stderr.startswith("error: unknown asset 'gpt5'")

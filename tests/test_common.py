@@ -15,9 +15,10 @@ device.route_torchtitan_device("cpu")  # before torchtitan is imported below
 from torchtitan.models.common.attention import (  # noqa: E402
     create_varlen_metadata_for_document, get_causal_mask_mod, get_document_mask_mod)
 
-from common import checkpoint, config as cli  # noqa: E402
+from common import checkpoint, cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
-from common.titan import SDPADocumentAttention  # noqa: E402
+from common.torchtitan_fixes import SDPADocumentAttention  # noqa: E402
+from common.results import write_results  # noqa: E402
 
 
 def test_document_mask_matches_torchtitan_mask_mods():
@@ -80,8 +81,8 @@ def test_cli_preset_then_flags():
 
 def test_atomic_write_leaves_no_temp(tmp_path):
     target = tmp_path / "results.json"
-    cli.write_results(tmp_path, {"a": 1})
-    cli.write_results(tmp_path, {"a": 2})
+    write_results(tmp_path, {"a": 1})
+    write_results(tmp_path, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
 

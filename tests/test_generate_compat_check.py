@@ -17,7 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common import assets, compat
+from common import device, paths
+from compat_check import rows as compat
+from tools import prepare_assets as assets
 from conftest import ROOT, assert_clean_error, kill_when, read_results, run_example
 
 SCRIPT = "generate_compat_check.py"
@@ -279,7 +281,7 @@ def test_sizing_from_headers_and_plan(model_assets):
     tensors = load_file(str(tiny / "model.safetensors"))
     assert compat.weight_bytes(tiny) == sum(t.numel() * t.element_size() for t in tensors.values())
     assert compat.weight_bytes(tiny, run_dtype_bytes=2) == sum(t.numel() * 2 for t in tensors.values())
-    assert compat.min_cores(25 * compat.GIB, 24.0) == 2 and compat.min_cores(1, 24.0) == 1
+    assert compat.min_cores(25 * device.GIB, 24.0) == 2 and compat.min_cores(1, 24.0) == 1
 
     smollm2 = AutoConfig.from_pretrained(model_assets["smollm2"])  # 9 heads, 3 key/value heads
     assert compat.choose_plan(smollm2, 1, 16) == compat.Plan("single", 1)
@@ -297,7 +299,7 @@ def test_judge_separates_english_from_shuffled_and_repeated(model_assets):
     """Fluent English passes; the same words shuffled, gibberish, and repetition fail. Thresholds
     (compat.JudgeLimits): perplexity under the judge <= 250, unknown words (wordfreq) <= 15%,
     distinct word pairs >= 60%, at least 8 words."""
-    corpus = assets.corpus_dir() / "train.jsonl"
+    corpus = paths.corpus_dir() / "train.jsonl"
     with corpus.open() as f:  # Emma's first sentence, without the title lines above it
         first = json.loads(next(f))["text"]
     text = " ".join(first[first.index("Emma Woodhouse"):].split()[:40])

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import UserError
-from common.moe_nki import block_to_expert, check_nki_shapes, num_blocks, token_slots
-from common.moe_op import grouped_experts
+from common.kernels.moe_nki import block_to_expert, check_nki_shapes, num_blocks, token_slots
+from common.kernels.moe_op import grouped_experts
 
 TOL = 1e-5
 

@@ -38,7 +38,7 @@ _EXPORT_LOOP = r"""
 import shutil, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from common.checkpoint import complete_export
+from common.export import complete_export
 src, work = Path(sys.argv[2]), Path(sys.argv[3])
 cfg = __import__("json").loads((src / "config.json").read_text())
 print("ready", flush=True)

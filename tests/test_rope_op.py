@@ -12,7 +12,7 @@ from torchtitan.models.common.rope import CosSinRoPE  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb  # noqa: E402
 
 from common.errors import UserError  # noqa: E402
-from common.rope_op import rope  # noqa: E402
+from common.kernels.rope_op import rope  # noqa: E402
 
 THETA = 1_000_000.0  # Qwen3's rope_theta
 MAX_SEQ_LEN = 1024  # room for offset 37 + seq 512

@@ -20,8 +20,9 @@ from torchtitan.config import apply_overrides  # noqa: E402
 from torchtitan.config.override import OverrideConfig  # noqa: E402
 from torchtitan.models.common.rope import CosSinRoPE  # noqa: E402
 
-from common import checkpoint, rope_module  # noqa: E402
-from common.assets import TINY_QWEN3_CONFIG  # noqa: E402
+from common import checkpoint  # noqa: E402
+from common.kernels import rope_module  # noqa: E402
+from tools.prepare_assets import TINY_QWEN3_CONFIG  # noqa: E402
 from conftest import assert_clean_error, read_results, run_example  # noqa: E402
 
 OVERRIDE_LINE = re.compile(r"\[Override\] common\.rope_module\.nki_rope\w*: (\S+) CosSinRoPE\.Config -> NKIRoPE\.Config")

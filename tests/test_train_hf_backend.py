@@ -1,4 +1,4 @@
-"""Tests for examples/train_hf_backend.py and common/hf_backend.py (issue 3: torchtitan's
+"""Tests for examples/train_hf_backend.py and examples/hf_backend/fixes.py (issue 3: torchtitan's
 Transformers modeling backend, public weights in, HF safetensors out).
 
 What they show:
@@ -33,24 +33,24 @@ from common import device
 
 device.route_torchtitan_device("cpu")  # before anything imports torchtitan
 
-from common import hf_backend  # noqa: E402
+from hf_backend import fixes as hf_fixes  # noqa: E402
 
 SCRIPT = "train_hf_backend.py"
 
 
-# --------------------------------------------------------------------------- common/hf_backend.py
+# --------------------------------------------------------------------------- examples/hf_backend/fixes.py
 def test_document_mask_matches_torchtitan_mask_mods():
     from torchtitan.models.common.attention import get_causal_mask_mod, get_document_mask_mod
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [3, 4, 0, 1, 2, 3, 0, 0]])
     B, L = positions.shape
-    ours = hf_backend.document_causal_mask(positions)
+    ours = hf_fixes.document_causal_mask(positions)
     assert ours.shape == (B, 1, L, L)
     doc, causal = get_document_mask_mod(positions), get_causal_mask_mod()
     b, q, k = torch.meshgrid(torch.arange(B), torch.arange(L), torch.arange(L), indexing="ij")
     h = torch.zeros_like(b)
     assert torch.equal(ours[:, 0], doc(b, h, q, k) & causal(b, h, q, k))
-    plain = hf_backend.document_causal_mask(positions, block_causal=False)
+    plain = hf_fixes.document_causal_mask(positions, block_causal=False)
     assert torch.equal(plain[:, 0], causal(b, h, q, k))
 
 
@@ -72,31 +72,31 @@ def test_document_mask_isolates_packed_documents_in_hf_sdpa():
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
     with torch.no_grad():
         together = model(packed, position_ids=positions,
-                         attention_mask=hf_backend.document_causal_mask(positions)).logits
+                         attention_mask=hf_fixes.document_causal_mask(positions)).logits
         alone = torch.cat([model(first).logits, model(second).logits], dim=1)
     torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
 
 
 def test_rotary_check_fails_on_uninitialised_buffers_and_passes_after_recompute():
     model = _tiny_hf_qwen3()
-    assert hf_backend.check_rotary_buffers(model) == 2  # inv_freq and original_inv_freq
+    assert hf_fixes.check_rotary_buffers(model) == 2  # inv_freq and original_inv_freq
     with torch.no_grad():
         model.model.rotary_emb.inv_freq.fill_(2.3e36)  # what meta init + to_empty() left behind
-    with pytest.raises(hf_backend.RotaryBufferError, match="rotary_emb.inv_freq"):
-        hf_backend.check_rotary_buffers(model)
-    wrong = hf_backend.recompute_rotary_buffers(model)
+    with pytest.raises(hf_fixes.RotaryBufferError, match="rotary_emb.inv_freq"):
+        hf_fixes.check_rotary_buffers(model)
+    wrong = hf_fixes.recompute_rotary_buffers(model)
     assert len(wrong) == 1 and "inv_freq" in wrong[0]
-    assert hf_backend.check_rotary_buffers(model) == 2
-    assert hf_backend.recompute_rotary_buffers(model) == []  # nothing left to fix
+    assert hf_fixes.check_rotary_buffers(model) == 2
+    assert hf_fixes.recompute_rotary_buffers(model) == []  # nothing left to fix
 
 
 def test_rotary_check_compares_with_the_config():
     model = _tiny_hf_qwen3()
     model.config.rope_parameters["rope_theta"] = 10.0  # buffers still hold the old theta's frequencies
-    with pytest.raises(hf_backend.RotaryBufferError, match="max abs diff"):
-        hf_backend.check_rotary_buffers(model)
-    with pytest.raises(hf_backend.RotaryBufferError, match="no rotary buffer"):
-        hf_backend.check_rotary_buffers(torch.nn.Linear(2, 2))
+    with pytest.raises(hf_fixes.RotaryBufferError, match="max abs diff"):
+        hf_fixes.check_rotary_buffers(model)
+    with pytest.raises(hf_fixes.RotaryBufferError, match="no rotary buffer"):
+        hf_fixes.check_rotary_buffers(torch.nn.Linear(2, 2))
 
 
 # --------------------------------------------------------------------------- the script
@@ -168,7 +168,7 @@ def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
     """The smollm2 preset as it is (10 steps of 1 x 64 tokens; no export, to save time)
     repeats its golden losses (issue 9); one step of the same model from a random init starts
     far higher."""
-    from common import assets
+    from tools import prepare_assets as assets
 
     assets.prepare(["smollm2"])
     first = {}

@@ -124,7 +124,7 @@ def test_golden_losses(tiny_run):
 def test_compare_losses_reports_the_first_differing_step(tiny_run, tmp_path):
     """A reference perturbed from step 4 on is reported as differing from step 4 (the same
     function --compare_losses calls, on the losses of the tiny run)."""
-    from common.config import compare_losses, format_loss_comparison
+    from common.results import compare_losses, format_loss_comparison
 
     _, res = tiny_run
     golden = json.loads(GOLDEN.read_text())
@@ -145,7 +145,7 @@ def test_compare_losses_bad_reference(tmp_path):
 
 
 def test_export_version_stamp_mismatch_is_reported(tmp_path):
-    from common.checkpoint import version_check
+    from common.export import version_check
 
     stamp = version_check({"python": "3.11.7", "torch": "0.0.1"})
     assert stamp["version_mismatch"]["torch"][0] == "0.0.1"

@@ -119,7 +119,7 @@ def grouped_experts_fwd(x: torch.Tensor, scores: torch.Tensor, expert_ids: torch
     """-> out [T, D], order [T*K], counts [E], h1 and h3 [T*K, hidden], y [T*K, D] (the last five saved).
     On Trainium the saved slots hold the kernel's own tables and checkpoints (see common/moe_nki.py)."""
     if _on_neuron(x):
-        from common.moe_nki import experts_fwd_nki
+        from common.kernels.moe_nki import experts_fwd_nki
         return experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype)
     return _experts_torch(x, scores, expert_ids, w1, w2, w3, compute_dtype)
 
@@ -140,7 +140,7 @@ def grouped_experts_bwd(grad_out: torch.Tensor, x: torch.Tensor, scores: torch.T
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> gradients of x, scores, w1, w2, w3, from what the forward saved."""
     if _on_neuron(x):
-        from common.moe_nki import experts_bwd_nki
+        from common.kernels.moe_nki import experts_bwd_nki
         return experts_bwd_nki(grad_out, x, scores, expert_ids, w1, w2, w3, order, counts, h1, h3, y, compute_dtype)
     return _experts_torch_bwd(grad_out, x, scores, w1, w2, w3, order, counts, h1, h3, y, compute_dtype)
 

@@ -1,118 +1,26 @@
-"""Dataclass -> command line, presets, results.json, version stamps and the loss plot.
+"""What a run leaves behind: results.json (written atomically), version stamps, the loss curve
+(losses.jsonl across resumes, loss.png), and the comparison with reference losses.
 
-The dataclass is the one place for defaults (STYLE 2): the CLI is generated from its fields,
-with the same names; a preset is a named function returning a changed copy of the defaults,
-and flags given on the command line override the preset. Unknown flags, wrong types and
-unknown presets are errors with a one-line message.
+`LossRecorder` takes its numbers from torchtitan's MetricsProcessor, never from log lines.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
-import sys
 import tempfile
-import types
-import typing
-from collections.abc import Callable
+import time
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
 
 from common.errors import UserError
 
 
-def _is_union(tp) -> bool:
-    return get_origin(tp) in (typing.Union, types.UnionType)  # Optional[X] and X | None
-
-
-def _field_type(tp) -> tuple[Callable | None, tuple | None]:
-    """Map a field annotation to (argparse type, choices)."""
-    if get_origin(tp) is Literal:
-        choices = get_args(tp)
-        return type(choices[0]), choices
-    if _is_union(tp):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        return _field_type(inner[0])
-    if tp in (int, float, str, bool):
-        return tp, None
-    raise TypeError(f"unsupported config field type {tp!r}")
-
-
-def _optional(tp) -> bool:
-    return _is_union(tp) and type(None) in get_args(tp)
-
-
-def _parse_optional(conv: Callable) -> Callable:
-    def parse(text: str):
-        return None if text.lower() in ("none", "") else conv(text)
-    parse.__name__ = conv.__name__
-    return parse
-
-
-def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: str,
-                 default_preset: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-        argument_default=argparse.SUPPRESS,  # only flags actually given override the preset
-        allow_abbrev=False,  # a mistyped or shortened flag is an error, not a guess
-    )
-    parser.add_argument("--preset", default=default_preset, choices=sorted(presets),
-                        help=f"named preset the flags below start from (default: {default_preset}). "
-                             + "; ".join(f"{k}: {(fn.__doc__ or '').strip().splitlines()[0]}"
-                                         for k, fn in presets.items()))
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name == "preset":
-            continue
-        tp = hints[f.name]
-        help_text = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        conv, choices = _field_type(tp)
-        flag = "--" + f.name
-        if conv is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                help=f"{help_text} (default: {default})")
-            continue
-        if _optional(tp):
-            conv = _parse_optional(conv)
-        parser.add_argument(flag, type=conv, choices=choices, metavar=f.metadata.get("metavar"),
-                            help=f"{help_text} (default: {default})")
-    return parser
-
-
-def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[str] | None,
-                 description: str, default_preset: str):
-    """Preset first, then the flags given; returns the resolved dataclass instance."""
-    parser = build_parser(cls, presets, description, default_preset)
-    args = vars(parser.parse_args(argv))
-    preset = args.pop("preset")
-    cfg = presets[preset]()
-    cfg = dataclasses.replace(cfg, preset=preset, **args)
-    if hasattr(cfg, "validate"):
-        cfg.validate()
-    return cfg
-
-
-def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: str,
-            default_preset: str, argv: list[str] | None = None) -> int:
-    """Parse, run `main(cfg)`, and turn a UserError into one line on stderr and exit code 2."""
-    try:
-        cfg = parse_config(cls, presets, argv, description, default_preset)
-        main(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
 def versions() -> dict[str, str | None]:
-    """The version stack a result was produced with (STYLE 9)."""
+    """The version stack a result was produced with ."""
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("torch", "torchtitan", "transformers", "safetensors", "datasets",
                  "torch-neuronx", "neuronx-cc"):
@@ -152,18 +60,6 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     return repr(o)
-
-
-def check_out_dir(out_dir: str) -> Path:
-    """Create out_dir and prove it is writable before any long work starts."""
-    path = Path(out_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-", delete=True)
-        probe.close()
-    except OSError as e:
-        raise UserError(f"--out_dir {out_dir} cannot be written: {e.strerror or e}") from None
-    return path
 
 
 def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
@@ -247,5 +143,72 @@ def finish_run(results: dict, history: dict, *, compare_with: str | None, tolera
     return write_results(out_dir, results)
 
 
-def format_config(cfg) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
+@dataclass
+class LossRecorder:
+    """Records what torchtitan's MetricsProcessor logs each step (loss, grad norm, tokens seen,
+    wall time), so results.json holds numbers, never scraped log lines."""
+
+    steps: list[int] = field(default_factory=list)  # starts after the resumed step when resuming
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    tokens_seen: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+    progress: Path | None = None  # rank 0: OUT_DIR/losses.jsonl, one line a step, kept across resumes
+
+    def attach(self, trainer) -> None:
+        mp = trainer.metrics_processor
+        original = mp.log
+
+        def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            self.steps.append(int(step))
+            self.losses.append(float(global_avg_loss))
+            self.grad_norms.append(float(grad_norm))
+            self.tokens_seen.append(int((extra_metrics or {}).get("n_tokens_seen", 0)))
+            self.times.append(time.perf_counter())
+            if self.progress is not None:
+                self._append_progress(int(step), float(global_avg_loss))
+            return original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+        mp.log = log
+        self.times.append(time.perf_counter())  # t0: training starts after attach
+
+    def _append_progress(self, step: int, loss: float) -> None:
+        """Append one line; on a run's first step keep only the earlier steps of the run it resumes
+        (a fresh run starts the file anew), so the file is the whole loss curve across kills."""
+        if len(self.steps) == 1:
+            kept = [r for r in read_progress(self.progress) if r["step"] < step]
+            atomic_write_text(self.progress, "".join(json.dumps(r) + "\n" for r in kept))
+        with open(self.progress, "a") as f:  # a kill can cut the last line; read_progress skips it
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+
+    def history(self) -> dict:
+        """Steps and losses of the whole run, resumed parts included (rank 0, with `progress`)."""
+        rows = read_progress(self.progress) if self.progress is not None else []
+        rows = rows or [{"step": s, "loss": l} for s, l in zip(self.steps, self.losses)]
+        return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows]}
+
+    def tokens_per_s(self) -> float:
+        """Global tokens per second, leaving out step 1 (warm-up, compilation) when there are more."""
+        if len(self.losses) >= 2:
+            dt = self.times[-1] - self.times[1]
+            dn = self.tokens_seen[-1] - self.tokens_seen[0]
+        elif self.losses:
+            dt, dn = self.times[1] - self.times[0], self.tokens_seen[0]
+        else:
+            return math.nan
+        return dn / dt if dt > 0 else math.nan
+
+
+def read_progress(path: Path) -> list[dict]:
+    """The rows of a losses.jsonl; a last line cut by a kill is skipped."""
+    rows = []
+    if path is not None and Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), float):
+                rows.append(row)
+    return rows

@@ -14,8 +14,7 @@ transformers 5.16 it needs three things outside CUDA, or outside its happy path:
    `check_embeddings_tied` fails loudly if `lm_head` and `embed_tokens` are not one parameter
    when config.json says they are (before and after training).
 
-This module imports no torchtitan at import time; `save_reference_logits` does, so call it only
-after `common.device.setup()` (torchtitan binds its device at import time).
+This module imports no torchtitan.
 """
 from __future__ import annotations
 
@@ -180,31 +179,3 @@ def export_config(hf_config: dict, *, dtype: str) -> dict:
     cfg["dtype"] = dtype
     cfg["use_cache"] = True  # the backend turns the cache off for training; inference wants it on
     return cfg
-
-
-def save_reference_logits(trainer, tokenizer_dir: str | os.PathLike, path: str | os.PathLike,
-                          *, is_main: bool) -> None:
-    """Logits of the trained model on a fixed input, for the export check. Positions are passed
-    explicitly: without them the backend's forward assumes a full `seq_len` sequence."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-
-    from common.titan import REFERENCE_TEXT
-
-    ids = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).encode(REFERENCE_TEXT).ids
-    tokens = torch.tensor([ids], device=trainer.device)
-    positions = torch.arange(len(ids), device=trainer.device)[None]
-    model = trainer.model_parts[0]
-    skip = model._skip_lm_head
-    model._skip_lm_head = False
-    model.eval()
-    with torch.no_grad():
-        logits = model(tokens, positions=positions)
-    model._skip_lm_head = skip
-    model.train()
-    if is_main:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"input_ids": tokens.cpu(), "position_ids": positions.cpu(),
-                   "logits": logits.detach().float().cpu().contiguous()}, str(tmp))
-        os.replace(tmp, path)

@@ -17,10 +17,10 @@ Each asset is built in a temporary folder next to its final place, checked (e.g.
 encode to [9707, 1879]), given a manifest.json (sha256 and size of every file, source, build time)
 and only then renamed into place, so a folder that exists is complete.
 
-    python -m common.assets prepare                           # build what is missing (~1.5 min)
-    python -m common.assets prepare --only tokenizer --force  # rebuild one asset
-    python -m common.assets verify --deep                     # recompute every sha256
-    python -m common.assets path tokenizer                    # print a folder, for shell scripts
+    python -m tools.prepare_assets prepare                           # build what is missing (~1.5 min)
+    python -m tools.prepare_assets prepare --only tokenizer --force  # rebuild one asset
+    python -m tools.prepare_assets verify --deep                     # recompute every sha256
+    python -m tools.prepare_assets path tokenizer                    # print a folder, for shell scripts
 """
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from common.paths import (CACHE_DIR, FOLDERS, MANIFEST, asset_files as _asset_files, prepare_hint as _prepare_hint,
+                          asset_dir, sha256 as _sha256, tokenizer_dir, verify_dir)
 
 # torch, transformers and tokenizers are imported inside the functions that build and check, so that
 # importing this module for a path, or running `path`/`verify`, stays instant.
 
-CACHE_DIR = Path(os.environ.get("QWEN3_RECIPES_CACHE", Path.home() / ".cache" / "qwen3-trainium-recipes")) / "assets"
-MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 
 # ---------------------------------------------------------------------------------------------
@@ -739,110 +739,14 @@ class Asset:
 ASSETS: dict[str, Asset] = {
     a.name: a
     for a in (
-        Asset("tokenizer", "qwen3-tokenizer", _build_tokenizer, _check_tokenizer, recipe=1),
-        Asset("corpus", "corpus-en", _build_corpus, _check_corpus, recipe=1),
-        Asset("smollm2", "smollm2-135m-instruct", _build_smollm2, _check_smollm2, recipe=1),
-        Asset("tiny_qwen3", "tiny-qwen3", _build_tiny_qwen3, _check_tiny_qwen3, recipe=1, needs=("tokenizer",)),
-        Asset("tiny_qwen3_moe", "tiny-qwen3-moe", _build_tiny_qwen3_moe, _check_tiny_qwen3_moe, recipe=1,
+        Asset("tokenizer", FOLDERS["tokenizer"], _build_tokenizer, _check_tokenizer, recipe=1),
+        Asset("corpus", FOLDERS["corpus"], _build_corpus, _check_corpus, recipe=1),
+        Asset("smollm2", FOLDERS["smollm2"], _build_smollm2, _check_smollm2, recipe=1),
+        Asset("tiny_qwen3", FOLDERS["tiny_qwen3"], _build_tiny_qwen3, _check_tiny_qwen3, recipe=1, needs=("tokenizer",)),
+        Asset("tiny_qwen3_moe", FOLDERS["tiny_qwen3_moe"], _build_tiny_qwen3_moe, _check_tiny_qwen3_moe, recipe=1,
               needs=("tokenizer",)),
     )
 }
-
-
-def _prepare_hint(name: str, force: bool = False) -> str:
-    return f"`python -m common.assets prepare --only {name}{' --force' if force else ''}`"
-
-
-def _asset_dir(name: str, check: bool) -> Path:
-    folder = CACHE_DIR / ASSETS[name].folder
-    if check:
-        if not (folder / MANIFEST).is_file():
-            raise UserError(f"{name} assets not prepared in {folder}: run {_prepare_hint(name)}")
-        verify_dir(folder)
-    return folder
-
-
-def tokenizer_dir(check: bool = True) -> Path:
-    """The Qwen3 tokenizer folder (tokenizer.json, vocab.json, merges.txt, tokenizer_config.json)."""
-    return _asset_dir("tokenizer", check)
-
-
-def corpus_dir(check: bool = True) -> Path:
-    """The English corpus folder: `datasets.load_dataset(str(corpus_dir()), split="train")` reads it."""
-    return _asset_dir("corpus", check)
-
-
-def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
-    """The training scripts' `--dataset`/`--dataset_path` as (torchtitan dataset name, folder).
-    Everything loads as torchtitan's c4_test does: `load_dataset(folder, split="train")` over JSON
-    lines with a `text` field. 'corpus' is the offline English corpus from set-up."""
-    if dataset == "corpus":
-        return "c4_test", str(corpus_dir())
-    folder = (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
-    if not Path(folder).is_dir():
-        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
-                        "pointing at a torchtitan checkout's tests/assets/c4_test)")
-    return "c4_test", str(Path(folder).resolve())
-
-
-def smollm2_dir(check: bool = True) -> Path:
-    """SmolLM2-135M-Instruct as an HF folder (config.json, model.safetensors, tokenizer files)."""
-    return _asset_dir("smollm2", check)
-
-
-def tiny_qwen3_dir(check: bool = True) -> Path:
-    """The tiny random Qwen3 (TINY_QWEN3_CONFIG) as an HF folder, with the Qwen3 tokenizer."""
-    return _asset_dir("tiny_qwen3", check)
-
-
-def tiny_qwen3_moe_dir(check: bool = True) -> Path:
-    """The tiny random Qwen3-MoE (TINY_QWEN3_MOE_CONFIG) as an HF folder, with the Qwen3 tokenizer."""
-    return _asset_dir("tiny_qwen3_moe", check)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _asset_files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)
-
-
-def verify_dir(folder: Path, deep: bool = False) -> dict[str, Any]:
-    """Check an asset folder against its manifest.json and return the manifest.
-
-    Always: every listed file exists with its recorded size, and no unlisted file is there.
-    deep=True: also recompute every sha256 (seconds for the 0.5 GB of SmolLM2).
-    Works on any folder, e.g. a copy elsewhere. Raises UserError naming the first bad file.
-    """
-    folder = Path(folder)
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        files: dict[str, dict[str, Any]] = manifest["files"]
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(
-            f"{folder / MANIFEST} is missing or unreadable ({e}): the folder is not a finished asset; "
-            "run `python -m common.assets prepare`"
-        ) from None
-    name = manifest.get("asset", "NAME")
-    fix = f"rebuild it with {_prepare_hint(name, force=True)}"
-    unlisted = sorted(set(_asset_files(folder)) - set(files))
-    if unlisted:
-        raise UserError(f"{folder / unlisted[0]} is not in {MANIFEST} (a stray or leftover file): remove it or {fix}")
-    for rel, record in files.items():
-        path = folder / rel
-        if not path.is_file():
-            raise UserError(f"{path} is missing ({MANIFEST} lists it): {fix}")
-        size = path.stat().st_size
-        if size != record["size"]:
-            raise UserError(f"{path} is {size:,} bytes but {MANIFEST} records {record['size']:,}: {fix}")
-        if deep and _sha256(path) != record["sha256"]:
-            raise UserError(f"{path} is corrupt: its sha256 differs from the one in {MANIFEST}: {fix}")
-    return manifest
 
 
 def _why_rebuild(asset: Asset, folder: Path) -> str | None:
@@ -944,7 +848,7 @@ def verify(names: list[str] | None = None, deep: bool = False) -> dict[str, Path
     paths = {}
     for name in _resolve(names, with_needs=False):
         start = time.perf_counter()
-        folder = _asset_dir(name, check=False)
+        folder = asset_dir(name, check=False)
         if not folder.exists():
             raise UserError(f"{name} assets not prepared in {folder}: run {_prepare_hint(name)}")
         manifest = verify_dir(folder, deep=deep)
@@ -1014,7 +918,7 @@ def _names(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m common.assets",
+        prog="python -m tools.prepare_assets",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1035,7 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "verify":
             verify(args.only, deep=args.deep)
         else:
-            print(_asset_dir(args.name, check=True))
+            print(asset_dir(args.name, check=True))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,8 +6,8 @@ dataset's columns (`PUBLIC_COLUMNS`) plus a few of ours (`EXTRA_COLUMNS`). The p
 slightly in their columns (some lack `exclusion`), so every reader here takes the union of columns
 and fills what a file lacks with nulls.
 
-    python -m common.compat lookup --name qwen3 runs/compat          # search our files and public ones
-    python -m common.compat lookup --name tiny-qwen3 --run_py runs/compat   # print a row's script
+    python -m compat_check.rows lookup --name qwen3 runs/compat          # search our files and public ones
+    python -m compat_check.rows lookup --name tiny-qwen3 --run_py runs/compat   # print a row's script
 
 `run_py` holds the exact source of the script that produced a row. It is only ever printed, never run.
 """
@@ -28,9 +28,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from common import device
 from common.errors import UserError
 
-GIB = 1 << 30
 
 # ------------------------------------------------------------------------------------------ columns
 # In the order the public dataset lists them (see ../shared/docs/neuron-notes.md).
@@ -183,7 +183,7 @@ def weight_bytes(ckpt_dir: str | os.PathLike, run_dtype_bytes: int | None = None
 
 def min_cores(n_bytes: int, core_memory_gib: float) -> int:
     """The fewest cores whose memory holds the weights."""
-    return max(1, math.ceil(n_bytes / (core_memory_gib * GIB)))
+    return max(1, math.ceil(n_bytes / (core_memory_gib * device.GIB)))
 
 
 @dataclass(frozen=True)
@@ -252,29 +252,6 @@ def needs_remote_code(ckpt_dir: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ measurements
-def synchronize(device_type: str) -> None:
-    """Wait for queued device work, so that a wall time covers it."""
-    import torch
-
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "neuron":  # only reached after common.device.setup() found torch-neuronx
-        torch.neuron.synchronize()
-
-
-def peak_memory_bytes(device_type: str) -> int:
-    """Peak device memory of this process. CPU has no device memory: the peak resident set size."""
-    import torch
-
-    if device_type == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    if device_type == "neuron":
-        return int(torch.neuron.max_memory_allocated())
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def compile_seconds() -> float | None:
     """Seconds this process spent in torch.compile (Dynamo tracing plus the backend compiler).
 
@@ -448,7 +425,7 @@ def lookup_main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] != "lookup":
-        print("usage: python -m common.compat lookup SOURCES... [--name N] [--compiler V] [--transformers V] [--run_py]",
+        print("usage: python -m compat_check.rows lookup SOURCES... [--name N] [--compiler V] [--transformers V] [--run_py]",
               file=sys.stderr)
         sys.exit(2)
     sys.exit(lookup_main(sys.argv[2:]))

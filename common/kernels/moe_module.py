@@ -1,9 +1,9 @@
 """OpRoutedExperts: torchtitan's RoutedExperts running the grouped-expert custom op
 (common/moe_op.py), swapped in through torchtitan's override registry.
 
-    trainer_config.override.imports = [("common.moe_module.grouped_experts_op", {"compute_dtype": "bfloat16"})]
+    trainer_config.override.imports = [("common.kernels.moe_module.grouped_experts_op", {"compute_dtype": "bfloat16"})]
 
-torchtitan logs `[Override] common.moe_module.grouped_experts_op: model_spec.model.layers.N.moe.routed_experts
+torchtitan logs `[Override] common.kernels.moe_module.grouped_experts_op: model_spec.model.layers.N.moe.routed_experts
 RoutedExperts.Config -> OpRoutedExperts.Config` for each MoE layer. Parameters keep their names
 (`moe.routed_experts.inner_experts.w1_EFD`, ...), so checkpoints, torchtitan's HF adapter and FSDP
 see no difference. The router, the load-balancing bias and the shared experts stay torchtitan's.
@@ -20,7 +20,7 @@ import torch
 from torchtitan.config import derive, override
 from torchtitan.models.common.moe import RoutedExperts
 
-from common.moe_op import grouped_experts
+from common.kernels.moe_op import grouped_experts
 
 __all__ = ["OpRoutedExperts", "grouped_experts_op", "expert_load"]
 

@@ -1,17 +1,17 @@
 """NKIRoPE: torchtitan's CosSinRoPE running the `qwen3_recipes::rope_fwd` op, swapped in through
 torchtitan's own override (replacement) registry (torchtitan/config/override.py).
 
-    from common import rope_module
+    from common.kernels import rope_module
     entry = rope_module.register("*layers.1.*")         # which RoPE modules: an fnmatch glob on the FQN
     trainer_config.override.imports = [(entry, {"lnc": 2, "check_kernel_shape": True})]
 
 torchtitan applies the override before it builds the model and logs one line per replaced module:
-    [Override] common.rope_module.nki_rope: model_spec.model.layers.1.attention.rope CosSinRoPE.Config -> NKIRoPE.Config
+    [Override] common.kernels.rope_module.nki_rope: model_spec.model.layers.1.attention.rope CosSinRoPE.Config -> NKIRoPE.Config
 The FQN starts at the config root: `model_spec.model.layers.N.attention.rope` under the trainer,
 `layers.N.attention.rope` when the model config itself is the root. A bare `layers.1...` therefore
 matches nothing in a training run; start globs with `*` (`*layers.1.*`, `*layers.[0-3].*`).
 
-From torchtitan's own CLI, `--override.imports common.rope_module.nki_rope` replaces every layer
+From torchtitan's own CLI, `--override.imports common.kernels.rope_module.nki_rope` replaces every layer
 (the module registers that override when imported).
 
 NKIRoPE keeps CosSinRoPE's Config fields and cache, so checkpoints and `from_hf` see a CosSinRoPE.
@@ -30,7 +30,7 @@ from torchtitan.config import derive, override
 from torchtitan.models.common.rope import CosSinRoPE, _yarn_inv_freq
 
 from common.errors import UserError
-from common.rope_op import rope
+from common.kernels.rope_op import rope
 
 __all__ = ["NKIRoPE", "nki_rope", "register", "clear_rows_cache", "ALL_LAYERS"]
 
@@ -106,7 +106,7 @@ def nki_rope(cfg: CosSinRoPE.Config, *, lnc: int = 2, check_kernel_shape: bool =
     return derive(cfg, NKIRoPE.Config, lnc=lnc, check_kernel_shape=check_kernel_shape)
 
 
-# Every layer, for `--override.imports common.rope_module.nki_rope` on torchtitan's own CLI.
+# Every layer, for `--override.imports common.kernels.rope_module.nki_rope` on torchtitan's own CLI.
 override(target=CosSinRoPE.Config, exact=True,
          description="RoPE custom op (NKI rope_hf on Trainium), every layer")(nki_rope)
 

@@ -1,0 +1,116 @@
+"""Where the offline assets prepared by `make setup` are, and the training scripts' dataset choice.
+
+The assets (a Qwen3 tokenizer, an English corpus, small HF models) are built by
+`python -m tools.prepare_assets prepare` (run by `make setup`) into CACHE_DIR, one folder each
+with a manifest.json listing every file's size and sha256. This module only finds them and
+checks them against their manifest; it never builds anything. On trn2 the presets read real Hub
+folders instead, and none of this is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from common.errors import UserError
+
+CACHE_DIR = Path(os.environ.get("QWEN3_RECIPES_CACHE", Path.home() / ".cache" / "qwen3-trainium-recipes")) / "assets"
+MANIFEST = "manifest.json"
+# asset name -> its folder under CACHE_DIR
+FOLDERS = {"tokenizer": "qwen3-tokenizer", "corpus": "corpus-en", "smollm2": "smollm2-135m-instruct",
+           "tiny_qwen3": "tiny-qwen3", "tiny_qwen3_moe": "tiny-qwen3-moe"}
+
+
+def prepare_hint(name: str, force: bool = False) -> str:
+    return f"`python -m tools.prepare_assets prepare --only {name}{' --force' if force else ''}`"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def asset_files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)
+
+
+def verify_dir(folder: Path, deep: bool = False) -> dict:
+    """Check an asset folder against its manifest.json and return the manifest.
+
+    Always: every listed file exists with its recorded size, and no unlisted file is there.
+    deep=True: also recompute every sha256 (seconds for the 0.5 GB of SmolLM2).
+    Raises UserError naming the first bad file.
+    """
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files: dict[str, dict] = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{folder / MANIFEST} is missing or unreadable ({e}): the folder is not a finished asset; "
+                        "run `make setup`") from None
+    fix = f"rebuild it with {prepare_hint(manifest.get('asset', 'NAME'), force=True)}"
+    unlisted = sorted(set(asset_files(folder)) - set(files))
+    if unlisted:
+        raise UserError(f"{folder / unlisted[0]} is not in {MANIFEST} (a stray or leftover file): remove it or {fix}")
+    for rel, record in files.items():
+        path = folder / rel
+        if not path.is_file():
+            raise UserError(f"{path} is missing ({MANIFEST} lists it): {fix}")
+        size = path.stat().st_size
+        if size != record["size"]:
+            raise UserError(f"{path} is {size:,} bytes but {MANIFEST} records {record['size']:,}: {fix}")
+        if deep and sha256(path) != record["sha256"]:
+            raise UserError(f"{path} is corrupt: its sha256 differs from the one in {MANIFEST}: {fix}")
+    return manifest
+
+
+def asset_dir(name: str, check: bool = True) -> Path:
+    """The folder of a prepared asset (`FOLDERS`), checked against its manifest unless check=False."""
+    folder = CACHE_DIR / FOLDERS[name]
+    if check:
+        if not (folder / MANIFEST).is_file():
+            raise UserError(f"{name} assets not prepared in {folder}: run `make setup` or {prepare_hint(name)}")
+        verify_dir(folder)
+    return folder
+
+
+def tokenizer_dir(check: bool = True) -> Path:
+    """The Qwen3 tokenizer folder (tokenizer.json, vocab.json, merges.txt, tokenizer_config.json)."""
+    return asset_dir("tokenizer", check)
+
+
+def corpus_dir(check: bool = True) -> Path:
+    """The English corpus: `datasets.load_dataset(str(corpus_dir()), split="train")` reads it."""
+    return asset_dir("corpus", check)
+
+
+def smollm2_dir(check: bool = True) -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (config.json, model.safetensors, tokenizer files)."""
+    return asset_dir("smollm2", check)
+
+
+def tiny_qwen3_dir(check: bool = True) -> Path:
+    """A 2-layer seeded random Qwen3 with the real vocabulary, as an HF folder with the Qwen3 tokenizer."""
+    return asset_dir("tiny_qwen3", check)
+
+
+def tiny_qwen3_moe_dir(check: bool = True) -> Path:
+    """A 2-layer seeded random Qwen3-MoE (8 experts, top-2), as an HF folder with the Qwen3 tokenizer."""
+    return asset_dir("tiny_qwen3_moe", check)
+
+
+def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
+    """The training scripts' `--dataset`/`--dataset_path` as (torchtitan dataset name, folder).
+    Everything loads as torchtitan's c4_test does: `load_dataset(folder, split="train")` over JSON
+    lines with a `text` field. 'corpus' is the offline English corpus from set-up."""
+    if dataset == "corpus":
+        return "c4_test", str(corpus_dir())
+    folder = (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
+    if not Path(folder).is_dir():
+        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
+                        "pointing at a torchtitan checkout's tests/assets/c4_test)")
+    return "c4_test", str(Path(folder).resolve())

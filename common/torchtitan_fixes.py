@@ -1,0 +1,146 @@
+"""The torchtitan 0.3.0 workarounds off CUDA that the training examples share: device settings on a
+Trainer.Config, the attention every non-CUDA device can run, gloo-safe FSDP reductions.
+
+Import only after `common.device.setup()` (torchtitan binds its device at import time).
+Each workaround is a named function that says why it exists and when it can go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+
+from torchtitan.config import override
+from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
+from torchtitan.trainer import Trainer
+
+from common.device import DeviceInfo
+
+ATTN_BACKENDS = ("sdpa", "flex")
+
+
+class SDPADocumentAttention(VarlenAttention):
+    """Causal attention with packed-document masking through `scaled_dot_product_attention`.
+
+    Why: torchtitan 0.3.0 language models accept only FlexAttention (no CPU backward, needs
+    Triton/inductor) or varlen attention (a CUDA kernel), and its plain SDPA class cannot mask
+    documents. Subclassing the varlen config makes the trainer hand us the per-document
+    boundaries it computes from `positions`; the mask is materialised once per forward
+    (B x L x L booleans) and reused by every layer.
+    Remove when torchtitan ships a document-masked SDPA backend for language models."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(VarlenAttention.Config):
+        pass
+
+    _last_mask: tuple = (None, None)  # (VarlenMetadata, mask) of the latest forward
+
+    def __init__(self, config: Config) -> None:
+        super(VarlenAttention, self).__init__()  # skip the CUDA flash-attention set-up
+
+    @staticmethod
+    def document_causal_mask(meta: VarlenMetadata, batch: int, seq_len: int, device) -> torch.Tensor:
+        total = batch * seq_len
+        starts = torch.zeros(total + 1, dtype=torch.int32, device=device)
+        starts[meta.cu_seq_q.to(device=device, dtype=torch.long)] = 1
+        doc = torch.cumsum(starts[:total], 0).view(batch, seq_len)
+        same_doc = doc[:, :, None] == doc[:, None, :]
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        return (same_doc & causal)[:, None]  # (B, 1, L, L), broadcast over heads
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None,
+                enable_gqa: bool = False, out_transform=None, **kwargs) -> torch.Tensor:
+        if out_transform is not None:
+            raise NotImplementedError("SDPADocumentAttention does not support out_transform (attention sinks)")
+        B, L = q_BLNH.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        if attention_masks is None:  # a bare forward (no positions): plain causal attention
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            # One VarlenMetadata object is shared by all layers of a forward: build its mask once.
+            meta, cache = SDPADocumentAttention._last_mask
+            if meta is not attention_masks or cache.shape[0] != B or cache.shape[-1] != L:
+                cache = self.document_causal_mask(attention_masks, B, L, q.device)
+                SDPADocumentAttention._last_mask = (attention_masks, cache)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
+
+
+def use_attention_backend(model_config, backend: str) -> list[str]:
+    """Point every attention of a torchtitan model config at `backend`; returns the changed FQNs.
+    `sdpa` runs everywhere (CPU, Trainium, CUDA); `flex` is torchtitan's default, CUDA only."""
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}")
+    if backend == "flex":
+        return []
+    changed = []
+    for fqn, _cfg, parent, attr in list(model_config.traverse(FlexAttention.Config)):
+        if isinstance(parent, list):
+            parent[attr] = SDPADocumentAttention.Config()
+        else:
+            setattr(parent, attr, SDPADocumentAttention.Config())
+        changed.append(fqn)
+    return changed
+
+
+def force_sum_reduction_on_gloo(model_spec) -> None:
+    """Workaround: torchtitan disables FSDP's gradient division (factor 1.0), which FSDP turns
+    into ReduceOp.PREMUL_SUM; gloo has no PREMUL_SUM. A plain SUM is the same arithmetic when
+    the factor is 1. Wraps the spec's parallelize_fn so it applies after FSDP is set up.
+    Remove when gloo gains PREMUL_SUM or FSDP maps factor 1.0 to SUM."""
+    inner = model_spec.parallelize_fn
+    if getattr(inner, "_sum_reduction_wrapped", False):
+        return
+
+    def parallelize(model, **kwargs):
+        model = inner(model, **kwargs)
+        if torch.distributed.get_backend() == "gloo":
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        return model
+
+    parallelize._sum_reduction_wrapped = True
+    model_spec.parallelize_fn = parallelize
+
+
+def apply_device_settings(cfg: Trainer.Config, dev: DeviceInfo, *, attn_backend: str, seed: int) -> list[str]:
+    """The settings that depend on the device, set in one place and returned for the log."""
+    notes = apply_trainer_settings(cfg, dev, seed=seed)
+    changed = use_attention_backend(cfg.model_spec.model, attn_backend)
+    if changed:
+        notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
+    return notes
+
+
+def apply_trainer_settings(cfg: Trainer.Config, dev: DeviceInfo, *, seed: int) -> list[str]:
+    """The device settings that do not depend on the model family (torchtitan's own models or the
+    Transformers backend): CUDA graphs, gloo reductions, seed, determinism, one log line a step."""
+    notes = []
+    if dev.device_type != "cuda":
+        # CUDA graphs are on by default in torchtitan 0.3.0 and exist only on CUDA.
+        cfg.training.disable_cuda_graphs = True
+        notes.append("cuda graphs off")
+    force_sum_reduction_on_gloo(cfg.model_spec)
+    cfg.debug.seed = seed
+    cfg.debug.deterministic = dev.device_type == "cpu"  # reproducible losses on CPU
+    cfg.metrics.log_freq = 1  # one line and one recorded loss per step
+    return notes
+
+
+def sdpa_document_attention(cfg: FlexAttention.Config) -> SDPADocumentAttention.Config:
+    """Override factory (torchtitan's override registry): FlexAttention -> SDPADocumentAttention.
+    Activate with `override.imports = ["common.torchtitan_fixes.sdpa_document_attention"]`; the same change as
+    `use_attention_backend(model_config, "sdpa")`, logged per layer by torchtitan."""
+    del cfg  # FlexAttention's options (block sizes, mask kinds) have no SDPA counterpart
+    return SDPADocumentAttention.Config()
+
+
+override(target=FlexAttention.Config, exact=True,
+         description="causal + packed-document attention through SDPA (CPU, Trainium, CUDA)")(sdpa_document_attention)
+
+
