@@ -19,7 +19,7 @@ CACHE_DIR = Path(os.environ.get("QWEN3_RECIPES_CACHE", Path.home() / ".cache" / 
 MANIFEST = "manifest.json"
 # asset name -> its folder under CACHE_DIR
 FOLDERS = {"tokenizer": "qwen3-tokenizer", "corpus": "corpus-en", "smollm2": "smollm2-135m-instruct",
-           "tiny_qwen3": "tiny-qwen3", "tiny_qwen3_moe": "tiny-qwen3-moe"}
+           "tiny_qwen3": "tiny-qwen3", "tiny_qwen3_moe": "tiny-qwen3-moe", "tiny_qwen_vl": "tiny-qwen-vl"}
 
 
 def prepare_hint(name: str, force: bool = False) -> str:
@@ -101,6 +101,11 @@ def tiny_qwen3_dir(check: bool = True) -> Path:
 def tiny_qwen3_moe_dir(check: bool = True) -> Path:
     """A 2-layer seeded random Qwen3-MoE (8 experts, top-2), as an HF folder with the Qwen3 tokenizer."""
     return asset_dir("tiny_qwen3_moe", check)
+
+
+def tiny_qwen_vl_dir(check: bool = True) -> Path:
+    """A seeded random Qwen vision-language model with the Qwen3 tokenizer, and a test photograph."""
+    return asset_dir("tiny_qwen_vl", check)
 
 
 def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
