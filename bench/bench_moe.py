@@ -94,7 +94,7 @@ def routed_experts_config(cfg: Config, num_experts: int):
 
     shape = {**TINY_MOE, "hidden_size": cfg.dim, "moe_intermediate_size": cfg.hidden, "num_hidden_layers": 1,
              "num_experts": num_experts, "num_experts_per_tok": cfg.top_k}
-    spec = checkpoint.qwen3_moe_spec_from_hf(shape, where="bench")
+    spec = checkpoint.qwen3_spec_from_hf(shape, where="bench")
     return spec.model.layers[0].moe.routed_experts
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import shutil
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,24 +35,42 @@ def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
     if not cfg_path.is_file():
         raise UserError(f"checkpoint folder {path} has no config.json")
     try:
-        return json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{cfg_path} is not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_path} holds a JSON {type(cfg).__name__}, not an object of settings")
+    return cfg
+
+
+def config_value(hf_config: dict, key: str, kind: type, where, default=None, positive: bool = True):
+    """One setting of config.json with its type checked: a wrong type is a UserError, not a traceback."""
+    value = hf_config.get(key, default)
+    if value is None:
+        raise UserError(f"{where}: config.json lacks {key}")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and kind is int:
+        ok = float(value).is_integer()
+    if not ok or (positive and value <= 0):
+        raise UserError(f"{where}: config.json {key}={value!r} is not a {'positive ' if positive else ''}{kind.__name__}")
+    return kind(value)
 
 
 def require_architecture(hf_config: dict, expected: tuple[str, ...], where: str | os.PathLike) -> None:
     archs = hf_config.get("architectures") or [hf_config.get("model_type", "unknown")]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UserError(f"{where}/config.json: architectures must be a list of class names, got {archs!r}")
     if not set(archs) & set(expected):
-        raise UserError(
-            f"{where}/config.json describes {', '.join(map(str, archs))}, but this script trains "
-            f"{' or '.join(expected)}"
-        )
+        raise UserError(f"{where}/config.json describes {', '.join(archs)}, but this script trains {' or '.join(expected)}")
     if hf_config.get("auto_map"):
         raise UserError(f"{where}/config.json needs remote code (auto_map); it is not loaded")
 
 
 def safetensors_header(path: Path) -> dict:
-    """The header of one .safetensors file, checked against the file's size (catches truncation)."""
+    """The header of one .safetensors file, checked entry by entry and against the file's size
+    (catches truncation, zero-length entries and headers of the wrong shape)."""
     size = path.stat().st_size
     with path.open("rb") as f:
         raw = f.read(8)
@@ -66,24 +83,82 @@ def safetensors_header(path: Path) -> dict:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{path} is corrupt: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path} is corrupt: its header is not a JSON object")
     header.pop("__metadata__", None)
-    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    end = 0
+    for key, t in header.items():
+        try:
+            dtype, shape, (a, b) = t["dtype"], t["shape"], t["data_offsets"]
+            good = (isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
+                    and isinstance(a, int) and isinstance(b, int) and 0 <= a <= b)
+        except (TypeError, KeyError, ValueError):
+            good = False
+        if not good:
+            raise UserError(f"{path} is corrupt: the header entry of {key} is malformed")
+        if b == a and math.prod(shape) > 0:
+            raise UserError(f"{path}: {key} is an empty entry (0 bytes for shape {shape})")
+        end = max(end, b)
     if 8 + n + end > size:
         raise UserError(f"{path} is truncated: {size} bytes on disk, its header needs {8 + n + end}")
     return header
 
 
+def _index_files(folder: Path) -> tuple[list[Path], dict] | None:
+    """The shards a *.safetensors.index.json names, cross-checked: every named file exists; None without an index."""
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if not indexes:
+        return None
+    try:
+        weight_map = json.loads(indexes[0].read_bytes().decode("utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{indexes[0]} is not a safetensors index (a JSON object with a weight_map)") from None
+    names = sorted(set(weight_map.values()))
+    missing = [name for name in names if not (folder / Path(name).name).is_file() or Path(name).name != name]
+    if missing:
+        raise UserError(f"{indexes[0]} names shard files that are not in {folder}: {_short(missing)}")
+    return [folder / name for name in names], weight_map
+
+
 def checkpoint_tensors(ckpt_dir: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{key: (shape, dtype)} over every safetensors file of a folder, without loading tensors."""
-    files = sorted(Path(ckpt_dir).glob("*.safetensors"))
+    """{key: (shape, dtype)} over every safetensors file of a folder, without loading tensors.
+    With an index, every key it maps must be in the shard it names, and every stored key indexed."""
+    folder = Path(ckpt_dir)
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UserError(f"checkpoint folder {ckpt_dir} has no *.safetensors files "
                         "(weights are read only from safetensors, never from pickles)")
-    out = {}
+    indexed = _index_files(folder)
+    out, where = {}, {}
     for f in files:
         for k, t in safetensors_header(f).items():
-            out[k] = (tuple(t["shape"]), t["dtype"])
+            out[k], where[k] = (tuple(t["shape"]), t["dtype"]), f.name
+    if indexed is not None:
+        weight_map = indexed[1]
+        wrong = sorted(k for k, name in weight_map.items() if where.get(k) != name)
+        unindexed = sorted(set(out) - set(weight_map))
+        if wrong or unindexed:
+            raise UserError(f"the index of {ckpt_dir} does not match its shards: "
+                            + "; ".join(s for s in (wrong and f"keys not in the shard it names {_short(wrong)}",
+                                                    unindexed and f"stored keys missing from it {_short(unindexed)}") if s))
     return out
+
+
+def nonfinite_tensors(ckpt_dir: str | os.PathLike) -> list[str]:
+    """Keys of the float tensors that hold NaN or Inf (one tensor in memory at a time)."""
+    import torch
+    from safetensors import safe_open
+
+    bad = []
+    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                t = st.get_tensor(key)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    bad.append(key)
+    return bad
 
 
 def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -92,18 +167,20 @@ def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "transformers_version"})
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    sd = model.state_dict()
+    try:
+        cfg = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "transformers_version"})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UserError(f"transformers cannot build the model config.json describes: {e}") from None
     tied = getattr(cfg, "tie_word_embeddings", False)
     return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
-            for k, v in sd.items() if not (tied and k == "lm_head.weight")}
+            for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
 
 
 def validate_hf_checkpoint(ckpt_dir: str | os.PathLike, architectures: tuple[str, ...]) -> dict:
-    """Everything that can be checked before a load: config, architecture, files, keys, shapes.
-    Returns the HF config. Raises one UserError naming every problem found."""
+    """Everything that can be checked before a load: config, architecture, files, index, keys,
+    shapes, finite values. Returns the HF config. Raises one UserError naming every problem found."""
     hf_config = read_hf_config(ckpt_dir)
     require_architecture(hf_config, architectures, ckpt_dir)
     found = checkpoint_tensors(ckpt_dir)
@@ -118,15 +195,13 @@ def validate_hf_checkpoint(ckpt_dir: str | os.PathLike, architectures: tuple[str
     float_types = {"F32", "F16", "BF16", "F64"}
     wrong_dtype = [f"{k}: {found[k][1]}" for k in sorted(set(found) & set(expected))
                    if found[k][1] not in float_types]
-    problems = []
-    if missing:
-        problems.append(f"missing keys {_short(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys {_short(unexpected)}")
-    if wrong_shape:
-        problems.append(f"wrong shapes {_short(wrong_shape)}")
-    if wrong_dtype:
-        problems.append(f"non-float weights {_short(wrong_dtype)}")
+    problems = [f"{what} {_short(items)}" for what, items in (
+        ("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong_shape),
+        ("non-float weights", wrong_dtype)) if items]
+    if not problems:
+        nonfinite = nonfinite_tensors(ckpt_dir)
+        if nonfinite:
+            problems.append(f"NaN or Inf in {_short(nonfinite)}")
     if problems:
         raise UserError(f"checkpoint {ckpt_dir} does not match its config.json: " + "; ".join(problems))
     return hf_config
@@ -139,165 +214,95 @@ def _short(items: list[str], n: int = 5) -> str:
 
 # --------------------------------------------------------------------------- config.json both ways
 QWEN3_DENSE = ("Qwen3ForCausalLM",)
+QWEN3_MOE = ("Qwen3MoeForCausalLM",)
 
 
-def _rope_theta(hf_config: dict) -> float:
-    # transformers 5 keeps rope settings in `rope_parameters`; 4.x used top-level keys.
+def rope_theta(hf_config: dict, where="config") -> float:
+    """RoPE base of a config.json. transformers 5 keeps rope settings in `rope_parameters`, 4.x at
+    the top level. A missing value is an error: a silent default would train another model."""
     params = hf_config.get("rope_parameters") or {}
     scaling = hf_config.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise UserError(f"{where}: config.json rope_parameters / rope_scaling must be objects")
     kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind not in ("default", None):
         raise UserError(f"config.json asks for rope scaling {kind!r}; torchtitan's Qwen3 implements only the default RoPE")
-    return float(params.get("rope_theta", hf_config.get("rope_theta", 1_000_000.0)))
+    return config_value({"rope_theta": params.get("rope_theta", hf_config.get("rope_theta"))}, "rope_theta", float, where)
 
 
 def qwen3_spec_from_hf(hf_config: dict, *, where: str | os.PathLike = "config"):
-    """A torchtitan Qwen3 ModelSpec with the shape a dense Qwen3 config.json describes, built
-    with torchtitan's own Qwen3 layer builder, so any dense Qwen3 checkpoint loads whatever its size."""
+    """A torchtitan Qwen3 ModelSpec with the shape a Qwen3 or Qwen3-MoE config.json describes,
+    built with torchtitan's own layer builders, so any such checkpoint loads whatever its size.
+    Every number comes from config.json (head_dim, rope theta and norm eps included), none from defaults."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.nn_modules import RMSNorm
     from torchtitan.models.qwen3 import model_registry
-    # Private in torchtitan 0.3.0 (pinned in requirements.txt): the builder its presets use.
+    # Private in torchtitan 0.3.0 (pinned in requirements.txt): the builders its presets use.
     from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _EMBEDDING_SKIP_INIT, _LINEAR_INIT,
-                                         _build_qwen3_layers, _qwen3_norm)
+                                         _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm)
     from torchtitan.models.qwen3.model import Qwen3Model
 
-    require_architecture(hf_config, QWEN3_DENSE, where)
-    for key in ("attention_bias",):
-        if hf_config.get(key):
-            raise UserError(f"{where}: {key}=true is not supported by torchtitan's Qwen3")
-    try:
-        dim = int(hf_config["hidden_size"])
-        n_heads = int(hf_config["num_attention_heads"])
-        n_layers = int(hf_config["num_hidden_layers"])
-        vocab = int(hf_config["vocab_size"])
-        hidden = int(hf_config["intermediate_size"])
-    except KeyError as e:
-        raise UserError(f"{where}: config.json lacks {e.args[0]}") from None
-    n_kv = int(hf_config.get("num_key_value_heads") or n_heads)
-    head_dim = int(hf_config.get("head_dim") or dim // n_heads)
+    require_architecture(hf_config, QWEN3_DENSE + QWEN3_MOE, where)
+    moe = "Qwen3MoeForCausalLM" in hf_config["architectures"]
+    if hf_config.get("attention_bias"):
+        raise UserError(f"{where}: attention_bias=true is not supported by torchtitan's Qwen3")
+    if moe and (hf_config.get("mlp_only_layers") or hf_config.get("decoder_sparse_step", 1) != 1):
+        raise UserError(f"{where}: dense layers inside a MoE model (mlp_only_layers / decoder_sparse_step) "
+                        "are not supported by torchtitan's Qwen3 MoE")
+    value = lambda key, kind=int, default=None: config_value(hf_config, key, kind, where, default)  # noqa: E731
+    dim, n_heads, n_layers, vocab = (value(k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                                                       "vocab_size"))
+    head_dim = value("head_dim")  # Qwen3 sets it apart from hidden/heads; never derived
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    eps = float(hf_config.get("rms_norm_eps", 1e-6))
+    shape = dict(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=value("num_key_value_heads", int, n_heads),
+                 head_dim=head_dim, attn_backend="flex",
+                 rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=value("max_position_embeddings"),
+                                        theta=rope_theta(hf_config, where)))
+    if moe:
+        layers = _build_qwen3_moe_layers(**shape, moe_hidden_dim=value("moe_intermediate_size"),
+                                         num_experts=value("num_experts"), top_k=value("num_experts_per_tok"),
+                                         moe_comm_backend="standard")
+    else:
+        layers = _build_qwen3_layers(**shape, hidden_dim=value("intermediate_size"))
     model = Qwen3Model.Config(
-        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=tied,
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=tied, layers=layers,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
                                         param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
-        layers=_build_qwen3_layers(
-            n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-            hidden_dim=hidden, attn_backend="flex",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=int(hf_config.get("max_position_embeddings", 40960)),
-                                   theta=_rope_theta(hf_config))),
-    )
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT))
     for _fqn, norm, _p, _a in model.traverse(RMSNorm.Config):
-        norm.eps = eps
-    spec = model_registry("0.6B")  # parallelize/pipeline/adapter functions shared by every dense Qwen3
-    spec.flavor = f"hf:{n_layers}x{dim}"
+        norm.eps = value("rms_norm_eps", float)
+    for layer in model.layers if moe else ():
+        layer.moe.router.route_norm = bool(hf_config.get("norm_topk_prob", True))
+    # parallelize/pipeline/adapter (and for MoE load-balancing) functions shared by every model of the family
+    spec = model_registry("30B-A3B" if moe else "0.6B")
+    spec.flavor = f"hf:{n_layers}x{dim}" + (f"x{value('num_experts')}e" if moe else "")
     spec.model = model
     return spec
 
 
 def hf_config_from_qwen3(model_config, *, dtype: str = "float32") -> dict:
-    """The config.json transformers needs to open a torchtitan Qwen3 export as Qwen3ForCausalLM."""
-    return {**hf_config_from_qwen3_dense_part(model_config, dtype=dtype),
-            "intermediate_size": model_config.layers[0].feed_forward.w1.out_features}
-
-
-def hf_config_from_qwen3_dense_part(model_config, *, dtype: str = "float32") -> dict:
-    """The config.json fields shared by Qwen3 and Qwen3-MoE (all but the MLP's)."""
-    attn = model_config.layers[0].attention
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": model_config.vocab_size,
-        "hidden_size": model_config.dim,
-        "num_hidden_layers": len(model_config.layers),
-        "num_attention_heads": attn.n_heads,
-        "num_key_value_heads": attn.n_kv_heads,
-        "head_dim": attn.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": attn.rope.max_seq_len,
-        "rms_norm_eps": model_config.norm.eps,
+    """The config.json transformers needs to open a torchtitan Qwen3 (or Qwen3 MoE) export as
+    Qwen3ForCausalLM (Qwen3MoeForCausalLM)."""
+    layer, attn = model_config.layers[0], model_config.layers[0].attention
+    cfg = {
+        "architectures": list(QWEN3_DENSE), "model_type": "qwen3",
+        "vocab_size": model_config.vocab_size, "hidden_size": model_config.dim,
+        "num_hidden_layers": len(model_config.layers), "num_attention_heads": attn.n_heads,
+        "num_key_value_heads": attn.n_kv_heads, "head_dim": attn.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": attn.rope.max_seq_len, "rms_norm_eps": model_config.norm.eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": attn.rope.theta},
-        "tie_word_embeddings": bool(model_config.enable_weight_tying),
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "dtype": dtype,
+        "tie_word_embeddings": bool(model_config.enable_weight_tying), "attention_bias": False,
+        "attention_dropout": 0.0, "use_cache": True, "bos_token_id": 151643, "eos_token_id": 151645, "dtype": dtype,
     }
-
-
-QWEN3_MOE = ("Qwen3MoeForCausalLM",)
-
-
-def qwen3_moe_spec_from_hf(hf_config: dict, *, where: str | os.PathLike = "config"):
-    """A torchtitan Qwen3 MoE ModelSpec with the shape a Qwen3-MoE config.json describes (every
-    layer sparse), built with torchtitan's own MoE layer builder; spec functions from 30B-A3B."""
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.nn_modules import RMSNorm
-    from torchtitan.models.qwen3 import model_registry
-    # Private in torchtitan 0.3.0 (pinned in requirements.txt): the builder its presets use.
-    from torchtitan.models.qwen3 import (_EMBEDDING_INIT, _EMBEDDING_SKIP_INIT, _LINEAR_INIT,
-                                         _build_qwen3_moe_layers, _qwen3_norm)
-    from torchtitan.models.qwen3.model import Qwen3Model
-
-    require_architecture(hf_config, QWEN3_MOE, where)
-    if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
-        raise UserError(f"{where}: dense layers inside a MoE model (mlp_only_layers / decoder_sparse_step) "
-                        "are not supported by torchtitan's Qwen3 MoE")
-    try:
-        dim, n_layers = int(hf_config["hidden_size"]), int(hf_config["num_hidden_layers"])
-        n_heads, vocab = int(hf_config["num_attention_heads"]), int(hf_config["vocab_size"])
-        experts, top_k = int(hf_config["num_experts"]), int(hf_config["num_experts_per_tok"])
-        moe_hidden = int(hf_config["moe_intermediate_size"])
-    except KeyError as e:
-        raise UserError(f"{where}: config.json lacks {e.args[0]}") from None
-    n_kv = int(hf_config.get("num_key_value_heads") or n_heads)
-    head_dim = int(hf_config.get("head_dim") or dim // n_heads)
-    tied = bool(hf_config.get("tie_word_embeddings", False))
-    model = Qwen3Model.Config(
-        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=tied,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
-                                        param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
-        layers=_build_qwen3_moe_layers(
-            n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-            moe_hidden_dim=moe_hidden, num_experts=experts, top_k=top_k, attn_backend="flex",
-            moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=int(hf_config.get("max_position_embeddings", 40960)),
-                                   theta=_rope_theta(hf_config))),
-    )
-    for _fqn, norm, _p, _a in model.traverse(RMSNorm.Config):
-        norm.eps = float(hf_config.get("rms_norm_eps", 1e-6))
-    for layer in model.layers:
-        layer.moe.router.route_norm = bool(hf_config.get("norm_topk_prob", True))
-    spec = model_registry("30B-A3B")  # parallelize/pipeline/adapter/load-balancing hooks of Qwen3 MoE
-    spec.flavor = f"hf:{n_layers}x{dim}x{experts}e"
-    spec.model = model
-    return spec
-
-
-def hf_config_from_qwen3_moe(model_config, *, dtype: str = "float32") -> dict:
-    """The config.json transformers needs to open a torchtitan Qwen3 MoE export as Qwen3MoeForCausalLM."""
-    moe = model_config.layers[0].moe
+    moe = getattr(layer, "moe", None)
+    if moe is None:
+        return {**cfg, "intermediate_size": layer.feed_forward.w1.out_features}
     experts = moe.routed_experts.inner_experts
-    cfg = hf_config_from_qwen3_dense_part(model_config, dtype=dtype)
-    cfg.update({
-        "architectures": list(QWEN3_MOE), "model_type": "qwen3_moe",
-        "num_experts": experts.num_experts, "num_experts_per_tok": moe.router.top_k,
-        "moe_intermediate_size": experts.hidden_dim, "intermediate_size": experts.hidden_dim * moe.router.top_k,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": bool(moe.router.route_norm),
-        "output_router_logits": False, "router_aux_loss_coef": 0.001,
-    })
-    return cfg
-
-
-# --------------------------------------------------------------------------- export
-
-
-# --------------------------------------------------------------------------- verification
+    return {**cfg, "architectures": list(QWEN3_MOE), "model_type": "qwen3_moe",
+            "num_experts": experts.num_experts, "num_experts_per_tok": moe.router.top_k,
+            "moe_intermediate_size": experts.hidden_dim, "intermediate_size": experts.hidden_dim * moe.router.top_k,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": bool(moe.router.route_norm),
+            "output_router_logits": False, "router_aux_loss_coef": 0.001}
 
 
 def _main(argv: list[str] | None = None) -> int:

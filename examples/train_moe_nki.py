@@ -164,7 +164,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     from common import torchtitan_fixes
 
     tc = qwen3_30b_a3b()
-    tc.model_spec = checkpoint.qwen3_moe_spec_from_hf(model_shape(cfg), where=f"{cfg.preset} preset")
+    tc.model_spec = checkpoint.qwen3_spec_from_hf(model_shape(cfg), where=f"{cfg.preset} preset")
     for layer in tc.model_spec.model.layers:
         layer.moe.load_balance_coeff = cfg.load_balance_coeff or None
     tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
@@ -283,7 +283,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "export_dir": None, "export_check": None,
     }
     if cfg.export:
-        hf_cfg = checkpoint.hf_config_from_qwen3_moe(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
+        hf_cfg = checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
         results.update(export.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
                                               tokenizer_dir=tokenizer_dir, tied_expected=hf_cfg["tie_word_embeddings"],
                                               tol=cfg.export_tolerance, is_main=dev.is_main))
