@@ -212,6 +212,20 @@ def _short(items: list[str], n: int = 5) -> str:
     return "[" + ", ".join(items[:n]) + "]" + more
 
 
+def check_tokenizer(folder: str | os.PathLike, hint: str = "") -> Path:
+    """The folder's tokenizer.json, read as the trainer will read it: missing or malformed is one UserError."""
+    from tokenizers import Tokenizer
+
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"no tokenizer.json in {folder}{hint}")
+    try:
+        Tokenizer.from_file(str(path)).encode("Hello world")
+    except Exception as e:  # the Rust side raises plain Exceptions whose text names the defect
+        raise UserError(f"{path} cannot be read as a tokenizer: {str(e).splitlines()[0][:200]}") from None
+    return Path(folder).resolve()
+
+
 # --------------------------------------------------------------------------- config.json both ways
 QWEN3_DENSE = ("Qwen3ForCausalLM",)
 QWEN3_MOE = ("Qwen3MoeForCausalLM",)

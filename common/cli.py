@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import math
 import sys
 import tempfile
 import types
@@ -48,9 +50,14 @@ def _parse_optional(conv: Callable) -> Callable:
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line, not argparse's usage block
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: str,
                  default_preset: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags actually given override the preset
         allow_abbrev=False,  # a mistyped or shortened flag is an error, not a guess
@@ -87,6 +94,9 @@ def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[st
     preset = args.pop("preset")
     cfg = presets[preset]()
     cfg = dataclasses.replace(cfg, preset=preset, **args)
+    for name, value in dataclasses.asdict(cfg).items():  # argparse's float() takes "nan" and "inf"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{name} must be a finite number, got {value}")
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
@@ -104,12 +114,36 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: out of disk space writing {e.filename or 'a file'}: free space or choose another --out_dir",
+              file=sys.stderr)
+        return 2
     return 0
 
 
-def check_out_dir(out_dir: str) -> Path:
-    """Create out_dir and prove it is writable before any long work starts."""
+def require(cfg, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
+    """Range checks of numeric flags: one `error:` line naming the flag."""
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise UserError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise UserError(f"--{name} must not be negative, got {getattr(cfg, name)}")
+
+
+def check_out_dir(out_dir: str, inputs: dict[str, str | None] | None = None) -> Path:
+    """Create out_dir and prove it is writable before any long work starts. `inputs` ({flag: path}):
+    folders the run reads, which out_dir must neither be, lie inside, nor contain."""
+    if not out_dir.strip():
+        raise UserError("--out_dir is empty (an unset shell variable?): name the folder for this run's files")
     path = Path(out_dir)
+    for flag, value in (inputs or {}).items():
+        if value:
+            src, out = Path(value).resolve(), path.resolve()
+            if src == out or src in out.parents or out in src.parents:
+                raise UserError(f"--out_dir {out_dir} overlaps {flag} {value}: the run would write into its input")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-", delete=True)

@@ -242,9 +242,33 @@ def check_batch_split(global_batch: int, local_batch: int, world_size: int) -> N
                         f"{world_size} ranks")
 
 
+PROCESS_GIB = 1.5  # resident memory of one idle training process (torch + torchtitan imported), measured on CPU
+
+
+def check_nproc(nproc_per_node: int, device_type: str, oversubscribe: bool = False) -> None:
+    """Before a self-launch: no more processes than the host has cores (CPU) or devices (CUDA), and
+    memory for their start-up. `oversubscribe` (a flag) lets people who know better go on."""
+    if nproc_per_node <= 1 or oversubscribe:
+        return
+    import psutil
+
+    have = {"cpu": os.cpu_count() or 1, "cuda": torch.cuda.device_count() if device_type == "cuda" else 0}
+    free = psutil.virtual_memory().available / GIB
+    if device_type in have and nproc_per_node > have[device_type]:
+        raise UserError(f"--nproc_per_node {nproc_per_node} starts more processes than this host has "
+                        f"{'cores' if device_type == 'cpu' else 'GPUs'} ({have[device_type]}); pass --oversubscribe "
+                        "to start them anyway")
+    if nproc_per_node * PROCESS_GIB > free:
+        raise UserError(f"--nproc_per_node {nproc_per_node} needs about {nproc_per_node * PROCESS_GIB:.0f} GiB to start "
+                        f"and {free:.1f} GiB are free; pass --oversubscribe to start them anyway")
+
+
 def self_launch(nproc_per_node: int, argv: list[str]) -> int:
     """Re-run this script under torchrun with `nproc_per_node` workers on this host, so users can
-    skip typing torchrun for a single node. Returns the launcher's exit code."""
+    skip typing torchrun for a single node. Returns the launcher's exit code. The workers run in a
+    process group of their own: SIGINT, SIGTERM or SIGHUP sent to this process alone (a scheduler's
+    kill, `kill -INT PID`) stops every one of them, so nothing outlives the command."""
+    import signal
     import subprocess
 
     rest, skip = [], False
@@ -257,4 +281,20 @@ def self_launch(nproc_per_node: int, argv: list[str]) -> int:
             rest.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc_per_node}", "--local-ranks-filter=0", *rest]
-    return subprocess.call(cmd)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+
+    def stop(signum, _frame):
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait_s)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise KeyboardInterrupt  # run_cli: one `error: interrupted` line, exit 130
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    return proc.wait()

@@ -39,25 +39,55 @@ def apply_checkpoint_settings(cfg, *, steps: int, every: int, export: bool,
     cfg.checkpoint.load_only = not (export or every)
 
 
+MARKER = ".qwen3-recipes"  # in the folders a run creates and may later replace or delete
+
+
+def owned(folder: Path) -> bool:
+    """Did a run of these scripts create `folder`? (its marker file, or an export's version stamp)"""
+    if (folder / MARKER).exists():
+        return True
+    try:
+        return "qwen3_recipes_versions" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_replaceable(out_dir: Path, names=("checkpoint", "hf_assets", "hf_export")) -> None:
+    """Before a run: the folders it will replace in OUT_DIR are absent or its own, never a user's."""
+    for name in names:
+        folder = Path(out_dir) / name
+        if folder.exists() and not owned(folder):
+            raise UserError(f"{folder} exists and was not made by these scripts: it is left alone; move it or "
+                            "choose another --out_dir")
+
+
+def make_owned_dir(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).touch()
+    return folder
+
+
 def clear_stale_checkpoints(out_dir: Path, every: int, is_main: bool) -> None:
     """Without --checkpoint_every every run starts fresh: a save left in OUT_DIR/checkpoint (the
-    previous run's final one) would otherwise be resumed from. Call on every rank before a barrier."""
+    previous run's final one) would otherwise be resumed from. Only a folder a run made (its marker)
+    is removed. Call on every rank before a barrier."""
     step_dir = Path(out_dir) / "checkpoint"
-    if is_main and not every and step_dir.exists():
-        shutil.rmtree(step_dir)
+    if is_main:
+        check_replaceable(out_dir, ("checkpoint",))
+        if not every and step_dir.exists():
+            shutil.rmtree(step_dir)
+        make_owned_dir(step_dir)
 
 
 REFERENCE_TEXT = ("The export check feeds this sentence to the trained model and to the exported "
                   "checkpoint re-read by transformers, and compares the logits.")
 
 
-def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_positions: bool = False) -> None:
-    """Logits of the trained torchtitan model on a fixed input, for the export check.
-    Every rank runs the forward (FSDP gathers parameters collectively); rank 0 writes the file.
-    `pass_positions`: give the forward explicit positions (the Transformers backend needs them:
-    without them its forward assumes a full `seq_len` sequence)."""
+def model_logits(trainer, tokenizer_dir, *, pass_positions: bool = False):
+    """(input_ids, position_ids, logits) of the trainer's model on REFERENCE_TEXT. Every rank runs
+    the forward (FSDP gathers parameters collectively). `pass_positions`: give the forward explicit
+    positions (the Transformers backend needs them: without them it assumes a full `seq_len`)."""
     import torch
-    from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).encode(REFERENCE_TEXT).ids
@@ -71,12 +101,90 @@ def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_p
         logits = model(tokens, positions=positions) if pass_positions else model(tokens)
     model._skip_lm_head = skip
     model.train()
+    return tokens.cpu(), positions.cpu(), logits.detach().float().cpu().contiguous()
+
+
+def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_positions: bool = False) -> None:
+    """Logits of the trained model on a fixed input, for the export check; rank 0 writes the file."""
+    from safetensors.torch import save_file
+
+    tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
     if is_main:
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"input_ids": tokens.cpu(), "position_ids": positions.cpu(),
-                   "logits": logits.detach().float().cpu().contiguous()}, str(tmp))
+        save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(tmp))
         os.replace(tmp, path)
+
+
+LOAD_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}  # max abs logit difference; bf16 compute rounds
+COMPARED_SETTINGS = ("rope_theta", "rms_norm_eps", "head_dim", "tie_word_embeddings")
+
+
+def _settings(hf_config: dict) -> dict:
+    from common.checkpoint import rope_theta
+
+    out = {k: hf_config.get(k) for k in COMPARED_SETTINGS[1:]}
+    out["tie_word_embeddings"] = bool(out["tie_word_embeddings"])
+    try:
+        out["rope_theta"] = rope_theta(hf_config)
+    except UserError:
+        out["rope_theta"] = None
+    return out
+
+
+def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config: dict, dtype: str, is_main: bool,
+               pass_positions: bool = False) -> dict:
+    """Before the first step: the model as torchtitan built and loaded it against transformers'
+    `from_pretrained` of the same folder (float32, on the host CPU), on a fixed input. Catches a
+    model that trains but is not the checkpoint: weights not loaded, config values read wrong or
+    replaced by defaults. `built_config`: the torchtitan model's settings as a config.json dict.
+    Every rank gets the verdict; a failure is one UserError naming what differs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
+    check = None
+    if is_main:
+        reference = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = reference(tokens, position_ids=positions).logits.float()
+        ours, theirs = _settings(built_config), _settings(reference.config.to_dict())
+        diff = float((logits - expected).abs().max())
+        tol = LOAD_TOLERANCE[dtype]
+        differing = {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
+        check = {"max_abs_logit_diff": diff, "tolerance": tol, "config_differences": differing,
+                 "passed": diff <= tol and not differing}
+        del reference
+    if torch.distributed.is_initialized():
+        box = [check]
+        torch.distributed.broadcast_object_list(box, src=0)
+        check = box[0]
+    if not check["passed"]:
+        named = [f"{k}: trained model {a}, config.json {b}" for k, (a, b) in check["config_differences"].items()]
+        if not check["max_abs_logit_diff"] <= check["tolerance"]:
+            named.insert(0, f"max abs logit diff {check['max_abs_logit_diff']:.3g} > {check['tolerance']:g}")
+        raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
+                        + "; ".join(named) + "); pass --no-load_check to train anyway")
+    if is_main:
+        print(f"[load check] max abs logit diff {check['max_abs_logit_diff']:.3g} (tolerance {check['tolerance']:g}), "
+              "settings agree: the built model is the checkpoint", flush=True)
+    return check
+
+
+def attach_load_check(trainer, ckpt_dir, tokenizer_dir, **kwargs) -> dict:
+    """Run `load_check` once torchtitan has loaded the checkpoint (in `trainer.train()`), right before
+    the first step of a fresh run; a resumed run holds trained weights and is not checked.
+    Returns the dict the check's result is written into (empty when it did not run)."""
+    original, result = trainer.train_step, {}
+
+    def first_step(*args, **kw):
+        trainer.train_step = original
+        if trainer.step == 1:
+            result.update(load_check(trainer, ckpt_dir, tokenizer_dir, **kwargs))
+        return original(*args, **kw)
+
+    trainer.train_step = first_step
+    return result
 
 
 def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokenizer_dir: Path,
@@ -92,22 +200,31 @@ def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokeni
     trainer.close()
     if not is_main:
         return {}
+    check = {}
+
+    def verify(staged: Path) -> bool:
+        check.update(verify_export_subprocess(staged, reference))
+        check["passed"] = export_check_passed(check, tied_expected=tied_expected, tol=tol)
+        check["tolerance"] = tol
+        return check["passed"]
+
     export_dir = complete_export(Path(out_dir) / "checkpoint" / f"step-{steps}", Path(out_dir) / "hf_export",
-                             hf_cfg, tokenizer_dir, results.versions())
-    check = verify_export_subprocess(export_dir, reference, Path(out_dir) / "export_check.json")
-    check["passed"] = export_check_passed(check, tied_expected=tied_expected, tol=tol)
-    print(f"[export] {export_dir}: missing={check['missing_keys']} unexpected={check['unexpected_keys']} "
-          f"tied_lm_head={check['tied_lm_head']} max_abs_logit_diff={check['max_abs_logit_diff']:.3g} "
-          f"passed={check['passed']}", flush=True)
-    return {"export_dir": str(export_dir), "export_check": check}
+                                 hf_cfg, tokenizer_dir, results.versions(), verify=verify)
+    results.atomic_write_text(Path(out_dir) / "export_check.json", json.dumps(check, indent=2) + "\n")
+    print(f"[export] {export_dir or 'rejected, hf_export left as it was'}: missing={check['missing_keys']} "
+          f"unexpected={check['unexpected_keys']} tied_lm_head={check['tied_lm_head']} "
+          f"max_abs_logit_diff={check['max_abs_logit_diff']:.3g} (tolerance {tol:g}) passed={check['passed']}",
+          flush=True)
+    return {"export_dir": str(export_dir) if export_dir else None, "export_check": check}
 
 
 def stage_hf_assets(dest: Path, tokenizer_dir: Path, checkpoint_dir: Path | None = None) -> Path:
     """torchtitan reads the tokenizer and (for a load) config.json + index from one folder,
     `hf_assets_path`. Build it from links: tokenizer files, plus the checkpoint's config/index."""
+    check_replaceable(dest.parent, (dest.name,))
     if dest.exists():
         shutil.rmtree(dest)
-    dest.mkdir(parents=True)
+    make_owned_dir(dest)
     for name in TOKENIZER_FILES:
         src = tokenizer_dir / name
         if src.is_file():
@@ -120,10 +237,13 @@ def stage_hf_assets(dest: Path, tokenizer_dir: Path, checkpoint_dir: Path | None
 
 
 def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer_dir: Path,
-                    versions: dict) -> Path:
+                    versions: dict, verify=None) -> Path | None:
     """Turn torchtitan's last HF save (safetensors + index only) into a folder that
-    `from_pretrained` opens as is: add config.json and the tokenizer files, then move it into
-    place with one rename. A previous export is replaced only once the new one is complete."""
+    `from_pretrained` opens as is: add config.json and the tokenizer files, check it with
+    `verify(folder) -> bool` while it still has a hidden name, then move it into place with one
+    rename. A previous export is replaced only by a complete, verified one; an export that fails
+    `verify` goes to EXPORT_DIR.rejected and None is returned (a kill at any point leaves the
+    previous export or none)."""
     if not step_dir.is_dir():
         raise RuntimeError(f"torchtitan wrote no HF export at {step_dir}")
     tmp = export_dir.with_name(f".{export_dir.name}.tmp")
@@ -138,6 +258,11 @@ def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, tmp / name)
     _fsync_tree(tmp)
+    if verify is not None and not verify(tmp):
+        rejected = export_dir.with_name(f"{export_dir.name}.rejected")
+        shutil.rmtree(rejected, ignore_errors=True)
+        os.replace(tmp, rejected)
+        return None
     old = export_dir.with_name(f".{export_dir.name}.old")
     if export_dir.exists():
         if old.exists():
@@ -155,32 +280,44 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def verify_export_subprocess(export_dir: Path, reference: Path, out_json: Path) -> dict:
+def verify_export_subprocess(export_dir: Path, reference: Path) -> dict:
     """Re-read the export with transformers in a fresh process (no state shared with the trainer,
-    whose libraries may have patched transformers) and return the check as a dict."""
+    whose libraries may have patched transformers) and return the check as a dict. A folder the
+    verifier cannot read at all fails the check with the verifier's error."""
     repo_root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
+    out_json = export_dir / ".export_check.json"
     cmd = [sys.executable, "-m", "common.export", "verify", str(export_dir),
            "--reference", str(reference), "--out", str(out_json)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"export verification failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(out_json.read_text())
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        error = next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
+        return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
+                "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
+    check = json.loads(out_json.read_text())
+    out_json.unlink()
+    return check
 
 
 def verify_export(export_dir: Path, reference: Path) -> dict:
-    """Load the export with AutoModelForCausalLM and compare its logits on the reference input."""
+    """Load the export with AutoModelForCausalLM and compare its logits on the reference input.
+    Its safetensors headers and index are checked first (no empty entries, every key where the
+    index says), and config.json and tokenizer.json must be there."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    missing = [n for n in ("config.json", "tokenizer.json") if not (export_dir / n).is_file()]
+    if missing:
+        raise UserError(f"{export_dir} lacks {', '.join(missing)}")
+    stored = set(checkpoint_tensors(export_dir))
     ref = load_file(str(reference))
     model, info = AutoModelForCausalLM.from_pretrained(
         export_dir, dtype=torch.float32, output_loading_info=True)
     model.eval()
-    stored = set(checkpoint_tensors(export_dir))
     lm_head = model.get_output_embeddings().weight
     tied = lm_head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     with torch.no_grad():
@@ -208,7 +345,8 @@ def version_check(export_versions: dict | None) -> dict:
 
 
 def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool:
-    return (not check["missing_keys"] and not check["unexpected_keys"]
+    check["tied_expected"] = tied_expected
+    return (not check.get("error") and not check["missing_keys"] and not check["unexpected_keys"]
             and not check.get("mismatched_keys")
             and check["tied_lm_head"] == tied_expected
             and check["max_abs_logit_diff"] <= tol)

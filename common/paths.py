@@ -111,11 +111,24 @@ def tiny_qwen_vl_dir(check: bool = True) -> Path:
 def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
     """The training scripts' `--dataset`/`--dataset_path` as (torchtitan dataset name, folder).
     Everything loads as torchtitan's c4_test does: `load_dataset(folder, split="train")` over JSON
-    lines with a `text` field. 'corpus' is the offline English corpus from set-up."""
+    lines with a `text` field. 'corpus' is the offline English corpus from set-up. The folder is
+    read here until a non-empty text turns up: no data, no `text` field, or only empty texts is
+    one UserError (the trainer would otherwise fail late or wait forever for a token)."""
     if dataset == "corpus":
         return "c4_test", str(corpus_dir())
     folder = (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
     if not Path(folder).is_dir():
         raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
                         "pointing at a torchtitan checkout's tests/assets/c4_test)")
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(str(folder), split="train", streaming=True)
+        found = next((r for r in rows if isinstance(r.get("text"), str) and r["text"].strip()), None)
+    except Exception as e:  # datasets raises many types (no files, bad JSON, binary data, schema)
+        raise UserError(f"dataset folder {folder} cannot be read as JSON lines with a 'text' field: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    if found is None:
+        raise UserError(f"dataset folder {folder} holds no non-empty 'text': there is nothing to train on")
     return "c4_test", str(Path(folder).resolve())

@@ -99,6 +99,8 @@ def read_reference_losses(path: str | os.PathLike) -> list[float]:
         raise UserError(f"--compare_losses: {path} is not a JSON file with a 'losses' list ({e})") from None
     if not losses:
         raise UserError(f"--compare_losses: {path} holds no losses")
+    if not all(math.isfinite(x) for x in losses):
+        raise UserError(f"--compare_losses: {path} holds NaN or infinite losses: it cannot be a reference")
     return losses
 
 
@@ -114,7 +116,7 @@ def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: floa
     per_step = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
                 for s, loss in pairs]
     worst = max((r["abs_diff"] for r in per_step), default=float("nan"))
-    first = next((r["step"] for r in per_step if r["abs_diff"] > tolerance), None)
+    first = next((r["step"] for r in per_step if not r["abs_diff"] <= tolerance), None)  # NaN differs
     return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
             "first_differing_step": first, "passed": n > 0 and first is None, "per_step": per_step}
 
@@ -140,7 +142,31 @@ def finish_run(results: dict, history: dict, *, compare_with: str | None, tolera
     if not is_main:
         return None
     plot_losses(Path(out_dir) / "loss.png", history["losses"], title, steps=history["steps"])
-    return write_results(out_dir, results)
+    path = write_results(out_dir, results)
+    failed = []
+    if results.get("export_check") and not results["export_check"].get("passed"):
+        failed.append(f"export check failed ({_export_failure(results['export_check'])}): hf_export was left as it "
+                      f"was, the rejected export is in {Path(out_dir) / 'hf_export.rejected'}")
+    comparison = results.get("loss_comparison")
+    if comparison and not comparison["passed"]:
+        failed.append(f"losses differ from {comparison['reference']} from step {comparison['first_differing_step']} "
+                      f"(max abs diff {comparison['max_abs_diff']:.3g}, tolerance {comparison['tolerance']:g})")
+    if failed:
+        raise UserError("; and ".join(failed) + f" (details in {path})")
+    return path
+
+
+def _export_failure(check: dict) -> str:
+    """What failed in an export check, in a few words."""
+    if check.get("error"):
+        return check["error"]
+    parts = [f"{k.replace('_', ' ')} {check[k]}" for k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+             if check.get(k)]
+    if check.get("tied_lm_head") != check.get("tied_expected"):
+        parts.append(f"lm_head tied: {check.get('tied_lm_head')}, expected {check.get('tied_expected')}")
+    if not check.get("max_abs_logit_diff", 0.0) <= check.get("tolerance", math.inf):
+        parts.append(f"max abs logit diff {check['max_abs_logit_diff']:.3g} > tolerance {check['tolerance']:g}")
+    return "; ".join(parts) or "see export_check.json"
 
 
 @dataclass
@@ -161,6 +187,9 @@ class LossRecorder:
         original = mp.log
 
         def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            if not math.isfinite(float(global_avg_loss)):  # every rank sees the same reduced loss
+                raise UserError(f"the loss at step {step} is {float(global_avg_loss)}: training diverged or its "
+                                "weights or data are broken; nothing after this step is trained")
             self.steps.append(int(step))
             self.losses.append(float(global_avg_loss))
             self.grad_norms.append(float(grad_norm))

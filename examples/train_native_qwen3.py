@@ -43,40 +43,63 @@ class Config:
     flavor: str = field(default="tiny", metadata={"help": "torchtitan Qwen3 flavor (0.6B, 4B, 32B, ...) or 'tiny'"})
     steps: int = field(default=10, metadata={"help": "training steps"})
     out_dir: str = field(default="runs/native_qwen3", metadata={"help": "results.json, loss.png, hf_export/ go here"})
-    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(
+        default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for init and data order"})
     lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
     warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps"})
     local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
-    global_batch_size: int = field(default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
-    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
-    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
-    attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={"help": "sdpa: document-masked SDPA (CPU, Trainium, CUDA); flex: torchtitan's default, CUDA only"})
-    dataset: str = field(default="corpus", metadata={"help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
-    dataset_path: str | None = field(default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
-    hf_assets: str | None = field(default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
-    hf_checkpoint: str | None = field(default=None, metadata={"help": "initial weights: an HF Qwen3 folder (config.json + safetensors); sets the model shape"})
-    checkpoint_every: int = field(default=0, metadata={"help": "save a resumable torchtitan checkpoint every N steps in OUT_DIR/checkpoint; rerunning the same command resumes from the latest (0: none, every run starts fresh)"})
-    export: bool = field(default=True, metadata={"help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
-    export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
-    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
+    global_batch_size: int = field(
+        default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence (at most the model's positions)"})
+    dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
+    attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={
+        "help": "sdpa: document-masked SDPA (CPU, Trainium, CUDA); flex: torchtitan's default, CUDA only"})
+    dataset: str = field(default="corpus", metadata={
+        "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    hf_assets: str | None = field(
+        default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
+    hf_checkpoint: str | None = field(default=None, metadata={
+        "help": "initial weights: an HF Qwen3 folder (config.json + safetensors); sets the model shape"})
+    load_check: bool = field(default=True, metadata={
+        "help": "with --hf_checkpoint: compare the built model with transformers' load of it before step 1"})
+    checkpoint_every: int = field(default=0, metadata={
+        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint; the same command resumes "
+                "from the latest (0: none, every run starts fresh)"})
+    export: bool = field(default=True, metadata={
+        "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
+    export_tolerance: float | None = field(default=None, metadata={
+        "help": "max abs logits difference the export check accepts (none: 1e-5 for float32, 5e-2 for bfloat16)"})
+    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
+    oversubscribe: bool = field(default=False, metadata={
+        "help": "let --nproc_per_node exceed this host's cores or free memory"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
-    compare_losses: str | None = field(default=None, metadata={"help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go to results.json"})
-    loss_tolerance: float = field(default=1e-3, metadata={"help": "largest per-step loss difference --compare_losses calls a match"})
-    dry_run: bool = field(default=False, metadata={"help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report per-rank memory"})
-    dry_run_ranks: int = field(default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
-    per_core_gib: float = field(default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
+    compare_losses: str | None = field(default=None, metadata={
+        "help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go "
+                "to results.json; a difference over --loss_tolerance is a non-zero exit"})
+    loss_tolerance: float = field(default=1e-3, metadata={
+        "help": "largest per-step loss difference --compare_losses calls a match"})
+    dry_run: bool = field(default=False, metadata={
+        "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
+                "per-rank memory"})
+    dry_run_ranks: int = field(
+        default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
+    per_core_gib: float = field(
+        default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
 
     def validate(self) -> None:
-        if self.steps <= 0:
-            raise UserError(f"--steps must be positive, got {self.steps}")
-        if self.checkpoint_every < 0:
-            raise UserError(f"--checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        for name in ("local_batch_size", "seq_len", "nproc_per_node"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.lr < 0:
-            raise UserError(f"--lr must not be negative, got {self.lr}")
+        cli.require(self, positive=("steps", "local_batch_size", "seq_len", "nproc_per_node", "loss_tolerance",
+                                    "dry_run_ranks", "per_core_gib", "lnc"),
+                    non_negative=("lr", "warmup_steps", "checkpoint_every"))
+        if self.export_tolerance is None:
+            self.export_tolerance = EXPORT_TOLERANCE[self.dtype]
+        cli.require(self, positive=("export_tolerance",))
+
+
+EXPORT_TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}  # exported float32 / bfloat16 weights, re-read
 
 
 def tiny() -> Config:
@@ -88,8 +111,7 @@ def qwen3_4b() -> Config:
     """trn2.48xlarge as in the guide: Qwen3-4B spec on the qwen3_32b builder, 64 ranks, global batch 64, c4_test."""
     return replace(Config(), flavor="4B", device="neuron", dtype="bfloat16", local_batch_size=1,
                    global_batch_size=64, seq_len=4096, lr=8e-4, warmup_steps=2,
-                   dataset="c4_test", hf_assets="assets/hf/Qwen3-4B-Instruct-2507",
-                   export_tolerance=5e-2)
+                   dataset="c4_test", hf_assets="assets/hf/Qwen3-4B-Instruct-2507")
 
 
 PRESETS = {"tiny": tiny, "qwen3_4b": qwen3_4b}
@@ -98,17 +120,20 @@ PUBLISHED_PARAMS = {"4B": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 
 
 def preflight(cfg: Config) -> dict:
-    """Check every input before any process group or model exists, so bad input fails fast."""
+    """Check every input before any process is launched or any model exists, so bad input fails fast."""
+    device_type = device.resolve_device_type(cfg.device)
+    if cfg.attn_backend == "flex" and device_type != "cuda":
+        raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")
     found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
-    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else paths.tokenizer_dir()
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-        raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
-    found["tokenizer_dir"] = tokenizer_dir.resolve()
+    hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+    found["tokenizer_dir"] = checkpoint.check_tokenizer(cfg.hf_assets or paths.tokenizer_dir(), hint)
     if cfg.hf_checkpoint:
         found["hf_config"] = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
+    shape = found.get("hf_config") or (checkpoint.read_hf_config(paths.tiny_qwen3_dir()) if cfg.flavor == "tiny" else {})
+    if cfg.seq_len > shape.get("max_position_embeddings", cfg.seq_len):
+        raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {shape['max_position_embeddings']} positions")
     return found
 
 
@@ -177,13 +202,16 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
 
 
 def main(cfg: Config) -> dict:
+    out_dir = cli.check_out_dir(cfg.out_dir, inputs={"--hf_checkpoint": cfg.hf_checkpoint,
+                                                     "--hf_assets": cfg.hf_assets}).resolve()
     if cfg.dry_run:
-        return dry_run(cfg, cli.check_out_dir(cfg.out_dir).resolve())
+        return dry_run(cfg, out_dir)
     device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
+    export.check_replaceable(out_dir)
+    found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
     if cfg.nproc_per_node > 1 and not device.under_launcher():
+        device.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
-    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    found = preflight(cfg)
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         return train(cfg, dev, out_dir, found)
@@ -210,6 +238,10 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
+    load = None  # trainer.train() loads --hf_checkpoint (or resumes); checked before step 1
+    if cfg.hf_checkpoint and cfg.load_check:
+        load = export.attach_load_check(trainer, cfg.hf_checkpoint, tokenizer_dir, dtype=cfg.dtype, is_main=dev.is_main,
+                                        built_config=checkpoint.hf_config_from_qwen3(tc.model_spec.model))
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
@@ -222,7 +254,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "device": dev.device_type, "world_size": dev.world_size,
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
-        "history": history,
+        "history": history, "load_check": load or None,
         "train_seconds": train_s, "export_dir": None, "export_check": None,
     }
     if cfg.export:
