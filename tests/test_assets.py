@@ -178,6 +178,31 @@ def test_smollm2_parameters_and_fluency() -> None:
     assert perplexity(" ".join(words)) > 10 * perplexity(fluent)
 
 
+def test_r_lazyload_reader(tmp_path: Path) -> None:
+    """The corpus reader on a small lazy-load database laid out as R's makeLazyLoadDB writes one."""
+    import struct
+    import zlib
+
+    import numpy as np
+    import rdata
+
+    books = {"emma": ["EMMA", "", "Emma Woodhouse, handsome, clever, and rich"], "persuasion": ["Persuasion", "café"]}
+    blob, variables = b"", {}
+    for name, lines in books.items():
+        raw = rdata.unparser.unparse_data(rdata.conversion.convert_python_to_r_data(np.array(lines)))
+        entry = struct.pack(">i", len(raw)) + zlib.compress(raw)  # uncompressed length, then the zlib stream
+        variables[name] = np.array([len(blob), len(entry)], dtype=np.int32)
+        blob += entry
+    (tmp_path / "Rdata.rdb").write_bytes(blob)
+    index = {"variables": variables, "references": {}, "compressed": np.array([True])}
+    rdata.write_rds(tmp_path / "Rdata.rdx", index)
+    assert {name: list(lines) for name, lines in assets._read_r_lazyload_db(tmp_path / "Rdata").items()} == books
+
+    rdata.write_rds(tmp_path / "Rdata.rdx", index | {"compressed": np.array([3], dtype=np.int32)})  # xz
+    with pytest.raises(ValueError, match="knows only zlib"):
+        assets._read_r_lazyload_db(tmp_path / "Rdata")
+
+
 def test_verify_dir_names_the_corrupt_file(tokenizer_path: Path, tmp_path: Path) -> None:
     copy = tmp_path / "tok"
     shutil.copytree(tokenizer_path, copy)

