@@ -174,8 +174,22 @@ def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise UserError(f"transformers cannot build the model config.json describes: {e}") from None
     tied = getattr(cfg, "tie_word_embeddings", False)
-    return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
-            for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    out = {}
+    for k, v in model.state_dict().items():
+        shape, dtype = tuple(v.shape), str(v.dtype).removeprefix("torch.")
+        if tied and k == "lm_head.weight":
+            continue
+        # transformers 5 fuses MoE experts in memory; checkpoints store one matrix per expert and projection
+        if k.endswith(".mlp.experts.gate_up_proj"):  # [E, 2I, H] -> gate_proj, up_proj [I, H] each
+            for e in range(shape[0]):
+                for proj in ("gate_proj", "up_proj"):
+                    out[f"{k[:-len('gate_up_proj')]}{e}.{proj}.weight"] = ((shape[1] // 2, shape[2]), dtype)
+        elif k.endswith(".mlp.experts.down_proj"):  # [E, H, I] -> down_proj [H, I]
+            for e in range(shape[0]):
+                out[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = (shape[1:], dtype)
+        else:
+            out[k] = (shape, dtype)
+    return out
 
 
 def validate_hf_checkpoint(ckpt_dir: str | os.PathLike, architectures: tuple[str, ...]) -> dict:
@@ -272,9 +286,10 @@ def qwen3_spec_from_hf(hf_config: dict, *, where: str | os.PathLike = "config"):
                  head_dim=head_dim, attn_backend="flex",
                  rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=value("max_position_embeddings"),
                                         theta=rope_theta(hf_config, where)))
-    if moe:
+    if moe:  # transformers 5 writes num_experts as num_local_experts
+        experts = value("num_experts", int, hf_config.get("num_local_experts"))
         layers = _build_qwen3_moe_layers(**shape, moe_hidden_dim=value("moe_intermediate_size"),
-                                         num_experts=value("num_experts"), top_k=value("num_experts_per_tok"),
+                                         num_experts=experts, top_k=value("num_experts_per_tok"),
                                          moe_comm_backend="standard")
     else:
         layers = _build_qwen3_layers(**shape, hidden_dim=value("intermediate_size"))
@@ -289,7 +304,7 @@ def qwen3_spec_from_hf(hf_config: dict, *, where: str | os.PathLike = "config"):
         layer.moe.router.route_norm = bool(hf_config.get("norm_topk_prob", True))
     # parallelize/pipeline/adapter (and for MoE load-balancing) functions shared by every model of the family
     spec = model_registry("30B-A3B" if moe else "0.6B")
-    spec.flavor = f"hf:{n_layers}x{dim}" + (f"x{value('num_experts')}e" if moe else "")
+    spec.flavor = f"hf:{n_layers}x{dim}" + (f"x{experts}e" if moe else "")
     spec.model = model
     return spec
 

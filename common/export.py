@@ -14,10 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common import results
-from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors
+from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config
 from common.errors import UserError
 
 
@@ -120,41 +121,46 @@ LOAD_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}  # max abs logit difference;
 COMPARED_SETTINGS = ("rope_theta", "rms_norm_eps", "head_dim", "tie_word_embeddings")
 
 
-def _settings(hf_config: dict) -> dict:
+def _settings(config) -> dict:
+    """The compared settings of a config.json dict or a transformers config object."""
     from common.checkpoint import rope_theta
 
-    out = {k: hf_config.get(k) for k in COMPARED_SETTINGS[1:]}
+    if not isinstance(config, dict):
+        config = {k: getattr(config, k, None) for k in ("rope_parameters", "rope_scaling", "rope_theta",
+                                                        *COMPARED_SETTINGS[1:])}
+    out = {k: config.get(k) for k in COMPARED_SETTINGS[1:]}
     out["tie_word_embeddings"] = bool(out["tie_word_embeddings"])
     try:
-        out["rope_theta"] = rope_theta(hf_config)
+        out["rope_theta"] = rope_theta(config)
     except UserError:
         out["rope_theta"] = None
     return out
 
 
-def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config: dict, dtype: str, is_main: bool,
+def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is_main: bool,
                pass_positions: bool = False) -> dict:
     """Before the first step: the model as torchtitan built and loaded it against transformers'
-    `from_pretrained` of the same folder (float32, on the host CPU), on a fixed input. Catches a
+    `from_pretrained` of the same folder (float32, in a fresh process on the host CPU), on a fixed
+    input, and the settings the built model uses against its config.json. Catches a
     model that trains but is not the checkpoint: weights not loaded, config values read wrong or
-    replaced by defaults. `built_config`: the torchtitan model's settings as a config.json dict.
+    replaced by defaults. `built_config`: the built model's settings (a config.json dict or a
+    transformers config).
     Every rank gets the verdict; a failure is one UserError naming what differs."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import save_file
 
     tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
     check = None
-    if is_main:
-        reference = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
-        with torch.no_grad():
-            expected = reference(tokens, position_ids=positions).logits.float()
-        ours, theirs = _settings(built_config), _settings(reference.config.to_dict())
-        diff = float((logits - expected).abs().max())
-        tol = LOAD_TOLERANCE[dtype]
+    if is_main:  # the reference runs in a fresh process: the Transformers backend patches transformers' classes
+        with tempfile.TemporaryDirectory() as tmp:
+            reference = Path(tmp) / "load_reference.safetensors"
+            save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
+            read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
+        ours, theirs = _settings(built_config), _settings(read_hf_config(ckpt_dir))
+        diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
         differing = {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
         check = {"max_abs_logit_diff": diff, "tolerance": tol, "config_differences": differing,
-                 "passed": diff <= tol and not differing}
-        del reference
+                 "passed": diff <= tol and not differing, **({"error": read_back["error"]} if "error" in read_back else {})}
     if torch.distributed.is_initialized():
         box = [check]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -162,7 +168,7 @@ def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config: dict, dtype: s
     if not check["passed"]:
         named = [f"{k}: trained model {a}, config.json {b}" for k, (a, b) in check["config_differences"].items()]
         if not check["max_abs_logit_diff"] <= check["tolerance"]:
-            named.insert(0, f"max abs logit diff {check['max_abs_logit_diff']:.3g} > {check['tolerance']:g}")
+            named.insert(0, check.get("error") or f"max abs logit diff {check['max_abs_logit_diff']:.3g} > {check['tolerance']:g}")
         raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
                         + "; ".join(named) + "); pass --no-load_check to train anyway")
     if is_main:
@@ -280,7 +286,7 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def verify_export_subprocess(export_dir: Path, reference: Path) -> dict:
+def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = True) -> dict:
     """Re-read the export with transformers in a fresh process (no state shared with the trainer,
     whose libraries may have patched transformers) and return the check as a dict. A folder the
     verifier cannot read at all fails the check with the verifier's error."""
@@ -288,9 +294,9 @@ def verify_export_subprocess(export_dir: Path, reference: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    out_json = export_dir / ".export_check.json"
+    out_json = Path(reference).with_name(".export_check.json")
     cmd = [sys.executable, "-m", "common.export", "verify", str(export_dir),
-           "--reference", str(reference), "--out", str(out_json)]
+           "--reference", str(reference), "--out", str(out_json), *([] if files else ["--weights_only"])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -302,7 +308,7 @@ def verify_export_subprocess(export_dir: Path, reference: Path) -> dict:
     return check
 
 
-def verify_export(export_dir: Path, reference: Path) -> dict:
+def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict:
     """Load the export with AutoModelForCausalLM and compare its logits on the reference input.
     Its safetensors headers and index are checked first (no empty entries, every key where the
     index says), and config.json and tokenizer.json must be there."""
@@ -310,7 +316,7 @@ def verify_export(export_dir: Path, reference: Path) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    missing = [n for n in ("config.json", "tokenizer.json") if not (export_dir / n).is_file()]
+    missing = [n for n in ("config.json", "tokenizer.json")[:2 if files else 1] if not (export_dir / n).is_file()]
     if missing:
         raise UserError(f"{export_dir} lacks {', '.join(missing)}")
     stored = set(checkpoint_tensors(export_dir))
@@ -329,7 +335,7 @@ def verify_export(export_dir: Path, reference: Path) -> dict:
         "tied_lm_head": bool(tied),
         "lm_head_in_file": "lm_head.weight" in stored,
         "max_abs_logit_diff": float((logits - ref["logits"].float()).abs().max()),
-        **version_check(json.loads((export_dir / "config.json").read_text()).get("qwen3_recipes_versions")),
+        **version_check(read_hf_config(export_dir).get("qwen3_recipes_versions")),
     }
 
 
@@ -359,9 +365,10 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", type=Path, required=True,
                    help="safetensors file with input_ids, position_ids and the trained model's logits")
     p.add_argument("--out", type=Path, required=True, help="where to write the check as JSON")
+    p.add_argument("--weights_only", action="store_true", help="a checkpoint, not an export: no tokenizer needed")
     args = p.parse_args(argv)
     try:
-        check = verify_export(args.export_dir, args.reference)
+        check = verify_export(args.export_dir, args.reference, files=not args.weights_only)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

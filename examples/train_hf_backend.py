@@ -46,43 +46,66 @@ from common.results import LossRecorder, atomic_write_text, finish_run, read_ref
 @dataclass
 class Config:
     preset: str = "tiny"
-    hf_checkpoint: str = field(default_factory=lambda: str(paths.tiny_qwen3_dir(check=False)),
-                               metadata={"help": "HF model folder: config.json (the architecture), *.safetensors, tokenizer"})
-    init: Literal["pretrained", "random"] = field(default="pretrained", metadata={"help": "pretrained: load the folder's weights; random: only its config.json, torchtitan's init"})
+    hf_checkpoint: str = field(default_factory=lambda: str(paths.tiny_qwen3_dir(check=False)), metadata={
+        "help": "HF model folder: config.json (the architecture), *.safetensors, tokenizer"})
+    init: Literal["pretrained", "random"] = field(default="pretrained", metadata={
+        "help": "pretrained: load the folder's weights; random: only its config.json, torchtitan's init"})
+    load_check: bool = field(default=True, metadata={
+        "help": "pretrained: compare the built model with transformers' load of the folder before step 1"})
     steps: int = field(default=10, metadata={"help": "training steps"})
     out_dir: str = field(default="runs/hf_backend", metadata={"help": "results.json, loss.png, hf_export/ go here"})
-    checkpoint_every: int = field(default=0, metadata={"help": "save a resumable torchtitan checkpoint every N steps in OUT_DIR/checkpoint; rerunning the same command resumes from the latest (0: none, every run starts fresh)"})
-    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    checkpoint_every: int = field(default=0, metadata={
+        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint; the same command resumes "
+                "from the latest (0: none, every run starts fresh)"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(
+        default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for init and data order"})
     lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
     warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps"})
     local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
-    global_batch_size: int = field(default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
-    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
-    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
-    attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={"help": "sdpa: HF's SDPA with a packed-document mask (CPU, Trainium, CUDA); flex: the backend's default, CUDA only"})
-    dataset: str = field(default="corpus", metadata={"help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
-    dataset_path: str | None = field(default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
-    export: bool = field(default=True, metadata={"help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
-    export_tolerance: float = field(default=1e-4, metadata={"help": "max abs logits difference the export check accepts"})
-    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
+    global_batch_size: int = field(
+        default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence (at most the model's positions)"})
+    dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
+    attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={
+        "help": "sdpa: HF's SDPA with a packed-document mask (CPU, Trainium, CUDA); flex: the backend's default, "
+                "CUDA only"})
+    dataset: str = field(default="corpus", metadata={
+        "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    export: bool = field(default=True, metadata={
+        "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
+    export_tolerance: float | None = field(default=None, metadata={
+        "help": "max abs logits difference the export check accepts (none: 1e-4 for float32, 5e-2 for bfloat16)"})
+    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
+    oversubscribe: bool = field(default=False, metadata={
+        "help": "let --nproc_per_node exceed this host's cores or free memory"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
-    dry_run: bool = field(default=False, metadata={"help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report per-rank memory"})
-    dry_run_ranks: int = field(default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
-    per_core_gib: float = field(default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
-    compare_losses: str | None = field(default=None, metadata={"help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go to results.json"})
-    loss_tolerance: float = field(default=1e-3, metadata={"help": "largest per-step loss difference --compare_losses calls a match"})
+    dry_run: bool = field(default=False, metadata={
+        "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
+                "per-rank memory"})
+    dry_run_ranks: int = field(
+        default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
+    per_core_gib: float = field(
+        default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
+    compare_losses: str | None = field(default=None, metadata={
+        "help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go "
+                "to results.json; a difference over --loss_tolerance is a non-zero exit"})
+    loss_tolerance: float = field(default=1e-3, metadata={
+        "help": "largest per-step loss difference --compare_losses calls a match"})
 
     def validate(self) -> None:
-        if self.steps <= 0:
-            raise UserError(f"--steps must be positive, got {self.steps}")
-        if self.checkpoint_every < 0:
-            raise UserError(f"--checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        for name in ("local_batch_size", "seq_len", "nproc_per_node"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
-        if self.lr < 0:
-            raise UserError(f"--lr must not be negative, got {self.lr}")
+        cli.require(self, positive=("steps", "local_batch_size", "seq_len", "nproc_per_node", "loss_tolerance",
+                                    "dry_run_ranks", "per_core_gib", "lnc"),
+                    non_negative=("lr", "warmup_steps", "checkpoint_every"))
+        if self.export_tolerance is None:
+            self.export_tolerance = EXPORT_TOLERANCE[self.dtype]
+        cli.require(self, positive=("export_tolerance",))
+
+
+EXPORT_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # exported float32 / bfloat16 weights, re-read
 
 
 def tiny() -> Config:
@@ -100,7 +123,7 @@ def smollm2() -> Config:
 def qwen3_4b_instruct() -> Config:
     """trn2.48xlarge as in the guide: Qwen3-4B-Instruct-2507 from the HF files, c4_test, local batch 1 on every rank."""
     return replace(Config(), hf_checkpoint="assets/hf/Qwen3-4B-Instruct-2507", device="neuron", dtype="bfloat16",
-                   local_batch_size=1, seq_len=2048, lr=8e-4, dataset="c4_test", export_tolerance=5e-2)
+                   local_batch_size=1, seq_len=2048, lr=8e-4, dataset="c4_test")
 
 
 PRESETS = {"tiny": tiny, "smollm2": smollm2, "qwen3_4b_instruct": qwen3_4b_instruct}
@@ -116,9 +139,12 @@ PUBLISHED_PARAMS = {"qwen3_4b_instruct": 4.0e9}  # Qwen3-4B model card: 4.0 B pa
 
 
 def preflight(cfg: Config) -> dict:
-    """Check every input before any process group or model exists, so bad input fails fast."""
+    """Check every input before any process is launched or any model exists, so bad input fails fast."""
     from hf_backend import fixes as hf_fixes
 
+    device_type = device.resolve_device_type(cfg.device)
+    if cfg.attn_backend == "flex" and device_type != "cuda":
+        raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")
     found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
@@ -127,14 +153,15 @@ def preflight(cfg: Config) -> dict:
         raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
     if ckpt.resolve().is_relative_to(paths.CACHE_DIR.resolve()) and not ckpt.exists():
         raise UserError(f"{ckpt} does not exist: prepare the assets first (`make setup`)")
-    if cfg.init == "pretrained":  # config, architecture, files, keys and shapes
+    if cfg.init == "pretrained":  # config, architecture, files, keys, shapes, finite values
         found["hf_config"] = checkpoint.validate_hf_checkpoint(ckpt, hf_fixes.ARCHITECTURES)
     else:  # a random init needs only the architecture
         found["hf_config"] = checkpoint.read_hf_config(ckpt)
         checkpoint.require_architecture(found["hf_config"], hf_fixes.ARCHITECTURES, ckpt)
-    if not (ckpt / "tokenizer.json").is_file():
-        raise UserError(f"no tokenizer.json in {ckpt}: the HF folder must carry its tokenizer")
-    found["checkpoint"] = ckpt.resolve()
+    positions = checkpoint.config_value(found["hf_config"], "max_position_embeddings", int, ckpt)
+    if cfg.seq_len > positions:
+        raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {positions} positions")
+    found["checkpoint"] = checkpoint.check_tokenizer(ckpt, ": the HF folder must carry its tokenizer")
     return found
 
 
@@ -210,13 +237,15 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
 
 
 def main(cfg: Config) -> dict:
+    out_dir = cli.check_out_dir(cfg.out_dir, inputs={"--hf_checkpoint": cfg.hf_checkpoint}).resolve()
     if cfg.dry_run:
-        return dry_run(cfg, cli.check_out_dir(cfg.out_dir).resolve())
+        return dry_run(cfg, out_dir)
     device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
+    export.check_replaceable(out_dir)
+    found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
     if cfg.nproc_per_node > 1 and not device.under_launcher():
+        device.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
-    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    found = preflight(cfg)
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         return train(cfg, dev, out_dir, found)
@@ -249,6 +278,11 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     hf_fixes.check_embeddings_tied(model, tied)
     log(f"[hf] {type(model.model).__name__}: {n_checked} rotary buffers match config.json"
         f"{' after recomputing ' + '; '.join(was_wrong) if was_wrong else ''}; embeddings tied: {tied}")
+    load_check = None  # trainer.train() loads the folder's weights (or resumes); checked before step 1
+    if cfg.init == "pretrained" and cfg.load_check:
+        load_check = export.attach_load_check(trainer, found["checkpoint"], found["checkpoint"], dtype=cfg.dtype,
+                                              is_main=dev.is_main, built_config=model.model.config,
+                                              pass_positions=True)
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
@@ -267,7 +301,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
         "history": history,
         "train_seconds": train_s, "rotary_buffers_recomputed": was_wrong, "embeddings_tied": tied,
-        "export_dir": None, "export_check": None,
+        "load_check": load_check or None, "export_dir": None, "export_check": None,
     }
     if cfg.export:
         hf_cfg = hf_fixes.export_config(found["hf_config"], dtype=tc.checkpoint.export_dtype)

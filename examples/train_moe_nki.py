@@ -3,11 +3,11 @@
 The third path of the Trainium guide: Qwen3-30B-A3B cut to 4 layers and 64 experts (top_k 4) so
 it fits one trn2 instance, data parallel over all ranks, tensor parallel 1, no expert parallel,
 eager. Three modules are swapped through torchtitan's own override registry (one log line each):
-  - routed experts -> `OpRoutedExperts` (common/moe_module.py): one custom op groups the tokens by
+  - routed experts -> `OpRoutedExperts` (common/kernels/moe_module.py): one custom op groups the tokens by
     expert, runs the expert MLPs and saves the routing tables and activations its backward op
     reuses; nki-library's blockwise MoE kernels on Trainium, PyTorch elsewhere;
-  - FlexAttention -> `SDPADocumentAttention` (common/titan.py): causal + packed-document masking;
-  - CosSinRoPE -> `NKIRoPE` (common/rope_module.py): the gather-free RoPE op (nki-library rope_hf).
+  - FlexAttention -> `SDPADocumentAttention` (common/torchtitan_fixes.py): causal + packed-document masking;
+  - CosSinRoPE -> `NKIRoPE` (common/kernels/rope_module.py): the gather-free RoPE op (nki-library rope_hf).
 The expert count is a model setting (64 experts live on every rank), not a number of devices.
 
 CPU (the default preset, `tiny`: the same structure scaled down, 2 layers, 16 experts, top_k 4,
@@ -59,50 +59,83 @@ TINY_MOE = {**QWEN3_30B_A3B, "hidden_size": 64, "num_hidden_layers": 2, "num_att
 @dataclass
 class Config:
     preset: str = "tiny"
-    model: Literal["tiny", "qwen3_30b_a3b"] = field(default="tiny", metadata={"help": "shape to cut from: 'tiny' or the published Qwen3-30B-A3B"})
+    model: Literal["tiny", "qwen3_30b_a3b"] = field(
+        default="tiny", metadata={"help": "shape to cut from: 'tiny' or the published Qwen3-30B-A3B"})
     num_layers: int = field(default=2, metadata={"help": "decoder layers kept"})
-    num_experts: int = field(default=16, metadata={"help": "routed experts per MoE layer (a model setting, not a device count)"})
+    num_experts: int = field(
+        default=16, metadata={"help": "routed experts per MoE layer (a model setting, not a device count)"})
     top_k: int = field(default=4, metadata={"help": "experts per token"})
+    hf_checkpoint: str | None = field(default=None, metadata={
+        "help": "initial weights: an HF Qwen3-MoE folder; its config.json sets the shape (--model, --num_layers, "
+                "--num_experts and --top_k are not used)"})
+    load_check: bool = field(default=True, metadata={
+        "help": "with --hf_checkpoint: compare the built model with transformers' load of it before step 1"})
     steps: int = field(default=10, metadata={"help": "training steps"})
     out_dir: str = field(default="runs/moe_nki", metadata={"help": "results.json, loss.png, hf_export/ go here"})
-    checkpoint_every: int = field(default=0, metadata={"help": "save a resumable torchtitan checkpoint every N steps in OUT_DIR/checkpoint; rerunning the same command resumes from the latest (0: none, every run starts fresh)"})
-    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    checkpoint_every: int = field(default=0, metadata={
+        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint; the same command resumes "
+                "from the latest (0: none, every run starts fresh)"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(
+        default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for init and data order"})
     lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
     warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps"})
     local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
-    global_batch_size: int = field(default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
+    global_batch_size: int = field(
+        default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sequence (a multiple of 128 x LNC on Trainium)"})
-    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
-    expert_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": "expert matmul dtype in the grouped-expert op (torchtitan's stock experts: bfloat16)"})
-    stock: bool = field(default=False, metadata={"help": "keep torchtitan's own MoE and RoPE (attention stays SDPA off CUDA): the baseline"})
-    rope_layers: str = field(default="*", metadata={"help": "fnmatch glob of the RoPE modules to replace ('*layers.1.*': layer 1 only)"})
-    load_balance_coeff: float = field(default=0.0, metadata={"help": "torchtitan's bias-based load balancing (0: off, so the HF export routes identically)"})
-    dataset: str = field(default="corpus", metadata={"help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
-    dataset_path: str | None = field(default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
-    hf_assets: str | None = field(default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
-    export: bool = field(default=True, metadata={"help": "write HF safetensors (Qwen3MoeForCausalLM) + config + tokenizer to OUT_DIR/hf_export and verify them"})
-    export_tolerance: float = field(default=1e-5, metadata={"help": "max abs logits difference the export check accepts"})
-    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (same as torchrun)"})
+    dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
+    expert_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "expert matmul dtype in the grouped-expert op (torchtitan's stock experts: bfloat16)"})
+    stock: bool = field(default=False, metadata={
+        "help": "keep torchtitan's own MoE and RoPE (attention stays SDPA off CUDA): the baseline"})
+    rope_layers: str = field(default="*", metadata={
+        "help": "fnmatch glob of the RoPE modules to replace ('*layers.1.*': layer 1 only)"})
+    load_balance_coeff: float = field(default=0.0, metadata={
+        "help": "torchtitan's bias-based load balancing (0: off, so the HF export routes identically)"})
+    dataset: str = field(default="corpus", metadata={
+        "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    hf_assets: str | None = field(
+        default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
+    export: bool = field(default=True, metadata={
+        "help": "write HF safetensors (Qwen3MoeForCausalLM) + config + tokenizer to OUT_DIR/hf_export and verify them"})
+    export_tolerance: float | None = field(default=None, metadata={
+        "help": "max abs logits difference the export check accepts (none: 1e-5 for float32, 5e-2 for bfloat16)"})
+    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
+    oversubscribe: bool = field(default=False, metadata={
+        "help": "let --nproc_per_node exceed this host's cores or free memory"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
-    compare_losses: str | None = field(default=None, metadata={"help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go to results.json"})
-    loss_tolerance: float = field(default=1e-3, metadata={"help": "largest per-step loss difference --compare_losses calls a match"})
-    dry_run: bool = field(default=False, metadata={"help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report per-rank memory"})
-    dry_run_ranks: int = field(default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
-    per_core_gib: float = field(default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
+    compare_losses: str | None = field(default=None, metadata={
+        "help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go "
+                "to results.json; a difference over --loss_tolerance is a non-zero exit"})
+    loss_tolerance: float = field(default=1e-3, metadata={
+        "help": "largest per-step loss difference --compare_losses calls a match"})
+    dry_run: bool = field(default=False, metadata={
+        "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
+                "per-rank memory"})
+    dry_run_ranks: int = field(
+        default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
+    per_core_gib: float = field(
+        default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
 
     def validate(self) -> None:
-        if self.steps <= 0:
-            raise UserError(f"--steps must be positive, got {self.steps}")
-        if self.checkpoint_every < 0:
-            raise UserError(f"--checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        for name in ("num_layers", "num_experts", "top_k", "local_batch_size", "seq_len", "nproc_per_node"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be positive, got {getattr(self, name)}")
+        cli.require(self, positive=("steps", "num_layers", "num_experts", "top_k", "local_batch_size", "seq_len",
+                                    "nproc_per_node", "loss_tolerance", "dry_run_ranks", "per_core_gib", "lnc"),
+                    non_negative=("lr", "warmup_steps", "checkpoint_every", "load_balance_coeff"))
         if self.top_k > self.num_experts:
             raise UserError(f"--top_k {self.top_k} is larger than --num_experts {self.num_experts}")
-        if self.lr < 0 or self.load_balance_coeff < 0:
-            raise UserError("--lr and --load_balance_coeff must not be negative")
+        if self.num_experts > MAX_EXPERTS:
+            raise UserError(f"--num_experts {self.num_experts} is more than {MAX_EXPERTS} (Qwen3-30B-A3B has 128)")
+        if self.export_tolerance is None:
+            self.export_tolerance = EXPORT_TOLERANCE[self.dtype]
+        cli.require(self, positive=("export_tolerance",))
+
+
+EXPORT_TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}  # exported float32 / bfloat16 weights, re-read
+MAX_EXPERTS = 1024  # a bound, so that a typo cannot allocate without limit
 
 
 def tiny() -> Config:
@@ -114,7 +147,7 @@ def qwen3_30b_a3b_reduced() -> Config:
     """trn2.48xlarge as in the guide: Qwen3-30B-A3B dimensions, 4 layers, 64 experts, top_k 4, DP over all ranks."""
     return replace(Config(), model="qwen3_30b_a3b", num_layers=4, num_experts=64, top_k=4, device="neuron",
                    dtype="bfloat16", expert_dtype="bfloat16", local_batch_size=1, seq_len=4096, lr=8e-4,
-                   dataset="c4_test", hf_assets="assets/hf/Qwen3-30B-A3B", export_tolerance=5e-2)
+                   dataset="c4_test", hf_assets="assets/hf/Qwen3-30B-A3B")
 
 
 PRESETS = {"tiny": tiny, "qwen3_30b_a3b_reduced": qwen3_30b_a3b_reduced}
@@ -123,22 +156,29 @@ PUBLISHED_PARAMS = 30.5e9  # Qwen3-30B-A3B model card: 30.5 B parameters in tota
 
 
 def model_shape(cfg: Config) -> dict:
-    """The config.json of the model this run trains: the base shape, cut."""
+    """The config.json of the model this run trains: the checkpoint's, or the base shape cut."""
+    if cfg.hf_checkpoint:
+        return checkpoint.read_hf_config(cfg.hf_checkpoint)
     base = TINY_MOE if cfg.model == "tiny" else QWEN3_30B_A3B
     return {**base, "num_hidden_layers": cfg.num_layers, "num_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.top_k}
 
 
 def preflight(cfg: Config) -> dict:
-    """Check every input before any process group or model exists, so bad input fails fast."""
+    """Check every input before any process is launched or any model exists, so bad input fails fast."""
+    device_type = device.resolve_device_type(cfg.device)
     found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
-    tokenizer_dir = Path(cfg.hf_assets) if cfg.hf_assets else paths.tokenizer_dir()
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-        raise UserError(f"no tokenizer.json in {tokenizer_dir}{hint}")
-    found["tokenizer_dir"] = tokenizer_dir.resolve()
+    hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+    found["tokenizer_dir"] = checkpoint.check_tokenizer(cfg.hf_assets or paths.tokenizer_dir(), hint)
+    if cfg.hf_checkpoint:
+        checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_MOE)
+    shape = model_shape(cfg)
+    if cfg.seq_len > shape["max_position_embeddings"]:
+        raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {shape['max_position_embeddings']} positions")
+    if device_type == "neuron" and not cfg.stock:
+        pass  # the NKI kernels' shape rules are checked here (see common/kernels/moe_nki.py)
     return found
 
 
@@ -164,7 +204,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     from common import torchtitan_fixes
 
     tc = qwen3_30b_a3b()
-    tc.model_spec = checkpoint.qwen3_spec_from_hf(model_shape(cfg), where=f"{cfg.preset} preset")
+    tc.model_spec = checkpoint.qwen3_spec_from_hf(model_shape(cfg), where=cfg.hf_checkpoint or f"{cfg.preset} preset")
     for layer in tc.model_spec.model.layers:
         layer.moe.load_balance_coeff = cfg.load_balance_coeff or None
     tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
@@ -189,7 +229,8 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     # Mid-run saves: torchtitan's distributed checkpoints (resumed by the same command); the last
     # save is the HF export.
     export.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
-                                    dtype=cfg.dtype)
+                                     initial_hf=Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None,
+                                     dtype=cfg.dtype)
 
     notes = torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)
     return tc, notes
@@ -224,13 +265,16 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
 
 
 def main(cfg: Config) -> dict:
+    out_dir = cli.check_out_dir(cfg.out_dir, inputs={"--hf_checkpoint": cfg.hf_checkpoint,
+                                                     "--hf_assets": cfg.hf_assets}).resolve()
     if cfg.dry_run:
-        return dry_run(cfg, cli.check_out_dir(cfg.out_dir).resolve())
+        return dry_run(cfg, out_dir)
     device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
+    export.check_replaceable(out_dir)
+    found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
     if cfg.nproc_per_node > 1 and not device.under_launcher():
+        device.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
-    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    found = preflight(cfg)
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         return train(cfg, dev, out_dir, found)
@@ -252,11 +296,16 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
-        export.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir)
+        export.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir,
+                               Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None)
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
+    load_check = None  # trainer.train() loads --hf_checkpoint (or resumes); checked before step 1
+    if cfg.hf_checkpoint and cfg.load_check:
+        load_check = export.attach_load_check(trainer, cfg.hf_checkpoint, tokenizer_dir, dtype=cfg.dtype,
+                                              is_main=dev.is_main, built_config=checkpoint.hf_config_from_qwen3(tc.model_spec.model))
     replacements = replaced_modules(tc)
     log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
@@ -275,7 +324,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "device": dev.device_type, "world_size": dev.world_size, "model_shape": model_shape(cfg),
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
-        "history": history,
+        "history": history, "load_check": load_check or None,
         "train_seconds": train_s, "replacements": replacements,
         "expert_load": load.tolist() if not cfg.stock else None,
         "routing_bias": {"load_balance_coeff": cfg.load_balance_coeff or None, "exported": False,

@@ -238,10 +238,10 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
     trainer = tc.build()
-    load = None  # trainer.train() loads --hf_checkpoint (or resumes); checked before step 1
+    load_check = None  # trainer.train() loads --hf_checkpoint (or resumes); checked before step 1
     if cfg.hf_checkpoint and cfg.load_check:
-        load = export.attach_load_check(trainer, cfg.hf_checkpoint, tokenizer_dir, dtype=cfg.dtype, is_main=dev.is_main,
-                                        built_config=checkpoint.hf_config_from_qwen3(tc.model_spec.model))
+        load_check = export.attach_load_check(trainer, cfg.hf_checkpoint, tokenizer_dir, dtype=cfg.dtype,
+                                              is_main=dev.is_main, built_config=checkpoint.hf_config_from_qwen3(tc.model_spec.model))
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()
@@ -254,7 +254,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "device": dev.device_type, "world_size": dev.world_size,
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
-        "history": history, "load_check": load or None,
+        "history": history, "load_check": load_check or None,
         "train_seconds": train_s, "export_dir": None, "export_check": None,
     }
     if cfg.export:
