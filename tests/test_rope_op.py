@@ -1,5 +1,8 @@
-"""common/rope_op.py: op registration (opcheck), gradients, parity with torchtitan and transformers."""
+"""common/kernels/rope_op.py: op registration (opcheck), gradients, parity with torchtitan and transformers; the
+Trainium branch's layout around the kernel call, its launch (grid / LNC) and set_neuron_env, on CPU."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -166,3 +169,78 @@ def test_per_sequence_tables():
                           (qk[0].requires_grad_(), qk[1].requires_grad_(), stock.cache[positions], 2))
     with pytest.raises(UserError, match="tables for 2 sequences but the batch has 3"):
         rope(q, k, stock.cache[positions[:2]])
+
+
+# --- The Trainium branch's layout and launch, on CPU -------------------------------------------------------------
+# A PyTorch stand-in replaces rope_hf: the kernel's documented math with its rounding (rope_parity.py's
+# kernel_rounding_reference), returning new tensors and leaving the q_out/k_out buffers untouched, as NKI V2 does.
+
+def _stand_in(calls):
+    from rope_parity import kernel_rounding_reference  # examples/ is on sys.path (conftest)
+
+    def rope_hf(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False):
+        assert q.is_contiguous() and k.is_contiguous() and rope_cache.is_contiguous()
+        assert rope_cache.dtype == q.dtype and cos is None and sin is None
+        calls.append(tuple(rope_cache.shape))
+        return tuple(kernel_rounding_reference(x.transpose(1, 2), rope_cache, backward).transpose(1, 2).contiguous()
+                     for x in (q, k))
+    return rope_hf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batched", [False, True], ids=["one_table", "table_per_sequence"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_kernel_call_layout(dtype, batched, backward):
+    """rope_kernel_call: one kernel call per batch (a [batch, seq, 2d] table included), the returned tensors
+    used (not the buffers passed in), results in the caller's strides, equal to the PyTorch path within the
+    kernel's rounding (3 ulps at the mixed inputs' magnitude; exact in float32 here)."""
+    from common.kernels.rope_op import _rope_torch, rope_kernel_call
+
+    q, k, _, _ = _inputs(16, 32, dtype, batch=3)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, h, s, d] views of [b, s, h, d], as rope() hands them over
+    stock = CosSinRoPE(CosSinRoPE.Config(dim=32, max_seq_len=64, theta=THETA))
+    table = stock.cache[torch.stack([torch.arange(16), torch.arange(5, 21), torch.arange(16)])] if batched \
+        else stock.cache[:16]
+    calls = []
+    got = rope_kernel_call(_stand_in(calls), q, k, table, backward)
+    want = _rope_torch(q, k, table, 2, backward)
+    assert calls == [tuple(table.shape)]
+    for g, w, x in zip(got, want, (q, k)):
+        assert g.stride() == x.stride() and g.dtype == dtype
+        bound = 3 * torch.finfo(dtype).eps * (x.float().abs() + x.float().abs().roll(16, dims=-1))
+        assert ((g.float() - w.float()).abs() <= bound).all()
+        if dtype == torch.float32:
+            assert torch.equal(g, w)
+
+
+def test_launch_nki_grid_and_lnc(monkeypatch):
+    """kernel[lnc] before nki 0.7.0 (Neuron 2.33) or when NEURON_LOGICAL_NC_CONFIG is unset; the plain call when
+    the variable sets the LNC on 2.33; a variable that disagrees with --lnc is one clear error (NCC_EVRF066)."""
+    from common.kernels import rope_op
+
+    class Kernel:
+        def __getitem__(self, lnc):
+            return ("grid", lnc)
+
+    kernel = Kernel()
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    monkeypatch.setattr(rope_op, "_nki_version", lambda: (0, 7))
+    assert rope_op.launch_nki(kernel, 2) == ("grid", 2)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    assert rope_op.launch_nki(kernel, 2) is kernel
+    for older in ((0, 6), None):
+        monkeypatch.setattr(rope_op, "_nki_version", lambda v=older: v)
+        assert rope_op.launch_nki(kernel, 2) == ("grid", 2)
+    with pytest.raises(UserError, match="LNC=1 but NEURON_LOGICAL_NC_CONFIG=2"):
+        rope_op.launch_nki(kernel, 1)
+
+
+def test_set_neuron_env(monkeypatch):
+    """The Neuron settings come from config fields, in one place (common/device.py), and are returned to log."""
+    for var in ("NEURON_LOGICAL_NC_CONFIG", "TORCH_NEURONX_NEFF_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    assert device.set_neuron_env(1, None) == {"NEURON_LOGICAL_NC_CONFIG": "1"}
+    assert os.environ["NEURON_LOGICAL_NC_CONFIG"] == "1" and "TORCH_NEURONX_NEFF_CACHE_DIR" not in os.environ
+    env = device.set_neuron_env(2, "/tmp/neff")
+    assert env == {"NEURON_LOGICAL_NC_CONFIG": "2", "TORCH_NEURONX_NEFF_CACHE_DIR": "/tmp/neff"}
+    assert {k: os.environ[k] for k in env} == env

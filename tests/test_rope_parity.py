@@ -1,9 +1,10 @@
-"""examples/rope_parity.py and common/rope_module.py: NKIRoPE through torchtitan's override registry.
+"""examples/rope_parity.py and common/kernels/rope_module.py: NKIRoPE through torchtitan's override registry.
 
-Shows (issue 4): float32 forward/backward max abs diff <= 1e-6 against torchtitan's CosSinRoPE and
-transformers' apply_rotary_pos_emb, bfloat16 within the stated bound; the tiny Qwen3 with the op in
-every layer gives the stock logits; `--rope_layers '*layers.1.*'` replaces exactly one layer and
-the log says so; sequence length 200 at LNC=2 with the check on is one clear error.
+Shows: float32 forward/backward max abs diff <= 1e-6 against torchtitan's CosSinRoPE and transformers'
+apply_rotary_pos_emb, bfloat16 within the stated bound; the tiny Qwen3 with the op in every layer gives the
+stock logits; `--rope_layers '*layers.1.*'` replaces exactly one layer and the log says so; sequence length 200
+at LNC=2 with the check on is one clear error; the reference the trn2 preset holds the NKI kernel to rounds as
+the kernel does (bit-equal to transformers' bfloat16 math).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from common.kernels import rope_module  # noqa: E402
 from tools.prepare_assets import TINY_QWEN3_CONFIG  # noqa: E402
 from conftest import assert_clean_error, read_results, run_example  # noqa: E402
 
-OVERRIDE_LINE = re.compile(r"\[Override\] common\.rope_module\.nki_rope\w*: (\S+) CosSinRoPE\.Config -> NKIRoPE\.Config")
+OVERRIDE_LINE = re.compile(r"\[Override\] common\.kernels\.rope_module\.nki_rope\w*: (\S+) CosSinRoPE\.Config -> NKIRoPE\.Config")
 
 
 def test_rows_for_positions_equal_the_cache_rows():
@@ -113,3 +114,34 @@ def test_bad_input_is_one_clear_error(tmp_path, args, needles, prepared_assets):
     proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), *args, check=False)
     assert_clean_error(proc, *needles)
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_rounding_reference(dtype):
+    """The reference the trn2 preset holds rope_hf to rounds where the kernel rounds (cos/sin in the input dtype,
+    each product and sum rounded): that is transformers' bfloat16 math, bit for bit, forward and backward; and in
+    float32 it equals the op's PyTorch path. On CPU it is therefore pinned without the kernel."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+    from rope_parity import kernel_rounding_reference, ulp_bound
+    from common.kernels.rope_op import rope
+
+    g = torch.Generator().manual_seed(1)
+    q, gq = (torch.randn(2, 256, 4, 64, generator=g).to(dtype) for _ in range(2))
+    cache = CosSinRoPE.Config(dim=64, max_seq_len=1024, theta=1e6).build().cache
+    table = cache[torch.stack([torch.arange(256), torch.arange(100, 356)])]  # one table per sequence
+    x = q.clone().requires_grad_()
+    cos, sin = table[..., :64].to(dtype), table[..., 64:].to(dtype)
+    hf = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)[0].transpose(1, 2)
+    hf.backward(gq)
+    assert torch.equal(kernel_rounding_reference(q, table, backward=False), hf.detach())
+    assert torch.equal(kernel_rounding_reference(gq, table, backward=True), x.grad)
+    y = q.clone().requires_grad_()
+    ours = rope(y, y, table)[0]
+    ours.backward(gq)
+    ref_fwd, ref_bwd = kernel_rounding_reference(q, table, False), kernel_rounding_reference(gq, table, True)
+    if dtype == torch.float32:
+        assert torch.equal(ours.detach(), ref_fwd) and torch.equal(y.grad, ref_bwd)
+    else:  # the op rounds once: within the kernel's 3-ulp allowance, not equal
+        assert ((ours.detach().float() - ref_fwd.float()).abs() <= ulp_bound(q, 3)).all()
+        assert ((y.grad.float() - ref_bwd.float()).abs() <= ulp_bound(gq, 3)).all()
+        assert not torch.equal(ours.detach(), ref_fwd)

@@ -1,19 +1,30 @@
 """Trainium only: the grouped-expert op on nki-library's blockwise MoE training kernels.
 
-NOT RUN by this project (no Trainium here); written from the kernels' signatures and tests in
-aws-neuron/nki-library (src/nkilib_src/nkilib/experimental/moe/forward/bwmm_shard_on_H.py,
-experimental/moe/bwd/blockwise_mm_backward.py) and from neuronx-distributed's caller, which builds
-the same routing tables (modules/moe/expert_mlps_v2.py, get_blockwise_expert_and_token_mapping).
-Imported only from common/moe_op.py when the tensors are on a Neuron device.
+Not run on hardware by this project (no Trainium here). Written from the kernels' signatures, docstrings, asserts
+and tests in aws-neuron/nki-library (src/nkilib_src/nkilib/experimental/moe/forward/bwmm_shard_on_H.py,
+experimental/moe/bwd/blockwise_mm_backward.py and moe_bwd_parameters.py, test/integration/nkilib/experimental/moe/)
+and from neuronx-distributed's caller, which builds the same routing tables (modules/moe/expert_mlps_v2.py,
+get_blockwise_expert_and_token_mapping). Imported only from common/kernels/moe_op.py when the tensors are on a
+Neuron device.
 
-Layouts the kernels take: hidden states [T+1, H] with a zero padding row T; affinities [(T+1)*E, 1]
-(the top-k scores scattered into [T+1, E]); gate_up [E, H, 2, I] (gate, up); down [E, I, H];
-token slots `token_position_to_id` [N*B] (padding slots point at row T) and `block_to_expert`
-[N, 1] for N blocks of B tokens, each block holding tokens of one expert. The forward writes the
-activation checkpoints (pre-activation gate/up [N, 2, I, B], unscaled down outputs [N, B, H]) into
-buffers the caller allocates; the backward reads them. Whether those in-place writes reach PyTorch
-through nki.jit is not shown by any caller we found: the first Trainium run must check it (the
-parity test against the PyTorch path in tests/test_moe_op.py does, on a Neuron device).
+What runs where. Packing the kernels' inputs and unpacking their outputs (`pack_forward`, `unpack_forward`,
+`pack_backward`, `unpack_backward`, through `run_forward` / `run_backward`) runs on CPU in
+tests/test_moe_nki_pack.py, against a PyTorch reference of the two kernels written from their documented
+contract. The parity of this branch with the PyTorch op on a Neuron device, forward and backward, at the reduced
+Qwen3-30B-A3B preset's shapes, is tests/test_neuron_device.py: skipped (with its reason) where
+`neuron_available()` is false, so it has not run.
+
+Layouts the kernels take: hidden states [T+1, H] with a zero padding row T; affinities [(T+1)*E, 1] (the top-k
+scores scattered into [T+1, E]); gate_up [E, H, 2, I] (gate, up); down [E, I, H]; token slots
+`token_position_to_id` [N*B] (padding slots point at row T) and `block_to_expert` [N, 1] for N blocks of B tokens,
+each block holding tokens of one expert.
+
+Outputs. The forward returns `output` (nki-library as of 2026-04) or `(output, gate_up_activations_T)` (newer
+copies); both forms are accepted. Its activation checkpoints (pre-activation gate/up [N, 2, I, B], unscaled down
+outputs [N, B, H]), which the backward reads, are otherwise written into buffers the caller passes, and
+TorchNeuron's NKI V2 does not alias written inputs (its tests: "aliasing is not supported in NKI V2 yet"), so a
+buffer may come back untouched. The op takes a returned checkpoint where there is one and checks both on the
+first call: an all-zero checkpoint stops the run instead of training on with wrong gradients.
 """
 from __future__ import annotations
 
@@ -25,21 +36,30 @@ import torch.nn.functional as F
 
 from common.errors import UserError
 
-BLOCK_SIZE = 512  # tokens per block; the backward kernel takes 128, 256, 512 or 1024
+BLOCK_SIZE = 512  # tokens per block
+BWD_BLOCK_SIZES = (128, 256, 512, 1024)  # blockwise_mm_bwd's rule (MOEBwdParameters.validate)
 
 
-def check_nki_shapes(hidden: int, inter: int, compute_dtype: torch.dtype) -> int:
-    """The kernels' documented limits; returns the LNC degree."""
-    lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+def check_nki_shapes(hidden: int, inter: int, compute_dtype: torch.dtype, *, lnc: int | None = None,
+                     block: int = BLOCK_SIZE) -> int:
+    """The kernels' shape rules, from their asserts; raises one UserError naming each rule broken, returns the LNC.
+    Scripts call it at preflight with the model's sizes (`lnc` from the config); the op calls it again with the
+    tensors' sizes (`lnc` from NEURON_LOGICAL_NC_CONFIG)."""
+    lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")) if lnc is None else lnc
     problems = []
     if lnc != 2:
-        problems.append(f"LNC={lnc} (both kernels synchronise the two cores of an LNC=2 core)")
-    if hidden % 512 or not 512 <= hidden <= 8192:
-        problems.append(f"hidden size {hidden} (must be a multiple of 512 in [512, 8192])")
-    if inter % 64:
-        problems.append(f"expert hidden size {inter} (must be a multiple of 64)")
+        problems.append(f"LNC={lnc} (the forward kernel all-reduces gate/up between the two cores of an LNC=2 core)")
+    unit = 32 * max(lnc, 1)
+    if hidden % unit:
+        problems.append(f"hidden size {hidden} (blockwise_mm_bwd: hidden / LNC must be a multiple of 32)")
+    if inter % unit:
+        problems.append(f"expert hidden size (moe_intermediate_size) {inter} (blockwise_mm_bwd: it / LNC must be "
+                        "a multiple of 32)")
+    if block not in BWD_BLOCK_SIZES:
+        problems.append(f"block size {block} (blockwise_mm_bwd takes {', '.join(map(str, BWD_BLOCK_SIZES))})")
     if compute_dtype != torch.bfloat16:
-        problems.append(f"compute dtype {compute_dtype} (the backward kernel runs bfloat16)")
+        problems.append(f"expert compute dtype {compute_dtype} (this op runs both kernels in bfloat16, the dtype "
+                        "nki-library tests its backward in; use --expert_dtype bfloat16)")
     if problems:
         raise UserError("the NKI blockwise MoE kernels cannot take " + "; ".join(problems))
     return lnc
@@ -81,46 +101,112 @@ def _kernel_inputs(x, scores, expert_ids, w1, w2, w3, cd):
     return hidden, aff.reshape(-1, 1), gate_up, down
 
 
-def experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype):
-    import nki.language as nl
-    from nkilib.core.moe.moe_cte.moe_cte_utils import ExpertAffinityScaleMode
-    from nkilib.experimental.moe.forward.bwmm_shard_on_H import blockwise_mm_baseline_shard_hidden
-
+def pack_forward(x, scores, expert_ids, w1, w2, w3, cd, block: int = BLOCK_SIZE) -> tuple[dict, torch.Tensor]:
+    """The forward kernel's tensor and size arguments, by its parameter names; and tokens per expert."""
     T, K = scores.shape
     E, I, H = w1.shape
-    lnc = check_nki_shapes(H, I, compute_dtype)
     counts = torch.bincount(expert_ids.reshape(-1), minlength=E).to(torch.int32)
-    n = num_blocks(T, K, E)
-    slots = token_slots(expert_ids, counts, n)
-    hidden, aff, gate_up, down = _kernel_inputs(x, scores, expert_ids, w1, w2, w3, compute_dtype)
-    gate_up_act = torch.zeros(n, 2, I, BLOCK_SIZE, dtype=compute_dtype, device=x.device)  # written by the kernel
-    down_act = torch.zeros(n, BLOCK_SIZE, H, dtype=compute_dtype, device=x.device)  # written by the kernel
-    out = blockwise_mm_baseline_shard_hidden[lnc](
-        hidden_states=hidden, expert_affinities_masked=aff, gate_up_proj_weight=gate_up, down_proj_weight=down,
-        block_size=BLOCK_SIZE, token_position_to_id=slots, block_to_expert=block_to_expert(counts, n).view(-1, 1),
-        gate_up_activations_T=gate_up_act, down_activations=down_act, compute_dtype=nl.bfloat16,
-        is_tensor_update_accumulating=K != 1, expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE)
-    # Saved slots of the op: (order, counts, h1, h3, y) <- (token slots, counts, gate/up checkpoint, unused, down checkpoint)
-    return out[:T].to(x.dtype), slots.long(), counts, gate_up_act, gate_up_act.new_empty(0), down_act
+    n = num_blocks(T, K, E, block)
+    hidden, aff, gate_up, down = _kernel_inputs(x, scores, expert_ids, w1, w2, w3, cd)
+    args = dict(hidden_states=hidden, expert_affinities_masked=aff, gate_up_proj_weight=gate_up,
+                down_proj_weight=down, block_size=block, token_position_to_id=token_slots(expert_ids, counts, n, block),
+                block_to_expert=block_to_expert(counts, n, block).view(-1, 1),
+                gate_up_activations_T=torch.zeros(n, 2, I, block, dtype=cd, device=x.device),
+                down_activations=torch.zeros(n, block, H, dtype=cd, device=x.device),
+                is_tensor_update_accumulating=K != 1)  # top-1: each token is written once
+    return args, counts
 
 
-def experts_bwd_nki(grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, gate_up_act, _unused, down_act,
+def unpack_forward(result, args: dict, tokens: int, dtype: torch.dtype):
+    """(out [T, D], gate/up checkpoint, down checkpoint) from what the forward kernel returned: `output`, or
+    `(output, gate_up_activations_T)` (newer nki-library), whose returned checkpoint is the one to use."""
+    if isinstance(result, (tuple, list)):
+        output, gate_up_act = result[0], result[1]
+    else:
+        output, gate_up_act = result, args["gate_up_activations_T"]
+    return output[:tokens].to(dtype), gate_up_act, args["down_activations"]
+
+
+_checkpoints_checked = False
+
+
+def check_checkpoints_once(gate_up_act: torch.Tensor, down_act: torch.Tensor) -> None:
+    """On the first call only (one device sync): a checkpoint that is all zeros means the forward kernel's write
+    never reached PyTorch (a buffer NKI V2 did not alias); the backward would compute wrong gradients silently."""
+    global _checkpoints_checked
+    if _checkpoints_checked:
+        return
+    empty = [name for name, t in (("gate_up_activations_T", gate_up_act), ("down_activations", down_act))
+             if not bool(t.any())]
+    if empty:
+        raise RuntimeError(f"the NKI MoE forward kernel left its activation checkpoint(s) {', '.join(empty)} all "
+                           "zeros: the kernel's writes into buffers passed in did not reach PyTorch (TorchNeuron's "
+                           "NKI V2 does not alias written inputs). Training would go on with wrong gradients, so it "
+                           "stops here; run with --stock, and see docs/first-hour-trn2.md")
+    _checkpoints_checked = True
+
+
+def pack_backward(grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, gate_up_act, down_act, cd) -> dict:
+    """The backward kernel's tensor and size arguments, by its parameter names, from what the forward saved."""
+    K = scores.shape[1]
+    n, block = gate_up_act.shape[0], gate_up_act.shape[-1]  # [N, 2, I, B]
+    hidden, aff, gate_up, down = _kernel_inputs(x, scores, expert_ids, w1, w2, w3, cd)
+    grad = torch.cat([grad_out.to(cd), grad_out.new_zeros(1, x.shape[1], dtype=cd)])  # padding row T: no gradient
+    return dict(hidden_states=hidden, expert_affinities_masked=aff, gate_up_proj_weight=gate_up, down_proj_weight=down,
+                gate_up_proj_act_checkpoint_T=gate_up_act, down_proj_act_checkpoint=down_act,
+                token_position_to_id=slots.to(torch.int32),
+                block_to_expert=block_to_expert(counts, n, block).view(-1, 1), output_hidden_states_grad=grad,
+                block_size=block, is_tensor_update_accumulating=K != 1)
+
+
+def unpack_backward(grads, x, scores, expert_ids, w1, w2, w3):
+    """Gradients of x, scores, w1, w2, w3 from the backward kernel's (d_hidden, d_affinities, d_gate_up, d_down)."""
+    d_hidden, d_aff, d_gate_up, d_down = grads[:4]
+    T, E = x.shape[0], w1.shape[0]
+    d_scores = d_aff.reshape(T + 1, E)[:T].gather(1, expert_ids).to(scores.dtype)  # only the routed pairs
+    dw1 = d_gate_up[:, :, 0, :].transpose(1, 2).to(w1.dtype)  # [E, H, I] -> [E, I, H]
+    dw3 = d_gate_up[:, :, 1, :].transpose(1, 2).to(w3.dtype)
+    dw2 = d_down.transpose(1, 2).to(w2.dtype)  # [E, I, H] -> [E, H, I]
+    return d_hidden[:T].to(x.dtype), d_scores, dw1, dw2, dw3
+
+
+def run_forward(kernel, constants: dict, x, scores, expert_ids, w1, w2, w3, cd, block: int = BLOCK_SIZE):
+    """pack -> kernel -> unpack, in the op's saved-slot order (order, counts, h1, h3, y) <- (token slots, counts,
+    gate/up checkpoint, unused, down checkpoint)."""
+    args, counts = pack_forward(x, scores, expert_ids, w1, w2, w3, cd, block)
+    out, gate_up_act, down_act = unpack_forward(kernel(**args, **constants), args, x.shape[0], x.dtype)
+    check_checkpoints_once(gate_up_act, down_act)
+    return out, args["token_position_to_id"].long(), counts, gate_up_act, gate_up_act.new_empty(0), down_act
+
+
+def run_backward(kernel, constants: dict, grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, gate_up_act,
+                 _unused, down_act, cd):
+    args = pack_backward(grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, gate_up_act, down_act, cd)
+    return unpack_backward(kernel(**args, **constants), x, scores, expert_ids, w1, w2, w3)
+
+
+def experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype):
+    import nki.language as nl
+    from nkilib.core.utils.common_types import ExpertAffinityScaleMode  # its canonical module
+    from nkilib.experimental.moe.forward.bwmm_shard_on_H import blockwise_mm_baseline_shard_hidden
+
+    from common.kernels.rope_op import launch_nki  # the one launch path of the NKI kernels (NKI_LAUNCH there)
+
+    E, I, H = w1.shape
+    lnc = check_nki_shapes(H, I, compute_dtype)
+    constants = dict(compute_dtype=nl.bfloat16, expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE)
+    return run_forward(launch_nki(blockwise_mm_baseline_shard_hidden, lnc), constants, x, scores, expert_ids,
+                       w1, w2, w3, compute_dtype)
+
+
+def experts_bwd_nki(grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, gate_up_act, unused, down_act,
                     compute_dtype):
     import nki.language as nl
     from nkilib.experimental.moe.bwd.blockwise_mm_backward import blockwise_mm_bwd
 
-    T, K = scores.shape
+    from common.kernels.rope_op import launch_nki
+
     E, I, H = w1.shape
     lnc = check_nki_shapes(H, I, compute_dtype)
-    hidden, aff, gate_up, down = _kernel_inputs(x, scores, expert_ids, w1, w2, w3, compute_dtype)
-    grad = torch.cat([grad_out.to(compute_dtype), grad_out.new_zeros(1, H, dtype=compute_dtype)])
-    d_hidden, d_aff, d_gate_up, d_down = blockwise_mm_bwd[lnc](
-        hidden_states=hidden, expert_affinities_masked=aff, gate_up_proj_weight=gate_up, down_proj_weight=down,
-        gate_up_proj_act_checkpoint_T=gate_up_act, down_proj_act_checkpoint=down_act,
-        token_position_to_id=slots.to(torch.int32), block_to_expert=block_to_expert(counts, gate_up_act.shape[0]),
-        output_hidden_states_grad=grad, block_size=BLOCK_SIZE, compute_dtype=nl.bfloat16,
-        is_tensor_update_accumulating=K != 1)
-    d_scores = d_aff.reshape(T + 1, E)[:T].gather(1, expert_ids).to(scores.dtype)
-    dw1 = d_gate_up[:, :, 0, :].transpose(1, 2).to(w1.dtype)
-    dw3 = d_gate_up[:, :, 1, :].transpose(1, 2).to(w3.dtype)
-    return d_hidden[:T].to(x.dtype), d_scores, dw1, d_down.transpose(1, 2).to(w2.dtype), dw3
+    return run_backward(launch_nki(blockwise_mm_bwd, lnc), dict(compute_dtype=nl.bfloat16), grad_out, x, scores,
+                        expert_ids, w1, w2, w3, slots, counts, gate_up_act, unused, down_act, compute_dtype)

@@ -16,8 +16,9 @@ the unweighted expert outputs) that the backward op reuses; nothing is recompute
 cheap row gather of x. Matmuls run in `compute_dtype` (torchtitan's stock experts use bfloat16);
 the score weighting and the sum over the top-k copies run in float32, as torchtitan's combine does.
 
-On a Neuron device the op calls nki-library's blockwise MoE kernels (see `_experts_nki`);
-everywhere else the PyTorch path below, with the same routing tables and saved tensors.
+On a Neuron device the op calls nki-library's blockwise MoE kernels (common/kernels/moe_nki.py: its
+packing and unpacking are tested on CPU against a reference of the kernels; the device parity test has not run);
+everywhere else the PyTorch path below.
 """
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def grouped_experts_fwd(x: torch.Tensor, scores: torch.Tensor, expert_ids: torch
                         w2: torch.Tensor, w3: torch.Tensor, compute_dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> out [T, D], order [T*K], counts [E], h1 and h3 [T*K, hidden], y [T*K, D] (the last five saved).
-    On Trainium the saved slots hold the kernel's own tables and checkpoints (see common/moe_nki.py)."""
+    On Trainium the saved slots hold the kernels' token slots, counts and activation checkpoints, in the kernels'
+    own shapes (see common/kernels/moe_nki.py run_forward); the fake impl describes the PyTorch path's."""
     if _on_neuron(x):
         from common.kernels.moe_nki import experts_fwd_nki
         return experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype)

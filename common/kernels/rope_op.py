@@ -16,18 +16,25 @@ Math (rotate-half convention of HF Llama/Qwen3 and torchtitan's CosSinRoPE), h =
     forward   y  = x * cos + rotate_half(x) * sin,            rotate_half(x) = cat(-x[..., h:], x[..., :h])
     backward  dx = g * cos + rotate_half_backward(g * sin),   rotate_half_backward(x) = cat(x[..., h:], -x[..., :h])
 The cache is a constant table of the positions, so it gets no gradient (the backward returns None).
+
+Numerics. The PyTorch path computes in float32 and rounds once (bit-equal to torchtitan's CosSinRoPE). rope_hf
+computes in the input dtype with cos and sin cast to it, rounding each product and sum; in bfloat16 it is
+therefore not bit-equal to CosSinRoPE, and examples/rope_parity.py --preset trn2 checks it against a reference
+that rounds as the kernel does. How the kernel is launched (`NKI_LAUNCH`, `launch_nki`) is stated below.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from common import device
 from common.errors import UserError
 
-__all__ = ["rope", "rope_fwd", "rope_bwd", "check_rope_shapes"]
+__all__ = ["rope", "rope_fwd", "rope_bwd", "check_rope_shapes", "check_kernel_rule", "launch_nki", "rope_kernel_call"]
 
-# rope_hf tiles the sequence in 128-row blocks (the SBUF partition count), split across the LNC
-# logical cores; the kernel asserts seq_len % (128 * LNC) == 0.
+# rope_hf tiles the sequence in 128-row blocks (the SBUF partition count), split across the physical
+# cores of a logical core; the kernel asserts seq_len % (128 * LNC) == 0.
 KERNEL_SEQ_TILE = 128
 # Bound on head_dim kept at the 128-lane partition size, which covers Qwen3 (head_dim 128).
 MAX_HEAD_DIM = 128
@@ -58,17 +65,60 @@ def check_rope_shapes(q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor
                         "slice the cache rows for the positions being rotated, e.g. cache[start:start + seq]")
     if rope_cache.dim() == 3 and rope_cache.shape[0] != bq:
         raise UserError(f"rope_cache has tables for {rope_cache.shape[0]} sequences but the batch has {bq}")
-    if not kernel_shape:
-        return
+    if kernel_shape:
+        check_kernel_rule(sq, d, lnc)
+
+
+def check_kernel_rule(seq_len: int, head_dim: int, lnc: int) -> None:
+    """rope_hf's shape rule as a UserError naming it. Scripts call it at preflight with their sizes, before any
+    device work, so a Trainium-bound config fails in seconds rather than inside the first forward."""
     if lnc < 1:
         raise UserError(f"LNC must be a positive integer, got {lnc}")
-    if d > MAX_HEAD_DIM:
-        raise UserError(f"head_dim {d} is larger than {MAX_HEAD_DIM} (the partition size), which the NKI "
+    if head_dim > MAX_HEAD_DIM:
+        raise UserError(f"head_dim {head_dim} is larger than {MAX_HEAD_DIM} (the partition size), which the NKI "
                         "rope_hf path of this op supports")
     multiple = KERNEL_SEQ_TILE * lnc
-    if sq % multiple:
-        raise UserError(f"sequence length {sq} is not a multiple of {KERNEL_SEQ_TILE} x LNC = {multiple}, which "
+    if seq_len % multiple:
+        raise UserError(f"sequence length {seq_len} is not a multiple of {KERNEL_SEQ_TILE} x LNC = {multiple}, which "
                         "the NKI rope_hf kernel requires; pad the sequence or change --seq_len")
+
+
+# How the NKI kernels are launched (one switch for rope_hf and the MoE kernels):
+#   "jit":      call the @nki.jit kernel on neuron tensors, inside this file's torch.library ops. The 2.33 how-to
+#               ("How to work with NKI kernels from torch-neuronx") documents this eager call; the scripts run eager.
+#   "wrap_nki": call torch_neuronx.wrap_nki(kernel), the form torch.compile can trace (TorchNeuron's own kernels use
+#               it inside torch_neuronx.nki_op). For a compiled run the ops themselves would also have to be
+#               registered with nki_op instead of torch.library.custom_op; not done here.
+NKI_LAUNCH = "jit"
+NKI_GRID_DEPRECATED = (0, 7)  # nki 0.7.0 (Neuron 2.33) deprecates kernel[lnc] for NEURON_LOGICAL_NC_CONFIG
+
+
+def _nki_version() -> tuple[int, ...] | None:
+    from importlib import metadata
+
+    try:
+        return tuple(int(p) for p in metadata.version("nki").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def launch_nki(kernel, lnc: int):
+    """`kernel`, ready to call at LNC `lnc` on this stack. Neuron 2.33 (nki 0.7.0) takes the LNC from
+    NEURON_LOGICAL_NC_CONFIG (set by common.device.set_neuron_env) and deprecates the launch grid `kernel[lnc]`;
+    earlier releases need the grid (without it a kernel runs at LNC=1). A grid equal to the variable works on
+    both, so the grid is passed whenever the installed nki is older than 0.7.0 or unknown."""
+    env = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if env is not None and env != str(lnc):
+        raise UserError(f"the NKI kernels were asked for LNC={lnc} but NEURON_LOGICAL_NC_CONFIG={env}; neuronx-cc "
+                        "rejects the mismatch (NCC_EVRF066): pass --lnc equal to the variable, or unset it")
+    if NKI_LAUNCH == "wrap_nki":
+        from torch_neuronx import wrap_nki
+
+        kernel = wrap_nki(kernel)
+    version = _nki_version()
+    if env is not None and version is not None and version >= NKI_GRID_DEPRECATED:
+        return kernel
+    return kernel[lnc]
 
 
 def _rope_nki(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, lnc: int,
@@ -77,20 +127,26 @@ def _rope_nki(x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor, ln
     from nkilib.core.embeddings.rope_hf import rope_hf
 
     check_rope_shapes(x_q, x_k, rope_cache, lnc=lnc, kernel_shape=True)
-    if not (x_q.is_contiguous() and x_k.is_contiguous()):  # `rope()` hands dense [b, h, s, d] here
-        q_out, k_out = _rope_nki(x_q.contiguous(), x_k.contiguous(), rope_cache, lnc, backward)
-        return torch.empty_like(x_q).copy_(q_out), torch.empty_like(x_k).copy_(k_out)  # the caller's strides
-    q_out, k_out = torch.empty_like(x_q), torch.empty_like(x_k)  # the kernel addresses HBM as dense [b, h, s, d]
-    # The kernel loads cos/sin tiles in q's dtype; hand it the cache in that dtype.
+    return rope_kernel_call(launch_nki(rope_hf, lnc), x_q, x_k, rope_cache, backward)
+
+
+def rope_kernel_call(kernel, x_q: torch.Tensor, x_k: torch.Tensor, rope_cache: torch.Tensor,
+                     backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout around one rope_hf call (tests run it on CPU with a PyTorch stand-in for the kernel).
+
+    rope_hf reads q, k as dense [batch, heads, seq, head_dim] and the cache as dense [seq, 2 * head_dim] or
+    [batch, seq, 2 * head_dim] (one table per sequence), in q's dtype (it loads cos/sin tiles in that dtype):
+    one call covers the whole batch. Its outputs are the tensors it returns, not the q_out/k_out buffers passed
+    in: TorchNeuron's NKI V2 does not alias written inputs, so a buffer may come back untouched. The results
+    are copied back into the caller's strides when those differ, as the fake impl promises."""
+    q_in, k_in = x_q.contiguous(), x_k.contiguous()
     cache = rope_cache.to(x_q.dtype).contiguous()
-    if cache.dim() == 2:
-        rope_hf[lnc](x_q, x_k, q_out, k_out, rope_cache=cache, backward=backward)
-        return q_out, k_out
-    # One table per sequence: the kernel takes one [seq, 2 * head_dim] table per call, so call it per
-    # sequence (row slices of dense tensors stay dense).
-    for i in range(x_q.shape[0]):
-        rope_hf[lnc](x_q[i:i + 1], x_k[i:i + 1], q_out[i:i + 1], k_out[i:i + 1], rope_cache=cache[i],
-                     backward=backward)
+    q_out, k_out = kernel(q_in, k_in, torch.empty_like(q_in), torch.empty_like(k_in), rope_cache=cache,
+                          backward=backward)
+    if q_out.stride() != x_q.stride():
+        q_out = torch.empty_like(x_q).copy_(q_out)  # empty_like keeps a dense permutation's strides
+    if k_out.stride() != x_k.stride():
+        k_out = torch.empty_like(x_k).copy_(k_out)
     return q_out, k_out
 
 

@@ -1,0 +1,266 @@
+"""Stack preflight: is every external symbol the scripts use where they import it, taking the keywords they pass?
+
+    python -m common.preflight                  # this machine's stack (trn2 where torch-neuronx is installed, else cpu)
+    python -m common.preflight --target trn2    # the Trainium stack: the first command on a trn2 box
+
+Prints one table (requirement, found, verdict) and exits 0, or exits 2 with one `error:` line naming each missing
+piece. A version other than the tested one is a warning (WARN); a missing module or symbol, or a keyword our calls
+pass that the installed function does not take, is an error. Nothing here starts a process group or the Neuron
+runtime (importing torch_neuronx registers the device; the runtime starts at the first device tensor), so a wrong
+torchtitan fails in seconds. With --device neuron the scripts run the same check first: `require_stack("trn2")`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import io
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from common.errors import UserError
+
+# The stacks the scripts were tested with. CPU: the `==` pins of requirements.txt. trn2: the guide's stack
+# (requirements-trn2.txt); the Neuron runtime, driver and collectives are reported where present.
+TRN2_PINS = {"torch": "2.14.0", "torch-neuronx": "2.14.3", "transformers": "5.16.0",
+             "torchtitan-neuron": "0.2.2+neuron.1"}  # torchtitan-neuron: its release-2.33 branch
+TRN2_PYTHON = (3, 12)
+TRN2_INFO = ("neuronx-cc", "nki", "nki-library")  # reported, not pinned by the guide
+NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
+PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
+
+# Every external symbol the scripts use: "module:name name ...", and the keyword names their calls pass (() = none
+# checked; keywords go with a one-name row). A dotted name is read attribute by attribute; "f()" is called without
+# arguments, as the scripts call a registry builder. The Neuron rows are the documented APIs common/kernels/ calls.
+ANY, TRN2 = ("cpu", "trn2"), ("trn2",)
+SYMBOLS = [
+    (ANY, "torchtitan.config:override", ("target", "fqns", "exact", "description")),
+    (ANY, "torchtitan.config:derive apply_overrides", ()),
+    (ANY, "torchtitan.config.override:OverrideConfig", ("imports",)),
+    (ANY, "torchtitan.trainer:Trainer.Config", ()),
+    (ANY, "torchtitan.components.optimizer:default_adamw", ("lr",)),
+    (ANY, "torchtitan.distributed:ParallelDims", ()),
+    (ANY, "torchtitan.distributed.activation_checkpoint:FullAC", ()),
+    (ANY, "torchtitan.models.common:Embedding Linear", ()),
+    (ANY, "torchtitan.models.common.rope:CosSinRoPE _yarn_inv_freq", ()),
+    (ANY, "torchtitan.models.common.moe:RoutedExperts", ()),
+    (ANY, "torchtitan.models.common.attention:FlexAttention VarlenAttention VarlenMetadata", ()),
+    (ANY, "torchtitan.models.common.nn_modules:RMSNorm", ()),
+    (ANY, "torchtitan.models.common.config_utils:decoder_vocab_size", ()),
+    (ANY, "torchtitan.models.qwen3:model_registry _build_qwen3_layers _build_qwen3_moe_layers", ()),
+    (ANY, "torchtitan.models.qwen3.model:Qwen3Model", ()),
+    (ANY, "torchtitan.models.qwen3.config_registry:qwen3_32b().model_spec qwen3_30b_a3b().model_spec", ()),
+    (ANY, "torchtitan.experiments.transformers_modeling_backend:model_registry", ()),
+    (ANY, "torchtitan.experiments.transformers_modeling_backend.config_registry:transformers_modeling_backend_full",
+     ()),
+    (ANY, "torchtitan.tools.logging:init_logger", ()),
+    (ANY, "transformers:AutoConfig AutoModelForCausalLM AutoTokenizer Qwen3Config Qwen3ForCausalLM "
+          "Qwen3MoeForCausalLM", ()),
+    (ANY, "transformers.models.qwen3.modeling_qwen3:Qwen3RotaryEmbedding apply_rotary_pos_emb", ()),
+    (ANY, "transformers.modeling_rope_utils:ROPE_INIT_FUNCTIONS", ()),
+    (ANY, "transformers.distributed:DistributedConfig", ("tp_size", "enable_expert_parallel")),
+    (TRN2, "torch_neuronx:wrap_nki", ()),
+    (TRN2, "nki:jit", ()),
+    (TRN2, "nki.language:bfloat16", ()),
+    (TRN2, "nkilib.core.embeddings.rope_hf:rope_hf", ("q", "k", "q_out", "k_out", "rope_cache", "backward")),
+    (TRN2, "nkilib.experimental.moe.forward.bwmm_shard_on_H:blockwise_mm_baseline_shard_hidden",
+     ("hidden_states", "expert_affinities_masked", "gate_up_proj_weight", "down_proj_weight", "block_size",
+      "token_position_to_id", "block_to_expert", "gate_up_activations_T", "down_activations", "compute_dtype",
+      "is_tensor_update_accumulating", "expert_affinities_scaling_mode")),
+    (TRN2, "nkilib.experimental.moe.bwd.blockwise_mm_backward:blockwise_mm_bwd",
+     ("hidden_states", "expert_affinities_masked", "gate_up_proj_weight", "down_proj_weight",
+      "gate_up_proj_act_checkpoint_T", "down_proj_act_checkpoint", "token_position_to_id", "block_to_expert",
+      "output_hidden_states_grad", "block_size", "compute_dtype", "is_tensor_update_accumulating")),
+    (TRN2, "nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE", ()),
+]
+OK, WARN, ERROR, INFO = "ok", "WARN", "ERROR", "info"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_pins() -> dict[str, str]:
+    req = Path(__file__).resolve().parent.parent / "requirements.txt"
+    lines = req.read_text().splitlines() if req.is_file() else []
+    return dict(line.split("#")[0].strip().split("==", 1) for line in lines if "==" in line.split("#")[0])
+
+
+def _versions(target: str) -> list[tuple[str, str, str]]:
+    py = platform.python_version()
+    rows = [("python" + (" >= 3.12" if target == "trn2" else ""), py,
+             WARN if target == "trn2" and sys.version_info[:2] < TRN2_PYTHON else OK)]
+    for dist, want in (TRN2_PINS if target == "trn2" else _cpu_pins()).items():
+        have = _version(dist) or (_version("torchtitan") if dist == "torchtitan-neuron" else None)
+        rows.append((f"{dist}=={want}", have or "not installed", OK if have == want else WARN))
+    if target == "trn2":
+        rows += [(dist, _version(dist) or "not installed", INFO) for dist in TRN2_INFO]
+        rows += [(pkg, _system_version(pkg) or "not found", INFO) for pkg in NEURON_SYSTEM]
+    return rows
+
+
+def _system_version(pkg: str) -> str | None:
+    """An OS package's version (the Neuron runtime, collectives and driver come as deb or rpm packages)."""
+    cmd = (["dpkg-query", "-W", "-f=${Version}", pkg] if shutil.which("dpkg-query") else
+           ["rpm", "-q", "--qf", "%{VERSION}", pkg] if shutil.which("rpm") else None)
+    if cmd is None:
+        return None
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def _route(target: str) -> list[tuple[str, str, str]]:
+    """torchtitan binds its device at import (common.device.route_torchtitan_device): route it before the checks."""
+    import torch
+
+    rows, dev = [], "cuda" if target == "cpu" and torch.cuda.is_available() else "cpu"
+    if target == "trn2" and importlib.util.find_spec("torch_neuronx") is not None:
+        try:
+            import torch_neuronx  # noqa: F401  registers the "neuron" device, the dist and compile backends
+            dev = "neuron"
+        except Exception as e:  # a broken install: name it, keep checking the rest
+            rows.append(("import torch_neuronx", f"{type(e).__name__}: {e}"[:120], ERROR))
+    try:
+        from common import device
+
+        device.route_torchtitan_device(dev)
+    except ImportError:
+        pass  # no torchtitan: its rows below say so
+    except RuntimeError as e:  # already imported for another device in this process
+        rows.append(("torchtitan device routing", str(e)[:120], WARN))
+    return rows
+
+
+def _resolve(obj, name: str):
+    for part in name.split("."):
+        obj = getattr(obj, part.removesuffix("()"))
+        if part.endswith("()"):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                obj = obj()
+    return obj
+
+
+def _parameters(obj) -> dict | None:
+    """The parameters of a function, class or nki.jit kernel (which keeps the function as `.func`; some releases
+    also keep its signature as `.sign`, which torch_neuronx.wrap_nki reads); None when it takes **kwargs."""
+    sig = getattr(obj, "sign", None)
+    if not isinstance(sig, inspect.Signature):
+        sig = inspect.signature(getattr(obj, "func", obj))
+    params = sig.parameters
+    return None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else params
+
+
+def _check_symbol(spec: str, keywords: tuple[str, ...]) -> tuple[str, str, str]:
+    module, _, names = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+        objs, missing = [], []
+        for name in names.split():
+            try:
+                objs.append(_resolve(mod, name))
+            except AttributeError:
+                missing.append(name)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        return spec, (f"not installed: {PIP_NAME.get(top, top)}" if e.name == top else f"no module {e.name}"), ERROR
+    except Exception as e:
+        return spec, f"{type(e).__name__}: {e}"[:120], ERROR
+    if missing:
+        return spec, f"missing {', '.join(missing)}", ERROR
+    if not keywords:
+        return spec, "found", OK
+    try:
+        params = _parameters(objs[0])
+    except (TypeError, ValueError) as e:
+        return spec, f"signature unreadable ({e})"[:120], ERROR
+    absent = [k for k in keywords if params is not None and k not in params]
+    if absent:
+        return spec, f"does not take {', '.join(absent)}", ERROR
+    return spec, f"takes {', '.join(keywords)}", OK
+
+
+def _neuron_backends() -> list[tuple[str, str, str]]:
+    if "torch_neuronx" not in sys.modules:
+        return []  # torch-neuronx missing: already an error row
+    import torch._dynamo
+    import torch.distributed as dist
+
+    found = {"torch.distributed backend 'neuron'": "neuron" in dist.Backend.backend_list,
+             "torch.compile backend 'neuron'": "neuron" in torch._dynamo.list_backends(exclude_tags=())}
+    return [(req, "registered" if ok else "missing", OK if ok else ERROR) for req, ok in found.items()]
+
+
+def check(target: str) -> list[tuple[str, str, str]]:
+    """The table: (requirement, found, verdict) for every requirement of the `target` stack ("cpu" or "trn2")."""
+    rows = _versions(target) + _route(target)
+    rows += [_check_symbol(spec, kw) for targets, spec, kw in SYMBOLS if target in targets]
+    if target == "trn2":
+        rows += _neuron_backends()
+    where = sys.modules.get("torchtitan")
+    if where is not None:  # a shadowing copy earlier on the path shows here
+        rows.append(("torchtitan imported from", str(Path(where.__file__).parent), INFO))
+    return rows
+
+
+def problems(rows) -> list[str]:
+    """One phrase per missing piece; packages missing altogether are named once, first."""
+    errors = [(r, f) for r, f, v in rows if v == ERROR]
+    absent = list(dict.fromkeys(f.removeprefix("not installed: ") for _, f in errors if f.startswith("not installed")))
+    return ([f"not installed: {', '.join(absent)}"] if absent else []) + [
+        f"{r}: {f}" for r, f in errors if not f.startswith("not installed")]
+
+
+def format_table(rows) -> str:
+    w1, w2 = min(max(len(r[0]) for r in rows), 72), min(max(len(r[1]) for r in rows), 38)
+    lines = [f"{'requirement':<{w1}}  {'found':<{w2}}  verdict", "-" * (w1 + w2 + 11)]
+    return "\n".join(lines + [f"{r:<{w1}}  {f:<{w2}}  {v}" for r, f, v in rows])
+
+
+def wants_neuron(requested_device: str) -> bool:
+    """Whether a script's --device resolves to Trainium (auto picks neuron where torch-neuronx is installed)."""
+    return requested_device == "neuron" or (requested_device == "auto"
+                                            and importlib.util.find_spec("torch_neuronx") is not None)
+
+
+def require_stack(target: str = "trn2") -> list[tuple[str, str, str]]:
+    """The check a script runs before its process group starts: a UserError naming every missing piece, one
+    `[preflight]` line otherwise (warnings named). Returns the table's rows."""
+    rows = check(target)
+    missing = problems(rows)
+    if missing:
+        raise UserError(f"the {target} stack is not usable: {'; '.join(missing)} "
+                        f"(python -m common.preflight --target {target} prints the table)")
+    warns = [f"{r} found {f}" for r, f, v in rows if v == WARN]
+    print(f"[preflight] {target} stack: {len(rows)} checks passed" + (f"; warnings: {'; '.join(warns)}" if warns
+                                                                      else ""), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=("cpu", "trn2"),
+                        default="trn2" if importlib.util.find_spec("torch_neuronx") else "cpu",
+                        help="stack to check (default: trn2 where torch-neuronx is installed, else cpu)")
+    target = parser.parse_args(argv).target
+    rows = check(target)
+    print(format_table(rows), flush=True)
+    missing = problems(rows)
+    if missing:
+        print(f"error: the {target} stack is not usable: {'; '.join(missing)}", file=sys.stderr, flush=True)
+        return 2
+    warned = sum(v == WARN for _, _, v in rows)
+    print(f"[preflight] {target} stack: all {len(rows)} checks passed ({warned} version warnings)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""On a Trainium device only: the NKI branches of the kernel ops against their PyTorch paths, forward and backward.
+
+Skipped, with the reason below, wherever `common.device.neuron_available()` is false: this project's CI and every
+machine without torch-neuronx and a NeuronCore. So these tests have not run. On a trn2 box (docs/first-hour-trn2.md):
+    python -m pytest -rs tests/test_neuron_device.py
+Each test has a time limit; most of it is neuronx-cc compiling each kernel once.
+"""
+from __future__ import annotations
+
+import importlib.util
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import device
+from common.kernels import moe_nki
+from common.kernels.moe_op import grouped_experts
+from common.kernels.rope_op import rope
+from rope_parity import kernel_rounding_reference, ulp_bound  # examples/ is on sys.path (conftest)
+
+LNC = 2
+TIME_LIMIT_S = 1800
+REASON = ("needs a Trainium device: common.device.neuron_available() is false here (no torch-neuronx or no "
+          "NeuronCore); run on a trn2 host, see docs/first-hour-trn2.md")
+if importlib.util.find_spec("torch_neuronx") is not None:
+    device.set_neuron_env(LNC, None)  # before anything can start the Neuron runtime
+pytestmark = pytest.mark.skipif(not device.neuron_available(), reason=REASON)
+# The reduced Qwen3-30B-A3B preset of examples/train_moe_nki.py: one rank's tokens (seq 4096 x local batch 1).
+TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 4096, 2048, 768, 64, 4
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
+BF16_REL = 2e-2  # normwise, nki-library's own relative tolerance for the forward kernel against its golden
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    def expire(signum, frame):
+        raise TimeoutError(f"a Neuron device test ran over {TIME_LIMIT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TIME_LIMIT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _fwd_bwd(fn, inputs, grads, dev):
+    leaves = [t.detach().clone().to(dev).requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, [g.to(dev) for g in grads])
+    return [o.detach().cpu() for o in outs], [t.grad.cpu() for t in leaves]
+
+
+def test_rope_kernel_against_its_rounding_and_the_pytorch_path():
+    """rope_hf through the op (one table per sequence, as packed documents give): within 3 ulps of the kernel's
+    own rounding (rope_parity.py), within 5 ulps of the PyTorch path, forward and backward, bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    q, gq = (torch.randn(2, 4096, Q_HEADS, HEAD_DIM, generator=g).bfloat16() for _ in range(2))
+    k, gk = (torch.randn(2, 4096, KV_HEADS, HEAD_DIM, generator=g).bfloat16() for _ in range(2))
+    positions = torch.stack([torch.arange(4096), torch.arange(100, 4196)]).float()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))  # CosSinRoPE's table, theta 1e6
+    angles = (positions[..., None] * inv_freq).repeat(1, 1, 2)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [batch, seq, 2 * head_dim]
+    outs, grads = _fwd_bwd(lambda a, b: rope(a, b, table.to("neuron"), lnc=LNC), (q, k), (gq, gk), "neuron")
+    cpu_outs, cpu_grads = _fwd_bwd(lambda a, b: rope(a, b, table, lnc=LNC), (q, k), (gq, gk), "cpu")
+    for got, pytorch_path, x, backward in zip(outs + grads, cpu_outs + cpu_grads, (q, k, gq, gk),
+                                              (False, False, True, True)):
+        ref = kernel_rounding_reference(x, table, backward)
+        assert ((got.float() - ref.float()).abs() <= ulp_bound(x, 3)).all()
+        assert ((got.float() - pytorch_path.float()).abs() <= ulp_bound(x, 5)).all()
+
+
+def test_moe_kernels_against_the_pytorch_op():
+    """The grouped-expert op on a Neuron device (blockwise_mm_baseline_shard_hidden + blockwise_mm_bwd) against
+    the same op on CPU, at the reduced preset's shapes, bfloat16: output and the gradients of x, router scores,
+    w1, w2, w3 within BF16_REL of the largest value; and the first step's checkpoint check passed."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).bfloat16()
+    logits = torch.randn(TOKENS, EXPERTS, generator=g)
+    scores, ids = F.softmax(logits, -1).topk(TOP_K, dim=-1)
+    scores = (scores / scores.sum(-1, keepdim=True)).bfloat16()
+    w1, w3 = ((0.02 * torch.randn(EXPERTS, INTER, HIDDEN, generator=g)).bfloat16() for _ in range(2))
+    w2 = (0.02 * torch.randn(EXPERTS, HIDDEN, INTER, generator=g)).bfloat16()
+    grad = torch.randn(TOKENS, HIDDEN, generator=g).bfloat16()
+
+    def op(ids_on):
+        return lambda x_, s_, a, b, c: grouped_experts(x_, s_, ids_on, a, b, c, compute_dtype=torch.bfloat16)[0]
+
+    inputs = (x, scores, w1, w2, w3)
+    moe_nki._checkpoints_checked = False
+    outs, grads = _fwd_bwd(op(ids.to("neuron")), inputs, (grad,), "neuron")
+    assert moe_nki._checkpoints_checked
+    ref_outs, ref_grads = _fwd_bwd(op(ids), inputs, (grad,), "cpu")
+    for name, got, ref in zip(("out", "x", "scores", "w1", "w2", "w3"), outs + grads, ref_outs + ref_grads):
+        err, scale = (got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+        assert err <= BF16_REL * scale, f"{name}: max abs diff {err:.3g} > {BF16_REL} x {scale:.3g}"

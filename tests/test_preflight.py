@@ -1,0 +1,128 @@
+"""common/preflight.py: the stack check passes on this CPU stack, names what is missing for trn2 (torch-neuronx)
+without a traceback, and names a required module or keyword that a shadowing torchtitan lacks.
+
+The shadow packages below are fixtures for the check itself (a few files in tmp_path, put first on PYTHONPATH of a
+subprocess); nothing stands in for the Neuron stack.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from common import preflight
+from common.errors import UserError
+from common.kernels import moe_nki
+from conftest import ROOT, script_env
+
+
+def _preflight(*args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    env = script_env()
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, str(ROOT)])
+    return subprocess.run([sys.executable, "-m", "common.preflight", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _error_line(proc) -> str:
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def _shadow_torchtitan(root, config_init: str, override_py: str | None = None):
+    """A torchtitan with just enough to be imported and routed: tools/utils.py and a config package."""
+    files = {"torchtitan/__init__.py": "", "torchtitan/tools/__init__.py": "",
+             "torchtitan/tools/utils.py": "device_type, device_module = 'cpu', None\n",
+             "torchtitan/config/__init__.py": config_init}
+    if override_py is not None:
+        files["torchtitan/config/override.py"] = override_py
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return str(root)
+
+
+def test_cpu_stack_passes_and_prints_the_table():
+    proc = _preflight()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    header, rule, *rows = proc.stdout.splitlines()
+    assert header.split() == ["requirement", "found", "verdict"] and set(rule) == {"-"}
+    assert any(r.startswith("torchtitan.config:override ") and "takes target, fqns" in r for r in rows)
+    assert any(r.startswith("transformers.distributed:DistributedConfig ") for r in rows)
+    assert "[preflight] cpu stack: all" in proc.stdout
+
+
+def test_trn2_target_names_torch_neuronx_without_a_traceback():
+    line = _error_line(_preflight("--target", "trn2"))
+    assert "not installed: torch-neuronx" in line and "nkilib" in line
+
+
+def test_a_shadowing_torchtitan_without_config_override_is_named(tmp_path):
+    shadow = _shadow_torchtitan(tmp_path, "def derive(*a, **k): pass\ndef apply_overrides(*a, **k): pass\n")
+    proc = _preflight("--target", "cpu", pythonpath=shadow)
+    line = _error_line(proc)
+    assert "torchtitan.config:override: missing override" in line
+    assert "torchtitan.config.override:OverrideConfig: no module torchtitan.config.override" in line
+    assert str(tmp_path / "torchtitan") in proc.stdout  # the table shows where torchtitan came from
+
+
+def test_a_shadowing_torchtitan_whose_override_lacks_a_keyword_is_named(tmp_path):
+    shadow = _shadow_torchtitan(
+        tmp_path, "from .override import override, OverrideConfig\n"
+                  "def derive(*a, **k): pass\ndef apply_overrides(*a, **k): pass\n",
+        override_py="""
+            def override(*, target, description="", exact=False):  # no fqns: an older registry
+                return lambda fn: fn
+            class OverrideConfig:
+                def __init__(self, imports=()):
+                    self.imports = imports
+            """)
+    line = _error_line(_preflight("--target", "cpu", pythonpath=shadow))
+    assert "torchtitan.config:override: does not take fqns" in line
+    assert "OverrideConfig" not in line  # present, with the keyword our calls pass
+
+
+def test_require_stack_raises_one_user_error_naming_torch_neuronx():
+    with pytest.raises(UserError, match="not installed: torch-neuronx") as e:
+        preflight.require_stack("trn2")
+    assert "\n" not in str(e.value)
+    assert preflight.wants_neuron("neuron") and not preflight.wants_neuron("cpu")
+    assert not preflight.wants_neuron("auto")  # no torch-neuronx here
+
+
+def test_keyword_lists_are_the_ones_the_kernel_calls_pass():
+    """The MoE rows list exactly the keywords common/kernels/moe_nki.py passes (its packed arguments plus the
+    two constants experts_fwd_nki / experts_bwd_nki add)."""
+    listed = {spec.split(":")[1]: set(kw) for _, spec, kw in preflight.SYMBOLS}
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 64, generator=g), [torch.randn(s, generator=g) for s in ((2, 64, 64), (2, 64, 64))]
+    scores, ids = torch.rand(6, 2, generator=g), torch.tensor([[0, 1]] * 6)
+    args, counts = moe_nki.pack_forward(x, scores, ids, w[0], w[1], w[0], torch.float32, 128)
+    assert set(args) | {"compute_dtype", "expert_affinities_scaling_mode"} == \
+        listed["blockwise_mm_baseline_shard_hidden"]
+    bwd = moe_nki.pack_backward(x, x, scores, ids, w[0], w[1], w[0], args["token_position_to_id"].long(), counts,
+                                args["gate_up_activations_T"], args["down_activations"], torch.float32)
+    assert set(bwd) | {"compute_dtype"} == listed["blockwise_mm_bwd"]
+
+
+def test_signatures_of_jit_kernels_are_read_from_the_wrapped_function():
+    """nki.jit returns a Kernel object that keeps the function as `.func` (and, in some releases, its signature
+    as `.sign`); the check reads the function's parameters, and a **kwargs function takes any keyword."""
+    class Wrapped:  # the shape of such an object, not a Neuron module
+        def __init__(self, func):
+            self.func = func
+
+    def kernel(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False):
+        return q_out, k_out
+
+    assert list(preflight._parameters(Wrapped(kernel))) == ["q", "k", "q_out", "k_out", "cos", "sin",
+                                                             "rope_cache", "backward"]
+    assert preflight._parameters(lambda **kw: None) is None
