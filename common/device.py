@@ -270,6 +270,7 @@ def self_launch(nproc_per_node: int, argv: list[str]) -> int:
     kill, `kill -INT PID`) stops every one of them, so nothing outlives the command."""
     import signal
     import subprocess
+    import threading
 
     rest, skip = [], False
     for arg in argv:  # drop our own --nproc_per_node (both `--flag N` and `--flag=N`)
@@ -282,19 +283,25 @@ def self_launch(nproc_per_node: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc_per_node}", "--local-ranks-filter=0", *rest]
     proc = subprocess.Popen(cmd, start_new_session=True)
+    stopped = []
 
-    def stop(signum, _frame):
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait_s)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        raise KeyboardInterrupt  # run_cli: one `error: interrupted` line, exit 130
+    def stop(signum, _frame):  # only signals here: the main thread's wait() below sees the exit
+        stopped.append(signum)
+        for sig, delay in ((signal.SIGTERM, 0), (signal.SIGKILL, 30)):  # torchrun stops its workers on SIGTERM
+            timer = threading.Timer(delay, _killpg, (proc.pid, sig))
+            timer.daemon = True  # never keeps this process alive once the workers are gone
+            timer.start()
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
-    return proc.wait()
+    code = proc.wait()
+    if stopped:
+        raise KeyboardInterrupt  # run_cli: one `error: interrupted` line, exit 130
+    return code
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
