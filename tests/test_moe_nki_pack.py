@@ -199,3 +199,16 @@ def test_kernel_shape_rules(hidden, inter, dtype, lnc, block, needles):
         moe_nki.check_nki_shapes(hidden, inter, dtype, lnc=lnc, block=block)
     assert all(n in str(e.value) for n in needles), str(e.value)
     assert moe_nki.check_nki_shapes(2048, 768, torch.bfloat16, lnc=2) == 2  # Qwen3-30B-A3B's experts
+
+
+def test_the_tiny_preset_fails_preflight_with_the_rules_it_breaks():
+    """train_moe_nki.py's tiny preset (hidden 64, experts 32 wide, head_dim 16, 128-token sequences, float32
+    experts) cannot take the kernels: one error naming each rule; the reduced Qwen3-30B-A3B preset passes."""
+    with pytest.raises(UserError) as e:
+        moe_nki.check_training_shapes(seq_len=128, head_dim=16, hidden=64, inter=32, compute_dtype=torch.float32,
+                                      lnc=2)
+    for needle in ("sequence length 128 is not a multiple of 128 x LNC = 256", "moe_intermediate_size) 32",
+                   "compute dtype torch.float32"):
+        assert needle in str(e.value)
+    moe_nki.check_training_shapes(seq_len=4096, head_dim=128, hidden=2048, inter=768, compute_dtype=torch.bfloat16,
+                                  lnc=2)

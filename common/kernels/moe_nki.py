@@ -65,6 +65,23 @@ def check_nki_shapes(hidden: int, inter: int, compute_dtype: torch.dtype, *, lnc
     return lnc
 
 
+def check_training_shapes(*, seq_len: int, head_dim: int, hidden: int, inter: int, compute_dtype: torch.dtype,
+                          lnc: int) -> None:
+    """Preflight of a MoE training run on Trainium, before any device work: the RoPE kernel's and the MoE kernels'
+    shape rules together, as one UserError naming every rule the config breaks."""
+    from common.kernels.rope_op import check_kernel_rule
+
+    broken = []
+    for check in (lambda: check_kernel_rule(seq_len, head_dim, lnc),
+                  lambda: check_nki_shapes(hidden, inter, compute_dtype, lnc=lnc)):
+        try:
+            check()
+        except UserError as e:
+            broken.append(str(e))
+    if broken:
+        raise UserError("; ".join(broken))
+
+
 def num_blocks(tokens: int, top_k: int, experts: int, block: int = BLOCK_SIZE) -> int:
     """Blocks for the worst case: every expert's last block partly empty."""
     return max(math.ceil((tokens * top_k - (experts - 1)) / block), 1) + experts - 1
