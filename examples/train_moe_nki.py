@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examp
 
 from common import checkpoint, cli, device, export, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.results import LossRecorder, finish_run, read_reference_losses, versions  # noqa: E402
 
 # Qwen3-30B-A3B as published (config.json of Qwen/Qwen3-30B-A3B): the shape every preset cuts from.
@@ -166,6 +167,16 @@ def model_shape(cfg: Config) -> dict:
 
 def preflight(cfg: Config) -> dict:
     """Check every input before any process is launched or any model exists, so bad input fails fast."""
+    if wants_neuron(cfg.device):  # the kernels' shape rules, then the stack: seconds, before any runtime starts
+        if not cfg.stock:
+            import torch
+            from common.kernels import moe_nki
+
+            shape = model_shape(cfg)
+            moe_nki.check_training_shapes(seq_len=cfg.seq_len, head_dim=shape["head_dim"], hidden=shape["hidden_size"],
+                                          inter=shape["moe_intermediate_size"], lnc=cfg.lnc,
+                                          compute_dtype=getattr(torch, cfg.expert_dtype))
+        require_stack("trn2")
     device_type = device.resolve_device_type(cfg.device)
     found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:
@@ -177,8 +188,6 @@ def preflight(cfg: Config) -> dict:
     shape = model_shape(cfg)
     if cfg.seq_len > shape["max_position_embeddings"]:
         raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {shape['max_position_embeddings']} positions")
-    if device_type == "neuron" and not cfg.stock:
-        pass  # the NKI kernels' shape rules are checked here (see common/kernels/moe_nki.py)
     return found
 
 

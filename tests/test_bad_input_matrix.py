@@ -1,10 +1,12 @@
-"""The bad-input matrix (issue 8): each row ends in one readable `error:` line naming the problem,
-a non-zero exit, no traceback, and no results.json. Checkpoint rows start from a valid Qwen3
-saved by transformers and break one thing."""
+"""The bad-input matrix: each row ends in one readable `error:` line naming the problem, a
+non-zero exit, no traceback, and no results.json. Checkpoint rows start from a valid Qwen3 saved
+by transformers and break one thing; dataset and tokenizer rows break a copy of what set-up made;
+flag rows give values that are NaN, infinite, out of range or absurdly large."""
 from __future__ import annotations
 
 import json
 import shutil
+import struct
 
 import pytest
 import torch
@@ -101,6 +103,48 @@ def needs_remote_code(good, tmp):
     return bad
 
 
+def config_not_an_object(good, tmp):
+    bad = _copy(good, tmp / "bad")
+    (bad / "config.json").write_text("[]")
+    return bad
+
+
+def config_not_utf8(good, tmp):
+    bad = _copy(good, tmp / "bad")
+    (bad / "config.json").write_bytes(b"\xff\xfe{" + (good / "config.json").read_bytes())
+    return bad
+
+
+def architectures_a_string(good, tmp):
+    bad = _copy(good, tmp / "bad")
+    _edit_config(bad, architectures="Qwen3ForCausalLM")
+    return bad
+
+
+def header_of_the_wrong_shape(good, tmp):
+    bad = _copy(good, tmp / "bad")
+    data = (bad / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": "64", "data_offsets": 7}}).encode()
+    header += b" " * (n - len(header))  # same length: the tensor data stays where it was
+    (bad / "model.safetensors").write_bytes(data[:8] + header + data[8 + n:])
+    return bad
+
+
+def garbage_index(good, tmp):
+    bad = _copy(good, tmp / "bad")
+    (bad / "model.safetensors.index.json").write_text("{garbage")
+    return bad
+
+
+def index_names_a_missing_shard(good, tmp):
+    bad = _copy(good, tmp / "bad")
+    weight_map = {k: "model.safetensors" for k in load_file(str(bad / "model.safetensors"))}
+    weight_map["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (bad / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return bad
+
+
 CHECKPOINT_ROWS = [
     (missing_folder, "does not exist"),
     (empty_folder, "is empty"),
@@ -111,6 +155,12 @@ CHECKPOINT_ROWS = [
     (extra_key, "unexpected keys [model.layers.1.mlp.extra.weight]"),
     (other_architecture, "LlamaForCausalLM"),
     (needs_remote_code, "needs remote code"),
+    (config_not_an_object, "holds a JSON list, not an object"),
+    (config_not_utf8, "is not UTF-8 text"),
+    (architectures_a_string, "architectures must be a list of class names"),
+    (header_of_the_wrong_shape, "the header entry of model.norm.weight is malformed"),
+    (garbage_index, "is not a safetensors index"),
+    (index_names_a_missing_shard, "names shard files that are not in"),
 ]
 
 
@@ -139,6 +189,21 @@ CLI_ROWS = [
      "global batch 3 is not a multiple of local batch 2 x 2 ranks"),
     ("rope_parity.py", ["--seq_len", "200", "--lnc", "2", "--check_kernel_shape"],
      "sequence length 200 is not a multiple of 128 x LNC = 256"),
+    ("train_native_qwen3.py", ["--lr", "nan"], "--lr must be a finite number, got nan"),
+    ("train_hf_backend.py", ["--lr", "inf"], "--lr must be a finite number, got inf"),
+    ("train_moe_nki.py", ["--per_core_gib=-inf"], "--per_core_gib must be a finite number, got -inf"),
+    ("train_native_qwen3.py", ["--warmup_steps", "-1"], "--warmup_steps must not be negative, got -1"),
+    ("train_hf_backend.py", ["--export_tolerance", "0"], "--export_tolerance must be positive, got 0.0"),
+    ("train_moe_nki.py", ["--load_balance_coeff", "-0.5"], "--load_balance_coeff must not be negative"),
+    ("train_native_qwen3.py", ["--attn_backend", "flex"], "--attn_backend flex needs CUDA"),
+    ("train_hf_backend.py", ["--attn_backend", "flex"], "--attn_backend flex needs CUDA"),
+    ("train_native_qwen3.py", ["--seq_len", "100000"], "--seq_len 100000 is more than the model's 2048 positions"),
+    ("train_hf_backend.py", ["--seq_len", "100000"], "--seq_len 100000 is more than the model's 2048 positions"),
+    ("train_moe_nki.py", ["--seq_len", "100000"], "--seq_len 100000 is more than the model's 4096 positions"),
+    ("train_moe_nki.py", ["--num_experts", "1000000"], "--num_experts 1000000 is more than 1024"),
+    ("train_native_qwen3.py", ["--nproc_per_node", "64"], "--nproc_per_node 64 starts more processes than this host"),
+    ("train_moe_nki.py", ["--nproc_per_node", "2", "--hf_checkpoint", "/nonexistent"], "does not exist"),
+    ("train_hf_backend.py", ["--nproc_per_node", "2", "--hf_checkpoint", "/nonexistent"], "does not exist"),
 ]
 
 
@@ -147,3 +212,44 @@ def test_bad_flag(script, args, needle, tmp_path, prepared_assets):
     proc = run_example(script, "--out_dir", str(tmp_path), *args, check=False)
     assert_clean_error(proc, needle)
     assert not (tmp_path / "results.json").exists()
+
+
+def test_argparse_errors_are_one_line(tmp_path):
+    proc = run_example("train_native_qwen3.py", "--stepz", "3", check=False)
+    assert_clean_error(proc, "unrecognized arguments: --stepz")
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [
+        "error: unrecognized arguments: --stepz 3 (see --help)"]
+
+
+def _dataset(tmp, name, content: bytes | None):
+    folder = tmp / name
+    folder.mkdir()
+    if content is not None:
+        (folder / "train.jsonl").write_bytes(content)
+    return folder
+
+
+DATASET_ROWS = [
+    ("no_data_files", None),
+    ("no_text_field", b'{"content": "a sentence"}\n' * 4),
+    ("null_texts", b'{"text": null}\n' * 4),
+    ("only_empty_texts", b'{"text": ""}\n{"text": "  "}\n' * 4),
+    ("binary_garbage", bytes(range(256)) * 16),
+    ("empty_file", b""),
+]
+
+
+@pytest.mark.parametrize("name, content", DATASET_ROWS, ids=[r[0] for r in DATASET_ROWS])
+def test_bad_dataset(name, content, tmp_path, prepared_assets):
+    folder = _dataset(tmp_path, name, content)
+    proc = run_example("train_native_qwen3.py", "--dataset", str(folder), "--out_dir", str(tmp_path / "o"), check=False)
+    assert_clean_error(proc, f"dataset folder {folder}")
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_malformed_tokenizer(tmp_path, prepared_assets):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
+    proc = run_example("train_moe_nki.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"), check=False)
+    assert_clean_error(proc, "cannot be read as a tokenizer")
