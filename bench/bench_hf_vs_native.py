@@ -1,4 +1,4 @@
-"""Benchmark 2: torchtitan's Transformers backend against torchtitan's native Qwen3, on the same
+"""Step time of torchtitan's Transformers backend against torchtitan's native Qwen3, on the same
 Qwen3 model, the same weights, data and batch, measured side by side.
 
 Both start from the tiny Qwen3 HF folder made at set-up (2 layers, dim 64, the real 151,936-token
@@ -29,11 +29,14 @@ from common import paths  # noqa: E402
 from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
+COMPARED_WITH = "torchtitan's native Qwen3 on the same model, weights, data and batch = 1.00; above 1: hf is slower"
+
 
 @dataclass
 class Config:
     preset: str = "default"
-    out_dir: str = field(default="runs/bench/hf_vs_native", metadata={"help": "results.json, logs/, timings/ go here"})
+    out_dir: str = field(default="runs/bench/hf_vs_native",
+                         metadata={"help": "results.json, logs/, timings/ go here"})
     steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)"})
     threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
     repeats: int = field(default=3, metadata={"help": "processes of each path, alternating"})
@@ -61,8 +64,8 @@ def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     tiny_dir = paths.tiny_qwen3_dir()
     args = ["--steps", str(cfg.steps), "--no-export", *cfg.extra_args.split()]
-    runs = {"native": ("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(tiny_dir), *args], 1),
-            "hf": ("ours", "train_hf_backend.py", ["--hf_checkpoint", str(tiny_dir), *args], 1)}
+    runs = {"native": cb.TrainingRun("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(tiny_dir), *args]),
+            "hf": cb.TrainingRun("ours", "train_hf_backend.py", ["--hf_checkpoint", str(tiny_dir), *args])}
     stats = cb.alternate_training(runs, repeats=cfg.repeats, threads=cfg.threads, out_dir=out_dir)
     s = {k: cb.training_summary(v) for k, v in stats.items()}
     rows = [{"path": name, "script": runs[name][1], "step_ms": s[name]["step_s"]["median"] * 1e3,
@@ -73,13 +76,17 @@ def main(cfg: Config) -> dict:
     hf_over_native_cpu = cb.ratio(s["hf"]["cpu_step_s"]["median"], s["native"]["cpu_step_s"]["median"])
     rows[1]["over_native"], rows[1]["over_native_cpu"] = hf_over_native, hf_over_native_cpu
     rows[0]["over_native"], rows[0]["over_native_cpu"] = 1.0, 1.0
-    table = cb.format_table(rows, [("path", "path", ""), ("step_ms", "ms/step", ".0f"), ("over_native", "/ native", ".3f"),
-                                   ("cpu_step_ms", "CPU ms/step", ".0f"), ("over_native_cpu", "/ native (CPU time)", ".3f"),
+    table = cb.format_table(rows, [("path", "path", ""), ("step_ms", "ms/step", ".0f"),
+                                   ("over_native", "/ native", ".3f"), ("cpu_step_ms", "CPU ms/step", ".0f"),
+                                   ("over_native_cpu", "/ native (CPU time)", ".3f"),
                                    ("tokens_per_s", "tok/s", ".0f"), ("process_s", "process s", ".0f")])
-    table += f"\nmodel: {tiny_dir.name} (both paths load it); hf / native step time {hf_over_native:.3f}"
+    table += (f"\nmodel: {tiny_dir.name} (both paths load it); hf / native step time {hf_over_native:.3f} "
+              f"({COMPARED_WITH})")
     results = {"config": cfg, "model": str(tiny_dir),
                "baseline": "train_native_qwen3.py --hf_checkpoint (torchtitan's native Qwen3) on the same HF folder",
-               "method": {"threads_per_process": cfg.threads, "repeats": cfg.repeats, "steps": cfg.steps, "order": "alternating native/hf processes",
+               "compared_with": f"hf_over_native: {COMPARED_WITH}",
+               "method": {"threads_per_process": cfg.threads, "repeats": cfg.repeats, "steps": cfg.steps,
+                          "order": "alternating native/hf processes",
                           "statistic": "median over processes of the median step interval, step 1 excluded"},
                "rows": rows, "hf_over_native": hf_over_native, "hf_over_native_cpu": hf_over_native_cpu}
     cb.write(out_dir, "hf_vs_native", results, table)

@@ -1,4 +1,4 @@
-"""Benchmark 4: the grouped-expert op against a per-expert loop and against torchtitan's stock MoE
+"""Time of the grouped-expert op against a per-expert loop and against torchtitan's stock MoE
 experts, forward + backward, 8 to 64 experts, measured side by side.
 
 Routed experts of one MoE layer (SwiGLU experts, top-k routing, Qwen3-MoE layout) on `--tokens`
@@ -17,13 +17,15 @@ Candidates, all with the same weights:
     `torch._grouped_mm` in bfloat16, combine), built from the same config the training script uses.
 Ratios > 1 mean the op is faster: `loop_over_op` (float32), `stock_over_op` (bfloat16). Each sample
 is the median of `--iters` calls; samples alternate in rounds, warm-up rounds dropped, medians reported.
+`loop_over_matmuls` is what `loop_over_op` could reach if the op cost no more than its matmuls.
 
-    python bench/bench_moe.py --out_dir runs/bench/moe                  # about 4 minutes on a 2-core machine (bfloat16
-                                                                        # grouped matmuls are slow on CPUs without bf16 units)
+    python bench/bench_moe.py --out_dir runs/bench/moe                      # about 4 minutes on a 2-core machine
     python bench/bench_moe.py --preset tiny --out_dir runs/bench/moe_tiny   # seconds (tests)
+(bfloat16 grouped matmuls are slow on CPUs without bf16 units.)
 
-Target: the op at least 2x faster than the per-expert loop at 16 experts (loop_over_op >= 2).
-results.json: `rows` (one per expert count: medians in ms, ratios), `target`.
+The printout ends with `loop_over_op` at 16 experts and the matmuls-alone bound beside it.
+results.json: `rows` (one per expert count: medians in ms, ratios), `at_16_experts` (those two
+ratios), `compared_with`.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common_bench as cb  # noqa: E402
 from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
+
+COMPARED_WITH = ("the per-expert loop (plain autograd, float32) = 1.00; above 1: the op is faster; the bound: "
+                 "the loop over the nine grouped matmuls alone, no routing, gathers or activations")
 
 
 @dataclass
@@ -197,25 +202,25 @@ def main(cfg: Config) -> dict:
                      "samples_s": {n: med[n]["samples"] for n in fns}})
     at16 = next((r["loop_over_op"] for r in rows if r["experts"] == 16), None)
     bound16 = next((r["loop_over_matmuls"] for r in rows if r["experts"] == 16), None)
-    target = {"what": "op at least 2x faster than the per-expert loop at 16 experts (loop_over_op >= 2, float32)",
-              "loop_over_op_at_16": at16, "met": at16 is not None and at16 >= 2.0,
-              "loop_over_matmuls_at_16": bound16,
-              "note": "loop_over_matmuls bounds loop_over_op for any implementation that does these matmuls"}
+    at_16 = {"loop_over_op": at16, "loop_over_matmuls": bound16}
     table = cb.format_table(rows, [("experts", "experts", ""), ("op_fp32_ms", "op fp32 ms", ".2f"),
                                    ("loop_fp32_ms", "loop fp32 ms", ".2f"), ("loop_over_op", "loop / op", ".2f"),
                                    ("matmuls_fp32_ms", "matmuls alone ms", ".2f"),
                                    ("loop_over_matmuls", "loop / matmuls (bound)", ".2f"),
                                    ("op_bf16_ms", "op bf16 ms", ".2f"), ("stock_bf16_ms", "stock MoE bf16 ms", ".2f"),
                                    ("stock_over_op", "stock / op", ".2f")])
-    table += (f"\nshape: {cfg.tokens} tokens, dim {cfg.dim}, hidden {cfg.hidden}, top_k {cfg.top_k}; forward + backward"
-              f"\ntarget: {target['what']}: " + ("not measured (16 not in --experts)" if at16 is None else
-                                                  f"{'met' if target['met'] else 'MISSED'} ({at16:.2f}x; the matmuls "
-                                                  f"alone bound it at {bound16:.2f}x)"))
+    table += (f"\nshape: {cfg.tokens} tokens, dim {cfg.dim}, hidden {cfg.hidden}, top_k {cfg.top_k}; "
+              "forward + backward")
+    if at16 is not None:
+        table += (f"\nloop / op {at16:.2f} at 16 experts; loop / matmuls-alone bound {bound16:.2f} "
+                  f"({COMPARED_WITH})")
     results = {"config": cfg, "baseline": "per-expert loop (float32, plain autograd) and torchtitan's stock "
                                           "RoutedExperts (bfloat16 torch._grouped_mm), same weights and routing",
-               "method": {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup, "calls_per_sample": cfg.iters,
-                          "statistic": "median over rounds of the median call time"},
-               "rows": rows, "target": target}
+               "compared_with": f"loop_over_op, loop_over_matmuls: {COMPARED_WITH}; stock_over_op: torchtitan's "
+                                "stock RoutedExperts in bfloat16 = 1.00",
+               "method": {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup,
+                          "calls_per_sample": cfg.iters, "statistic": "median over rounds of the median call time"},
+               "rows": rows, "at_16_experts": at_16}
     cb.write(out_dir, "moe", results, table)
     return results
 

@@ -1,4 +1,4 @@
-"""Benchmark 3: the RoPE op against torchtitan's stock CosSinRoPE and transformers'
+"""Time of the RoPE op against torchtitan's stock CosSinRoPE and transformers'
 `apply_rotary_pos_emb`, forward + backward, several shapes, measured side by side.
 
 What is timed, per call: q and k (leaves, requires_grad) rotated, then one backward with fixed
@@ -8,20 +8,23 @@ output gradients. Candidates:
   - `op_first_layer`: the same, with the rows for per-token positions computed in the call, as
     in the first layer of a forward (`op` reuses them, as layers 2..N do: the same positions
     tensor reaches every layer); equal to `op` for prefix positions;
-  - `cossin`: torchtitan's stock `CosSinRoPE` with the same cache (the baseline the target names);
+  - `cossin`: torchtitan's stock `CosSinRoPE` with the same cache (the baseline of `cossin_over_op`);
   - `hf`: transformers' `apply_rotary_pos_emb`, on q and k in transformers' own layout
     ([batch, heads, seq, head_dim] views, as Qwen3Attention hands them), with cos/sin computed once
     outside the timing (transformers computes them once per model forward, for all layers).
 Positions as in examples/rope_parity.py: `prefix` (none passed), `offset` and `packed` (per-sequence
 documents restarting at 0). Each sample is the median of `--iters` calls; samples alternate between
 candidates in rounds (order reversed every other round), warm-up rounds dropped, medians reported.
-Ratios > 1 mean the op is faster: `cossin_over_op` = median(cossin) / median(op).
+Ratios > 1 mean the op is faster: `cossin_over_op` = median(cossin) / median(op), compared with
+torchtitan's stock CosSinRoPE on the same inputs (= 1.00); `hf_over_op` likewise for transformers.
 
-    python bench/bench_rope.py --out_dir runs/bench/rope                 # about 1.5 minutes on a busy 2-core machine
+    python bench/bench_rope.py --out_dir runs/bench/rope                      # ~1.5 minutes on a busy 2-core machine
     python bench/bench_rope.py --preset tiny --out_dir runs/bench/rope_tiny   # seconds (tests)
 
-Target: the op not slower than CosSinRoPE forward + backward (cossin_over_op >= 1.0, float32).
-results.json: `rows` (one per shape and dtype: medians in ms, ratios), `target`.
+The printout ends with the lowest float32 `cossin_over_op` over the shapes, in layers 2..N and in
+the first layer of a forward.
+results.json: `rows` (one per shape and dtype: medians in ms, ratios), `lowest` (those lowest ratios),
+`compared_with`.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ SHAPES = [
 ]
 TINY_SHAPES = [("tiny_gqa_d64_s128", 1, 128, 4, 2, 64, "packed")]
 THETA, MAX_POS = 1_000_000.0, 4096
+COMPARED_WITH = "torchtitan's stock CosSinRoPE, forward + backward on the same inputs = 1.00; above 1: the op is faster"
 
 
 @dataclass
@@ -162,29 +166,30 @@ def main(cfg: Config) -> dict:
                          "kv_heads": hkv, "head_dim": d, "positions": kind,
                          **{f"{n}_ms": med[n]["median"] * 1e3 for n in fns},
                          "cossin_over_op": cb.ratio(med["cossin"]["median"], med["op"]["median"]),
-                         "cossin_over_op_first_layer": cb.ratio(med["cossin"]["median"], med["op_first_layer"]["median"]),
+                         "cossin_over_op_first_layer": cb.ratio(med["cossin"]["median"],
+                                                                med["op_first_layer"]["median"]),
                          "hf_over_op": cb.ratio(med["hf"]["median"], med["op"]["median"]),
                          "samples_s": {n: med[n]["samples"] for n in fns}})
     fp32 = [r["cossin_over_op"] for r in rows if r["dtype"] == "float32"]
     first = [r["cossin_over_op_first_layer"] for r in rows if r["dtype"] == "float32"]
-    target = {"what": "op not slower than CosSinRoPE forward + backward (float32): cossin_over_op >= 1.0 on every shape",
-              "worst_cossin_over_op": min(fp32) if fp32 else None,
-              "met": bool(fp32) and min(fp32) >= 1.0,
-              "worst_cossin_over_op_first_layer": min(first) if first else None,
-              "met_in_first_layer": bool(first) and min(first) >= 1.0}
+    lowest = {"cossin_over_op_float32": min(fp32) if fp32 else None,
+              "cossin_over_op_first_layer_float32": min(first) if first else None}
     table = cb.format_table(rows, [("shape", "shape", ""), ("dtype", "dtype", ""), ("positions", "positions", ""),
                                    ("op_ms", "op ms", ".3f"), ("op_first_layer_ms", "op 1st layer ms", ".3f"),
                                    ("cossin_ms", "CosSinRoPE ms", ".3f"),
                                    ("hf_ms", "HF apply_rotary ms", ".3f"),
                                    ("cossin_over_op", "CosSinRoPE / op", ".2f"), ("hf_over_op", "HF / op", ".2f")])
-    table += (f"\ntarget: {target['what']}: {'met' if target['met'] else 'MISSED'} (worst {target['worst_cossin_over_op']:.2f}; "
-              f"first layer of a forward, rows computed: {'met' if target['met_in_first_layer'] else 'MISSED'}, "
-              f"worst {target['worst_cossin_over_op_first_layer']:.2f})")
+    if fp32:
+        table += (f"\nCosSinRoPE / op, float32, lowest over the shapes: {lowest['cossin_over_op_float32']:.2f}; "
+                  f"in the first layer of a forward (rows computed): "
+                  f"{lowest['cossin_over_op_first_layer_float32']:.2f} ({COMPARED_WITH})")
     results = {"config": cfg, "baseline": "torchtitan CosSinRoPE and transformers apply_rotary_pos_emb, same inputs, "
                                           "forward + backward, alternating rounds",
-               "method": {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup, "calls_per_sample": cfg.iters,
-                          "statistic": "median over rounds of the median call time"},
-               "rows": rows, "target": target}
+               "compared_with": f"cossin_over_op: {COMPARED_WITH}; hf_over_op: transformers' "
+                                "apply_rotary_pos_emb on the same inputs = 1.00",
+               "method": {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup,
+                          "calls_per_sample": cfg.iters, "statistic": "median over rounds of the median call time"},
+               "rows": rows, "lowest": lowest}
     cb.write(out_dir, "rope", results, table)
     return results
 

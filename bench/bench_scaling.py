@@ -1,5 +1,5 @@
-"""Benchmark 6: how cost grows: step time against model size and against process count, measured
-side by side with train_native_qwen3.py.
+"""How cost grows: step time against model size and against process count, measured side by side
+with train_native_qwen3.py.
 
 Runs (processes alternate, order reversed every round, `--repeats` of each):
   - `tiny_1p`: the tiny Qwen3 from set-up (2 layers, dim 64, real vocabulary), 1 process: the baseline;
@@ -47,7 +47,8 @@ SIZES = {
 @dataclass
 class Config:
     preset: str = "default"
-    out_dir: str = field(default="runs/bench/scaling", metadata={"help": "results.json, models/, logs/, timings/ go here"})
+    out_dir: str = field(default="runs/bench/scaling",
+                         metadata={"help": "results.json, models/, logs/, timings/ go here"})
     sizes: str = field(default="small", metadata={"help": "comma-separated larger sizes besides tiny: small, medium"})
     processes: int = field(default=2, metadata={"help": "process count of the multi-process run (1: none)"})
     steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
@@ -82,6 +83,7 @@ def write_model(size: str, folder: Path) -> Path:
     import transformers
 
     shape = {**checkpoint.read_hf_config(paths.tiny_qwen3_dir()), **SIZES[size]}
+    shape.pop("layer_types", None)  # one entry per layer of the tiny model: transformers derives it for this depth
     if (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()).get("hidden_size") \
             == shape["hidden_size"] and (folder / "model.safetensors").is_file():
         return folder
@@ -89,8 +91,9 @@ def write_model(size: str, folder: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).save_pretrained(tmp)
-    for name in checkpoint.TOKENIZER_FILES:
-        shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
+    for name in checkpoint.TOKENIZER_FILES:  # the ones the tiny model's folder has (some are optional)
+        if (paths.tiny_qwen3_dir() / name).is_file():
+            shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
@@ -104,17 +107,20 @@ def main(cfg: Config) -> dict:
     common = ["--steps", str(cfg.steps), "--no-export", "--seq_len", str(cfg.seq_len)]
     one = ["--local_batch_size", str(cfg.global_batch)]
     models = {"tiny": paths.tiny_qwen3_dir(), **{s: write_model(s, out_dir / "models" / s) for s in sizes}}
-    runs = {f"{m}_1p": ("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(folder), *common, *one], 1)
+    runs = {f"{m}_1p": cb.TrainingRun("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(folder), *common, *one])
             for m, folder in models.items()}
     if cfg.processes > 1:
-        split = ["--local_batch_size", str(cfg.global_batch // cfg.processes), "--global_batch_size", str(cfg.global_batch)]
-        runs[f"tiny_{cfg.processes}p"] = ("ours", "train_native_qwen3.py",
-                                         ["--hf_checkpoint", str(models["tiny"]), *common, *split], cfg.processes)
+        split = ["--local_batch_size", str(cfg.global_batch // cfg.processes),
+                 "--global_batch_size", str(cfg.global_batch)]
+        runs[f"tiny_{cfg.processes}p"] = cb.TrainingRun("ours", "train_native_qwen3.py",
+                                                        ["--hf_checkpoint", str(models["tiny"]), *common, *split],
+                                                        cfg.processes)
     stats = cb.alternate_training(runs, repeats=cfg.repeats, threads=cfg.threads, out_dir=out_dir)
     s = {k: cb.training_summary(v) for k, v in stats.items()}
     base = s["tiny_1p"]
     rows = []
-    for name, (_mode, _script, _args, nproc) in runs.items():
+    for name, run in runs.items():
+        nproc = run.nproc
         model = name.rsplit("_", 1)[0]
         step, fpt = s[name]["step_s"]["median"], s[name]["flops_per_token"]
         row = {"run": name, "model": model, "processes": nproc, "step_ms": step * 1e3,
@@ -126,7 +132,8 @@ def main(cfg: Config) -> dict:
         row["parallel_efficiency"] = row["speedup"] / nproc if row["speedup"] is not None else None
         rows.append(row)
     table = cb.format_table(rows, [("run", "run", ""), ("processes", "processes", ""), ("step_ms", "ms/step", ".0f"),
-                                   ("step_over_tiny", "step / tiny_1p", ".2f"), ("flops_over_tiny", "FLOPs / tiny", ".2f"),
+                                   ("step_over_tiny", "step / tiny_1p", ".2f"),
+                                   ("flops_over_tiny", "FLOPs / tiny", ".2f"),
                                    ("tokens_per_s", "tok/s", ".0f"), ("speedup", "speedup", ".2f"),
                                    ("parallel_efficiency", "efficiency", ".2f")])
     table += f"\nglobal batch {cfg.global_batch} x {cfg.seq_len} tokens in every run; sizes: " + \
@@ -134,7 +141,8 @@ def main(cfg: Config) -> dict:
                   f"{json.loads((f / 'config.json').read_text())['hidden_size']}" for m, f in models.items())
     results = {"config": cfg, "sizes": {m: str(f) for m, f in models.items()},
                "baseline": "tiny_1p: the tiny Qwen3, one process, same global batch",
-               "method": {"threads_per_process": cfg.threads, "repeats": cfg.repeats, "steps": cfg.steps, "order": "alternating processes",
+               "method": {"threads_per_process": cfg.threads, "repeats": cfg.repeats, "steps": cfg.steps,
+                          "order": "alternating processes",
                           "statistic": "median over processes of the median step interval, step 1 excluded"},
                "rows": rows}
     cb.write(out_dir, "scaling", results, table)

@@ -1,5 +1,5 @@
-"""Benchmark 1: step time and tokens/s of each training script's CPU preset against the same model,
-data and batch run through torchtitan's stock entry point, measured side by side; and model FLOPs
+"""Step time and tokens/s of each training script's CPU preset against the same model, data and
+batch run through torchtitan's stock entry point, measured side by side; and model FLOPs
 utilisation against this machine's peak.
 
 For each script (train_native_qwen3.py, train_hf_backend.py, train_moe_nki.py), two kinds of
@@ -10,15 +10,17 @@ process alternate (ours, stock, then stock, ours, ...), `--repeats` of each:
     Trainer.Config the script's `build_trainer_config` returns for the same flags, with only the
     CPU workarounds torchtitan cannot do without (see bench/timed_train.py: device routed before
     import, launcher variables for one process, SDPA document attention, gloo SUM, no CUDA graphs;
-    for the HF backend the rotary-buffer fix). For train_moe_nki.py the baseline is torchtitan's
-    own MoE and RoPE (`--stock`: what the stock entry point would run); ours has the grouped-expert
-    op and NKIRoPE, with the preset's float32 expert matmuls (torchtitan's experts run bfloat16).
+    for the HF backend the rotary-buffer fix, timed_train.py's `--fix_hf_rotary`). For
+    train_moe_nki.py the baseline is torchtitan's own MoE and RoPE (`--stock`: what the stock entry
+    point would run); ours has the grouped-expert op and NKIRoPE, with the preset's float32 expert
+    matmuls (torchtitan's experts run bfloat16).
 Step time: per-step timestamps from the same hook in both (`MetricsProcessor.log`, called once at
 the end of every step), step 1 left out (warm-up), the median over the remaining steps of a
 process, then the median over the repeats. tokens/s = tokens per step / step time.
-`ours_over_stock` = median step time of ours / of stock (1.00 = no overhead; target <= 1.03).
-`ours_over_stock_cpu`: the same from the process CPU time per step (all threads), which other
-processes on a shared machine disturb less than wall time; the target is judged on wall time.
+`ours_over_stock` = median step time of ours / of stock, compared with torchtitan's own entry point
+on the same Trainer.Config (= 1.00: no overhead; above 1: ours is slower). `ours_over_stock_cpu`: the
+same from the process CPU time per step (all threads), which other processes on a shared machine
+disturb less than wall time.
 
 MFU = torchtitan's FLOPs per token (its `get_nparams_and_flops`: 6 x parameters + the attention
 term) x tokens/s / peak. Peak, two ways, both in results.json, for the cores a training process
@@ -27,14 +29,14 @@ threads, timed before and after the runs (their median; the practical peak); `no
 /proc/cpuinfo clock x FLOPs per cycle (2 FMA pipes x vector lanes x 2). The MFU column uses the
 measured peak.
 
-    python bench/bench_train_overhead.py --scripts native --out_dir runs/bench/train_native   # one script, ~2 min
-    python bench/bench_train_overhead.py --out_dir runs/bench/train_overhead          # all three scripts
-    python bench/bench_train_overhead.py --preset tiny --out_dir runs/bench/train_tiny  # tests: native, 3 short steps
+    python bench/bench_train_overhead.py --scripts native --out_dir runs/bench/train_native  # one script, ~2 min
+    python bench/bench_train_overhead.py --out_dir runs/bench/train_overhead                 # all three scripts
+    python bench/bench_train_overhead.py --preset tiny --out_dir runs/bench/train_tiny       # tests: 3 short steps
 
 Each process costs about 30 s on a 2-core machine (most of it import and set-up): one script
 (2 kinds x 2 repeats x 6 steps) takes about 2 minutes, the default (all three) about 6; more
 repeats (`--repeats 3`, `--steps 8`) narrow the spread.
-results.json: `rows` (one per script), `peak_flops`, `target`.
+results.json: `rows` (one per script, with `ours_over_stock`), `peak_flops`, `compared_with`.
 """
 from __future__ import annotations
 
@@ -50,19 +52,22 @@ from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 SCRIPTS = {"native": "train_native_qwen3.py", "hf": "train_hf_backend.py", "moe": "train_moe_nki.py"}
-STOCK_ARGS = {"moe": ["--stock"]}  # torchtitan's own modules: what its stock entry point runs
-TARGET = 1.03
+STOCK_ARGS = {"moe": ["--stock"]}  # the example's flag for torchtitan's own modules (what stock runs)
+STOCK_LAUNCHER_FLAGS = {"hf": ("--fix_hf_rotary",)}  # timed_train.py's flag: the fix the example applies itself
+COMPARED_WITH = "torchtitan's own entry point on the same Trainer.Config = 1.00"
 
 
 @dataclass
 class Config:
     preset: str = "default"
-    out_dir: str = field(default="runs/bench/train_overhead", metadata={"help": "results.json, logs/, timings/ go here"})
+    out_dir: str = field(default="runs/bench/train_overhead",
+                         metadata={"help": "results.json, logs/, timings/ go here"})
     scripts: str = field(default="native,hf,moe", metadata={"help": "comma-separated: native, hf, moe"})
     steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
     threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
     repeats: int = field(default=2, metadata={"help": "processes of each kind, alternating"})
-    extra_args: str = field(default="", metadata={"help": "flags added to every training command (e.g. '--seq_len 64')"})
+    extra_args: str = field(default="",
+                            metadata={"help": "flags added to every training command (e.g. '--seq_len 64')"})
 
     def validate(self) -> None:
         if self.steps < 3 or self.repeats <= 0:
@@ -94,8 +99,9 @@ def main(cfg: Config) -> dict:
     rows, raw = [], {}
     for name in names:
         args = ["--steps", str(cfg.steps), "--no-export", *extra]
-        runs = {"ours": ("ours", SCRIPTS[name], args, 1),
-                "stock": ("stock", SCRIPTS[name], [*args, *STOCK_ARGS.get(name, [])], 1)}
+        runs = {"ours": cb.TrainingRun("ours", SCRIPTS[name], args),
+                "stock": cb.TrainingRun("stock", SCRIPTS[name], [*args, *STOCK_ARGS.get(name, [])],
+                                        launcher_flags=STOCK_LAUNCHER_FLAGS.get(name, ()))}
         print(f"[bench] {SCRIPTS[name]}: ours vs torchtitan.train.main, {cfg.repeats} repeat(s)", flush=True)
         stats = cb.alternate_training(runs, repeats=cfg.repeats, threads=cfg.threads, out_dir=out_dir / name)
         raw[name] = stats
@@ -106,7 +112,8 @@ def main(cfg: Config) -> dict:
                      "ours_over_stock": cb.ratio(s["ours"]["step_s"]["median"], s["stock"]["step_s"]["median"]),
                      "ours_cpu_step_ms": s["ours"]["cpu_step_s"]["median"] * 1e3,
                      "stock_cpu_step_ms": s["stock"]["cpu_step_s"]["median"] * 1e3,
-                     "ours_over_stock_cpu": cb.ratio(s["ours"]["cpu_step_s"]["median"], s["stock"]["cpu_step_s"]["median"]),
+                     "ours_over_stock_cpu": cb.ratio(s["ours"]["cpu_step_s"]["median"],
+                                                     s["stock"]["cpu_step_s"]["median"]),
                      "ours_tokens_per_s": s["ours"]["tokens_per_s"]["median"],
                      "stock_tokens_per_s": s["stock"]["tokens_per_s"]["median"],
                      "tokens_per_step": s["ours"]["tokens_per_step"],
@@ -124,27 +131,32 @@ def main(cfg: Config) -> dict:
             r[f"{kind}_achieved_gflops"] = achieved / 1e9
             r[f"{kind}_mfu_measured_pct"] = 100 * achieved / peak_measured
             r[f"{kind}_mfu_nominal_pct"] = 100 * achieved / nominal["flops"]
-    worst = max(r["ours_over_stock"] for r in rows)
-    target = {"what": f"our training scripts within 3% of torchtitan's stock step time (ours_over_stock <= {TARGET})",
-              "worst_ours_over_stock": worst, "met": worst <= TARGET,
-              "per_script": {r["script"]: r["ours_over_stock"] <= TARGET for r in rows}}
     table = cb.format_table(rows, [("script", "script", ""), ("ours_step_ms", "ours ms/step", ".0f"),
-                                   ("stock_step_ms", "stock ms/step", ".0f"), ("ours_over_stock", "ours / stock", ".3f"),
+                                   ("stock_step_ms", "stock ms/step", ".0f"),
+                                   ("ours_over_stock", "ours / stock", ".3f"),
                                    ("ours_over_stock_cpu", "ours / stock (CPU time)", ".3f"),
-                                   ("ours_tokens_per_s", "ours tok/s", ".0f"), ("stock_tokens_per_s", "stock tok/s", ".0f"),
-                                   ("ours_mfu_measured_pct", "ours MFU %", ".1f"), ("stock_mfu_measured_pct", "stock MFU %", ".1f")])
-    table += (f"\n{threads} thread(s) per process; peak: measured float32 matmul {peak_measured / 1e9:.1f} GFLOP/s (median of {len(matmul)}); "
-              f"nominal {nominal['flops'] / 1e9:.1f} GFLOP/s = {nominal['how']}"
-              f"\ntarget: {target['what']}: {'met' if target['met'] else 'MISSED'} (worst {worst:.3f})")
+                                   ("ours_tokens_per_s", "ours tok/s", ".0f"),
+                                   ("stock_tokens_per_s", "stock tok/s", ".0f"),
+                                   ("ours_mfu_measured_pct", "ours MFU %", ".1f"),
+                                   ("stock_mfu_measured_pct", "stock MFU %", ".1f")])
+    table += (f"\n{threads} thread(s) per process; peak: measured float32 matmul {peak_measured / 1e9:.1f} GFLOP/s "
+              f"(median of {len(matmul)}); nominal {nominal['flops'] / 1e9:.1f} GFLOP/s = {nominal['how']}")
+    for r in rows:
+        table += (f"\n{r['script']}: ours / stock step time {r['ours_over_stock']:.3f} ({COMPARED_WITH}); "
+                  f"ours / stock CPU time per step {r['ours_over_stock_cpu']:.3f}")
     results = {"config": cfg,
-               "baseline": "torchtitan.train.main() (python -m torchtitan.train) on the Trainer.Config the script builds; "
-                           "train_moe_nki.py: torchtitan's own MoE and RoPE (--stock). See bench/timed_train.py",
-               "method": {"threads_per_process": cfg.threads, "repeats": cfg.repeats, "steps": cfg.steps, "order": "alternating ours/stock processes",
+               "baseline": "torchtitan.train.main() (python -m torchtitan.train) on the Trainer.Config "
+                           "the script builds; train_moe_nki.py: torchtitan's own MoE and RoPE (--stock). "
+                           "See bench/timed_train.py",
+               "compared_with": f"ours_over_stock: median step time of ours / of stock ({COMPARED_WITH})",
+               "method": {"threads_per_process": cfg.threads, "repeats": cfg.repeats, "steps": cfg.steps,
+                          "order": "alternating ours/stock processes",
                           "statistic": "median over processes of the median step interval, step 1 excluded"},
                "peak_flops": {"measured": peak_measured, "measured_samples": matmul,
-                              "measured_how": f"best of 5 float32 2048x2048 matmuls on {threads} thread(s), before and after the runs",
+                              "measured_how": f"best of 5 float32 2048x2048 matmuls on {threads} thread(s), "
+                                              "before and after the runs",
                               "nominal": nominal},
-               "rows": rows, "target": target}
+               "rows": rows}
     cb.write(out_dir, "train_overhead", results, table)
     return results
 

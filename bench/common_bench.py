@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -156,20 +157,35 @@ def training_env(threads: int = 0) -> dict:
     return env
 
 
+class TrainingRun(NamedTuple):
+    """One kind of training process: bench/timed_train.py's `mode` ('ours': the example's own CLI;
+    'stock': torchtitan's entry point on the Trainer.Config the example builds), the example's file
+    name in examples/, the example's flags, the process count, and timed_train.py's own flags
+    (e.g. `--fix_hf_rotary`)."""
+    mode: str
+    script: str
+    args: list[str]
+    nproc: int = 1
+    launcher_flags: tuple[str, ...] = ()
+
+
 def run_training(mode: str, script: str, args: list[str], timing_file: Path, *, nproc: int = 1,
-                 threads: int = 0, timeout: int = 1800, log_dir: Path | None = None) -> dict:
+                 threads: int = 0, timeout: int = 1800, log_dir: Path | None = None,
+                 launcher_flags: tuple[str, ...] = ()) -> dict:
     """One training process (or `nproc` under torchrun) through bench/timed_train.py; returns the
     per-step timing record it wrote. `mode`: 'ours' (the example's own CLI) or 'stock' (torchtitan's
-    entry point on the Trainer.Config the example builds)."""
+    entry point on the Trainer.Config the example builds); `launcher_flags`: timed_train.py's own."""
     launcher = str(ROOT / "bench" / "timed_train.py")
-    inner = [launcher, "--mode", mode, "--timing_file", str(timing_file), str(ROOT / "examples" / script), *args]
+    inner = [launcher, "--mode", mode, *launcher_flags, "--timing_file", str(timing_file),
+             str(ROOT / "examples" / script), *args]
     cmd = [sys.executable, *inner]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "--local-ranks-filter=0", *inner]
     timing_file.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=training_env(threads), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=training_env(threads), capture_output=True, text=True,
+                          timeout=timeout)
     wall = time.perf_counter() - t0
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -194,26 +210,27 @@ def step_stats(record: dict) -> dict:
     step_s = statistics.median(dts)
     cpu = record.get("cpu_times") or []
     cpu_step_s = statistics.median([b - a for a, b in zip(cpu[1:], cpu[2:])]) if len(cpu) >= 3 else math.nan
-    return {"step_s": step_s, "cpu_step_s": cpu_step_s, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / step_s,
+    return {"step_s": step_s, "cpu_step_s": cpu_step_s, "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tokens_per_step / step_s,
             "flops_per_token": record.get("flops_per_token"), "steps_timed": len(dts),
             "losses": record.get("losses")}
 
 
 def alternate_training(runs: dict[str, tuple], *, repeats: int, out_dir: Path, threads: int = 0,
                        warmup: int = 0) -> dict[str, list[dict]]:
-    """Alternate whole training processes: runs = {name: (mode, script, args, nproc)}. No warm-up
-    round by default: each process already drops its own step 1. Returns {name: [step_stats]}."""
+    """Alternate whole training processes: runs = {name: TrainingRun or a tuple of its fields}. No
+    warm-up round by default: each process already drops its own step 1. Returns {name: [step_stats]}."""
     stats: dict[str, list[dict]] = {n: [] for n in runs}
     counter = {n: 0 for n in runs}
 
     def one(name):
         def call() -> float:
-            mode, script, args, nproc = runs[name]
+            run = TrainingRun(*runs[name])
             counter[name] += 1
             tag = f"{name}.{counter[name]}"
-            record = run_training(mode, script, [*args, "--out_dir", str(out_dir / "runs" / tag)],
-                                  out_dir / "timings" / f"{tag}.json", nproc=nproc, threads=threads,
-                                  log_dir=out_dir / "logs")
+            record = run_training(run.mode, run.script, [*run.args, "--out_dir", str(out_dir / "runs" / tag)],
+                                  out_dir / "timings" / f"{tag}.json", nproc=run.nproc, threads=threads,
+                                  log_dir=out_dir / "logs", launcher_flags=tuple(run.launcher_flags))
             s = step_stats(record)
             s["process_wall_s"] = record["process_wall_s"]
             stats[name].append(s)

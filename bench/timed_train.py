@@ -2,20 +2,27 @@
 
     python bench/timed_train.py --mode ours  --timing_file T.json examples/train_native_qwen3.py --steps 20 --no-export
     python bench/timed_train.py --mode stock --timing_file T.json examples/train_native_qwen3.py --steps 20 --no-export
+    python bench/timed_train.py --mode stock --fix_hf_rotary --timing_file T.json examples/train_hf_backend.py \
+        --steps 20 --no-export
 
-`ours`: the example's own command line, unchanged (`runpy`, as `python examples/X.py ARGS` runs it).
+`ours`: the example's own command line, unchanged (`runpy`, as `python examples/X.py ARGS` runs it,
+with examples/ on sys.path as it is there).
 
 `stock`: torchtitan's own entry point, `torchtitan.train.main()` (what `python -m torchtitan.train`
 runs: tyro parses the config, `config.build()`, `trainer.train()`, `trainer.close()`, process group
-torn down), handed the very Trainer.Config the example's `build_trainer_config` returns for the
-same flags (`--module __main__ --config prepared_config`: torchtitan's ConfigManager imports a
-config function by module and name, and this module is `__main__`). Only what torchtitan cannot
-do on a CPU by itself is added, each item being what the example does too:
+torn down), handed the very Trainer.Config the example builds for the same flags. That config comes
+from the examples' documented steps, the ones each example's docstring walks through: its `Config`
+and `PRESETS` (the command line parsed into a config), `preflight(cfg)` (inputs checked and found)
+and `build_trainer_config(cfg, dev, out_dir, found)` (the Trainer.Config). Nothing private to an
+example is used. torchtitan gets it through `--module __main__ --config prepared_config` (its
+ConfigManager imports a config function by module and name, and this module is `__main__`). Only
+what torchtitan cannot do on a CPU by itself is added, each item being what the example does too:
   - torchtitan's device is routed to the CPU before it is imported (`device.route_torchtitan_device`);
   - RANK/WORLD_SIZE/MASTER_* are filled in for a single process (`device.fill_single_process_env`);
   - the settings inside the config: SDPA with document masking for FlexAttention, gloo SUM
     reductions, CUDA graphs off (all from `build_trainer_config`);
-  - the Transformers backend only: Qwen3's rotary `inv_freq` recomputed after the build (transformers
+  - with `--fix_hf_rotary` (for the Transformers backend, examples/train_hf_backend.py): Qwen3's
+    rotary `inv_freq` recomputed after the build with examples/hf_backend/fixes.py (transformers
     leaves it uninitialised; the example does the same at the same point).
 torchtitan creates its own process group (gloo on CPU); the example creates it itself. Neither
 run writes an HF export when `--no-export` is passed (the benchmarks do).
@@ -23,8 +30,8 @@ run writes an HF export when `--no-export` is passed (the benchmarks do).
 Timer (the same in both modes): `Trainer.train` records its start and `MetricsProcessor.log`, which
 the trainer calls once at the end of every step, records the time, the process's CPU time (all
 threads; less sensitive than wall time to other processes on a shared machine), loss, tokens seen
-and torchtitan's FLOPs per token. The example's own LossRecorder wraps the same call in `ours` mode; it
-is part of the example's path and is measured with it. Rank 0 writes the record as JSON.
+and torchtitan's FLOPs per token. The example's own LossRecorder wraps the same call in `ours` mode;
+it is part of the example's path and is measured with it. Rank 0 writes the record as JSON.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))  # as `python examples/X.py` has it: `from hf_backend import fixes`
 
 from common import cli  # noqa: E402
 from common import device  # noqa: E402
@@ -87,7 +95,7 @@ def install_timer(fix_hf_rotary: bool) -> None:
 
 
 def prepared_config():
-    """torchtitan ConfigManager target (`--module __main__ --config prepared_config`)."""
+    """The config function torchtitan's ConfigManager imports (`--module __main__ --config prepared_config`)."""
     return _PREPARED["config"]
 
 
@@ -100,11 +108,13 @@ def run_stock(example, args: list[str]) -> None:
     found = example.preflight(cfg)
     device.fill_single_process_env()
     dev_type = device.resolve_device_type(cfg.device)
-    dev = device.DeviceInfo(torch.device(dev_type), dev_type, device.BACKENDS[dev_type], int(os.environ["RANK"]),
-                            int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"]))
+    dev = device.DeviceInfo(torch.device(dev_type), dev_type, device.BACKENDS[dev_type],
+                            int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")),
+                            int(os.environ["WORLD_SIZE"]))
     tc, _notes = example.build_trainer_config(cfg, dev, out_dir, found)
     # The example stages its tokenizer into OUT_DIR/hf_assets; torchtitan reads the source folder.
-    ckpt = found.get("checkpoint") or (Path(cfg.hf_checkpoint).resolve() if getattr(cfg, "hf_checkpoint", None) else None)
+    ckpt = found.get("checkpoint") or (
+        Path(cfg.hf_checkpoint).resolve() if getattr(cfg, "hf_checkpoint", None) else None)
     tc.hf_assets_path = str(ckpt or found["tokenizer_dir"])
     _PREPARED["config"] = tc
     from torchtitan import train as titan_train
@@ -118,15 +128,20 @@ def main() -> int:
                                      allow_abbrev=False)
     parser.add_argument("--mode", choices=("ours", "stock"), required=True)
     parser.add_argument("--timing_file", required=True)
+    parser.add_argument("--fix_hf_rotary", action="store_true",
+                        help="stock mode, Transformers backend: recompute the rotary buffers after the build "
+                             "(examples/hf_backend/fixes.py), as train_hf_backend.py does itself")
     parser.add_argument("script", help="examples/train_*.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the example's flags")
     ns = parser.parse_args()
+    if ns.fix_hf_rotary and ns.mode != "stock":
+        parser.error("--fix_hf_rotary is for --mode stock (in --mode ours the example applies its own fixes)")
     script = Path(ns.script).resolve()
     example = load_example(script)
     default = "tiny" if "tiny" in example.PRESETS else next(iter(example.PRESETS))
     cfg = cli.parse_config(example.Config, example.PRESETS, ns.args, example.__doc__, default)
     device.route_torchtitan_device(device.resolve_device_type(cfg.device))
-    install_timer(fix_hf_rotary=ns.mode == "stock" and script.name == "train_hf_backend.py")
+    install_timer(fix_hf_rotary=ns.fix_hf_rotary)
     RECORD.update(mode=ns.mode, script=script.name, args=ns.args)
     code = 0
     try:

@@ -1,4 +1,4 @@
-"""--dry_run (issue 9): the trn2 presets built at full size on the meta device and sharded by
+"""--dry_run: the trn2 presets built at full size on the meta device and sharded by
 torchtitan's own plan at 64 ranks over a fake process group, on this CPU machine."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reliability (issue 8): a run killed with SIGKILL resumes from its last torchtitan checkpoint
+"""Resume after a kill: a run killed with SIGKILL resumes from its last torchtitan checkpoint
 with the same command and then produces the losses of an uninterrupted run; an HF export killed
 half-way leaves the previous complete export (or nothing), never a half-written folder."""
 from __future__ import annotations

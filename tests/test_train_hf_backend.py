@@ -1,4 +1,4 @@
-"""Tests for examples/train_hf_backend.py and examples/hf_backend/fixes.py (issue 3: torchtitan's
+"""Tests for examples/train_hf_backend.py and examples/hf_backend/fixes.py (torchtitan's
 Transformers modeling backend, public weights in, HF safetensors out).
 
 What they show:
@@ -105,7 +105,7 @@ SAME_RUN = ("--dtype", "float32", "--seq_len", "128", "--local_batch_size", "2",
             "--lr", "3e-3", "--seed", "0")
 
 
-GOLDEN = ROOT / "tests" / "assets" / "golden_losses" / "train_hf_backend.tiny.json"  # 2 ranks, issue 9
+GOLDEN = ROOT / "tests" / "assets" / "golden_losses" / "train_hf_backend.tiny.json"  # 2 ranks
 GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other instruction sets may move it
 
 
@@ -113,7 +113,7 @@ GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other i
 def tiny_run(tmp_path_factory, prepared_assets):
     """`--preset tiny --steps 10 --checkpoint_every 5` under torchrun with 2 ranks (FSDP over gloo),
     SIGKILLed (every rank) after its step-5 checkpoint, then the same command again: it resumes,
-    finishes, exports and checks (issue 8). Its results hold the whole curve in `history`."""
+    finishes, exports and checks. Its results hold the whole curve in `history`."""
     out = tmp_path_factory.mktemp("hf_tiny")
     run = ("--preset", "tiny", "--steps", "10", *SAME_RUN, "--checkpoint_every", "5",
            "--compare_losses", str(GOLDEN), "--loss_tolerance", str(GOLDEN_TOL))
@@ -166,7 +166,7 @@ GOLDEN_SMOLLM2 = GOLDEN.with_name("train_hf_backend.smollm2.json")  # the smollm
 
 def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
     """The smollm2 preset as it is (10 steps of 1 x 64 tokens; no export, to save time)
-    repeats its golden losses (issue 9); one step of the same model from a random init starts
+    repeats its golden losses; one step of the same model from a random init starts
     far higher."""
     from tools import prepare_assets as assets
 

@@ -1,5 +1,6 @@
-"""examples/train_moe_nki.py (issue 5): the tiny preset trains 10 steps as plain python (killed
-after its step-5 checkpoint and resumed, issue 8) and under torchrun 2 with the grouped-expert, SDPA and RoPE replacements, exports a Qwen3MoeForCausalLM that
+"""examples/train_moe_nki.py: the tiny preset trains 10 steps as plain python (killed after its
+step-5 checkpoint and resumed) and under torchrun 2 with the grouped-expert, SDPA and RoPE
+replacements, exports a Qwen3MoeForCausalLM that
 transformers re-reads (no missing or unexpected keys, max abs logit diff <= 1e-5 with float32
 experts), counts tokens per expert; and the replaced model matches torchtitan's stock MoE over 3
 steps from the same weights (bfloat16 experts on both sides: losses within 1e-4)."""
@@ -40,8 +41,8 @@ def _check_run(res, world):
 
 def test_tiny_plain_python_killed_and_resumed(tmp_path, prepared_assets):
     """The default command with --checkpoint_every 5, SIGKILLed after its step-5 checkpoint and run
-    again (issue 8): the second run resumes, and the whole curve (steps 1-10 over both runs)
-    equals the stored golden losses of an uninterrupted run (issue 9)."""
+    again: the second run resumes, and the whole curve (steps 1-10 over both runs)
+    equals the stored golden losses of an uninterrupted run."""
     run = ("--steps", "10", "--checkpoint_every", "5", "--compare_losses", str(GOLDEN),
            "--loss_tolerance", str(GOLDEN_TOL))
     kill_after_checkpoint(SCRIPT, *run, out_dir=tmp_path, step=5)
@@ -49,7 +50,7 @@ def test_tiny_plain_python_killed_and_resumed(tmp_path, prepared_assets):
     res = read_results(tmp_path)
     assert res["resumed_from_step"] >= 5 and res["steps"] == list(range(res["resumed_from_step"] + 1, 11))
     _check_run(res, 1)
-    golden = json.loads(GOLDEN.read_text())["losses"]  # issue 9: the first 10 losses are stored
+    golden = json.loads(GOLDEN.read_text())["losses"]  # the first 10 losses are stored
     assert res["history"]["steps"] == list(range(1, 11))
     assert max(abs(a - b) for a, b in zip(res["history"]["losses"], golden)) <= GOLDEN_TOL
     assert res["loss_comparison"]["passed"] and res["loss_comparison"]["steps_compared"] == 10

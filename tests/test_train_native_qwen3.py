@@ -111,7 +111,7 @@ def test_missing_neuron(tmp_path):
 
 
 def test_golden_losses(tiny_run):
-    """The first 10 losses of the tiny preset equal the stored golden losses (issue 9)."""
+    """The first 10 losses of the tiny preset equal the stored golden losses."""
     _, res = tiny_run
     golden = json.loads(GOLDEN.read_text())["losses"]
     comp = res["loss_comparison"]
