@@ -1,7 +1,8 @@
-"""Smoke and contract tests for examples/generate_compat_check.py and common/compat.py (issue 6).
+"""Smoke and contract tests for examples/generate_compat_check.py and its helpers in examples/compat_check/.
 
 The script runs as a subprocess on the offline models, eager (--no_compile: inductor on a 2-core CPU
 takes about two minutes per model), and the tests read its Parquet rows and results.json.
+The lookup page in a real browser: tests/test_compat_page.py.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -18,17 +20,22 @@ import pyarrow.parquet as pq
 import pytest
 
 from common import device, paths
-from compat_check import rows as compat
-from tools import prepare_assets as assets
+from common.errors import UserError
+from compat_check import judge as judging, lookup, processes, rows, sizing
+from tools import prepare_assets as assets, tiny_qwen_vl
 from conftest import ROOT, assert_clean_error, kill_when, read_results, run_example
 
 SCRIPT = "generate_compat_check.py"
-OFFLINE = ("tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct")
+OFFLINE = ("tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct", "tiny-qwen-vl")
 
 
 @pytest.fixture(scope="module")
 def model_assets(prepared_assets):
-    return assets.prepare(["tiny_qwen3", "tiny_qwen3_moe", "smollm2"])
+    folders = assets.prepare(["tiny_qwen3", "tiny_qwen3_moe", "smollm2"])
+    # The vision-language asset, through the registry once it lists it, else its own builder.
+    folders["tiny_qwen_vl"] = (assets.prepare(["tiny_qwen_vl"])["tiny_qwen_vl"] if "tiny_qwen_vl" in assets.ASSETS
+                               else tiny_qwen_vl.prepare())
+    return folders
 
 
 def _only_file(out: Path) -> Path:
@@ -62,7 +69,7 @@ def _kill_after_first_row(args: tuple, out: Path, timeout: float = 300) -> pd.Da
 
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory, model_assets):
-    """The offline preset's three models, with a broken one slipped in second: it crashes in its
+    """The offline preset's four models, with a broken one slipped in second: it crashes in its
     worker, gets a FAIL row with its error, and the models after it still run. The first attempt
     is SIGKILLed once a row is written; the same command then skips the recorded models."""
     tmp = tmp_path_factory.mktemp("compat_offline")
@@ -90,23 +97,26 @@ def test_killed_check_keeps_its_rows_and_the_rerun_skips_them(offline_run):
 def test_offline_preset_rows(offline_run):
     out, _, _, models, _ = offline_run
     path = _only_file(out)
-    stack = compat.stack_versions()
+    stack = rows.stack_versions()
     assert path.name == f"neuronx-cc-none__transformers-{stack['transformers']}.parquet"
     df = pd.read_parquet(path)  # plain pandas reads it
     from datasets import load_dataset  # and so does `datasets`, as the public dataset is read
 
     ds = load_dataset("parquet", data_files=str(path), split="train")
     assert ds.num_rows == len(df) and ds.column_names == list(df.columns)
-    assert list(df.columns[: len(compat.PUBLIC_COLUMNS)]) == list(compat.PUBLIC_COLUMNS)
+    assert list(df.columns[: len(rows.PUBLIC_COLUMNS)]) == list(rows.PUBLIC_COLUMNS)
     assert list(df["model_id"]) == models  # one row per model, in the order they finished
-    rows = {r["model_id"]: r for r in df.to_dict("records")}
+    by_id = {r["model_id"]: r for r in df.to_dict("records")}
 
-    crashed = rows.pop(models[1])
+    crashed = by_id.pop(models[1])
     assert crashed["result"] == "FAIL" and "ignore_mismatched_sizes" in crashed["error"], crashed["error"]
     assert crashed["run_py"] and crashed["torch"] == stack["torch"] and crashed["tp"] == 1
 
-    for model_id, r in rows.items():
+    for model_id, r in by_id.items():
         assert r["result"] == "PASS" and bool(r["cpu_match"]) is True, (model_id, r["notes"], r["error"])
+        assert r["task"] == ("image-text-to-text" if model_id == "tiny-qwen-vl" else "text-generation")
+        assert "static cache" in r["notes"] and r["compile_cache"] == "nothing compiled: eager run"
+        assert "--no_compile" in r["run_args"] and json.loads(r["timings"])["reference_s"] > 0
         assert (r["tp"], r["runner"], r["device"], r["library"]) == (1, "single", "cpu", "transformers"), model_id
         assert r["wall_s"] > 0 and r["hbm_peak_gb"] > 0 and r["compile_s"] == 0.0
         assert r["hbm_capacity_gb"] == 24.0
@@ -117,11 +127,15 @@ def test_offline_preset_rows(offline_run):
         assert r["run_py"] == (ROOT / "examples" / SCRIPT).read_text()
     # The offline preset also asks the judge about single-core runs: the real pretrained model
     # writes English, the random tiny models do not.
-    assert bool(rows["smollm2-135m-instruct"]["english"]) is True, rows["smollm2-135m-instruct"]["judge"]
-    assert len(rows["smollm2-135m-instruct"]["generated_text"].split()) >= 8
-    for tiny in ("tiny-qwen3", "tiny-qwen3-moe"):
-        assert bool(rows[tiny]["english"]) is False
-        assert json.loads(rows[tiny]["judge"])["reasons"]
+    assert bool(by_id["smollm2-135m-instruct"]["english"]) is True, by_id["smollm2-135m-instruct"]["judge"]
+    assert len(by_id["smollm2-135m-instruct"]["generated_text"].split()) >= 8
+    for tiny in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen-vl"):
+        assert bool(by_id[tiny]["english"]) is False
+        assert json.loads(by_id[tiny]["judge"])["reasons"]
+    # image-text-to-text: the model's processor, the asset's photograph, the Qwen3 tokenizer's vision tokens
+    vl = by_id["tiny-qwen-vl"]
+    assert vl["prompt"] == "Describe this photograph." and tiny_qwen_vl.PHOTO_SHA256 in vl["image"]
+    assert "pillow" in json.loads(vl["packages"]) and len(vl["generated_text"]) > 0
     res = read_results(out)
     assert res["files"] == [str(path)]
     assert [(m["model_id"], m["result"]) for m in res["models"]] == [
@@ -140,15 +154,15 @@ def test_rerun_skips_recorded_models_and_keeps_the_file(offline_run):
 
 
 def test_training_rows_beside_generation_rows(offline_run):
-    """--task train (issue 9): a few steps of the HF-backend recipe per offline model, written to the
+    """--task train: a few steps of the HF-backend recipe per offline model, written to the
     same Parquet file as the generation rows and found by the lookup. Runs after the rerun test
     (which expects the file unchanged)."""
     out, _, _, _, _ = offline_run
-    models = OFFLINE  # every offline model: Qwen3, Qwen3-MoE, Llama (SmolLM2, about 90 s of it)
+    models = OFFLINE[:3]  # the text models: Qwen3, Qwen3-MoE, Llama (SmolLM2, about 90 s of it)
     run_example(SCRIPT, "--task", "train", "--models", ",".join(models), "--out_dir", str(out))
     df = pd.read_parquet(_only_file(out))
     train = {r["model_id"]: r for r in df[df["task"] == "train"].to_dict("records")}
-    assert set(train) == set(models) and set(df[df["task"] == "generate"]["model_id"]) >= set(OFFLINE)
+    assert set(train) == set(models) and set(df[df["task"] != "train"]["model_id"]) >= set(OFFLINE)
     for model_id in ("tiny-qwen3", "smollm2-135m-instruct"):  # the HF-backend recipe trains Qwen3 and Llama
         r = train[model_id]
         losses = json.loads(r["train_losses"])
@@ -157,7 +171,8 @@ def test_training_rows_beside_generation_rows(offline_run):
     moe = train["tiny-qwen3-moe"]  # an architecture the recipe does not train: FAIL, with the reason
     assert moe["result"] == "FAIL" and "Qwen3MoeForCausalLM" in moe["error"]
     proc = run_example(SCRIPT, "lookup", str(out), "--task", "train")
-    assert proc.stdout.splitlines()[-1] == "3 row(s)" and "train_hf_backend" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "3 row(s): 2 PASS, 1 FAIL, 0 EXCLUDED (not failures)"
+    assert "train_hf_backend" in proc.stdout
 
 
 def _gpt2_without_plan(dest: Path) -> Path:
@@ -180,10 +195,10 @@ def test_sharded_run_no_plan_and_remote_code(tmp_path, model_assets):
     models = ",".join(str(p) for p in (moe, gpt2, remote))
     run_example(SCRIPT, "--models", models, "--cores", "2", "--no_compile", "--out_dir", str(out),
                 "--timeout_s", "300")
-    rows = {Path(r["model_id"]).name: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
-    assert len(rows) == 3
+    by_name = {Path(r["model_id"]).name: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
+    assert len(by_name) == 3
 
-    sharded = rows["tiny-qwen3-moe"]  # qwen3_moe has a TP plan: tensor parallel over 2 gloo processes
+    sharded = by_name["tiny-qwen3-moe"]  # qwen3_moe has a TP plan: tensor parallel over 2 gloo processes
     assert (sharded["tp"], sharded["runner"], sharded["hbm_capacity_gb"]) == (2, "tp", 48.0)
     assert sharded["cpu_match"] is None or pd.isna(sharded["cpu_match"])  # not a single-core run
     verdict = json.loads(sharded["judge"])
@@ -191,10 +206,10 @@ def test_sharded_run_no_plan_and_remote_code(tmp_path, model_assets):
     assert sharded["result"] == "FAIL" and verdict["reasons"]
     assert sharded["wall_s"] > 0 and sharded["hbm_peak_gb"] > 0
 
-    no_plan = rows["gpt2-tiny"]
+    no_plan = by_name["gpt2-tiny"]
     assert no_plan["result"] == "EXCLUDED" and no_plan["exclusion"].startswith("no sharding plan"), no_plan
 
-    refused = rows["remote-code"]
+    refused = by_name["remote-code"]
     assert refused["result"] == "EXCLUDED" and "--trust_remote_code" in refused["exclusion"]
     assert not (tmp_path / "remote-code" / "modeling_evil.py").exists()
 
@@ -205,10 +220,97 @@ def test_timeout_gives_an_error_row_and_the_next_model_runs(tmp_path, model_asse
     proc = run_example(SCRIPT, "--models", "tiny-qwen3,tiny-qwen3-moe", "--cores", "2", "--timeout_s", "3",
                        "--no_compile", "--out_dir", str(out))
     assert time.perf_counter() - start < 120  # two 3-second limits and start-up, not two full runs
-    rows = {r["model_id"]: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
+    by_id = {r["model_id"]: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
     for model_id in ("tiny-qwen3", "tiny-qwen3-moe"):  # the second ran (and timed out) after the first
-        assert rows[model_id]["result"] == "FAIL" and "timed out after 3 s" in rows[model_id]["error"]
+        assert by_id[model_id]["result"] == "FAIL" and "timed out after 3 s" in by_id[model_id]["error"]
     assert proc.stdout.count("[model]") == 2
+
+
+def test_task_mismatch_and_unreachable_hub_id_are_not_failures(tmp_path, model_assets):
+    """A text model asked for image-text-to-text is EXCLUDED with the reason; a Hub id on an offline
+    machine (as a new user would try it) is no verdict: EXCLUDED as not fetched, and tried again on a
+    rerun without --redo while the recorded exclusion stays skipped."""
+    out = tmp_path / "out"
+    args = ("--task", "image-text-to-text", "--models", "tiny-qwen3,Qwen/Qwen3-0.6B", "--no_compile",
+            "--out_dir", str(out))
+    run_example(SCRIPT, *args)
+    by_id = {r["model_id"]: r for r in rows.read_table(_only_file(out)).to_dict("records")}
+    text_model, hub = by_id["tiny-qwen3"], by_id["Qwen/Qwen3-0.6B"]
+    assert text_model["result"] == "EXCLUDED" and text_model["task"] == "image-text-to-text"
+    assert text_model["exclusion"].startswith("not a vision-language model: model_type 'qwen3'")
+    assert hub["result"] == "EXCLUDED" and hub["unavailable"] is True and not hub["error"]
+    assert hub["exclusion"].startswith("not fetched") and "LocalEntryNotFoundError" in hub["exclusion"]
+    run_example(SCRIPT, *args)
+    assert [(m["model_id"], m["skipped"]) for m in read_results(out)["models"]] == [
+        ("tiny-qwen3", True), ("Qwen/Qwen3-0.6B", False)]
+    proc = run_example(SCRIPT, "lookup", str(out))
+    assert proc.stdout.splitlines()[-1] == "2 row(s): 0 PASS, 0 FAIL, 2 EXCLUDED (not failures)"
+
+
+def _poisoned_copy(src: Path, dest: Path, value: float) -> Path:
+    """The tiny Qwen3 with `value` (NaN or Inf) in its final norm: every logit is non-finite, and greedy
+    decoding on CPU and on the device picks the same token from them."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("manifest.json"))
+    tensors = load_file(str(dest / "model.safetensors"))
+    tensors["model.norm.weight"][0] = value
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_nonfinite_weights_or_logits_never_pass(tmp_path, model_assets):
+    """A checkpoint holding NaN or Inf makes both runs emit the same garbage token: cpu_match is true,
+    and still the row is a FAIL with the reason."""
+    nan = _poisoned_copy(model_assets["tiny_qwen3"], tmp_path / "nan-qwen3", float("nan"))
+    inf = _poisoned_copy(model_assets["tiny_qwen3"], tmp_path / "inf-qwen3", float("inf"))
+    out = tmp_path / "out"
+    run_example(SCRIPT, "--models", f"{nan},{inf}", "--no_compile", "--new_tokens", "4", "--out_dir", str(out))
+    for r in rows.read_table(_only_file(out)).to_dict("records"):
+        assert r["result"] == "FAIL", (r["model_id"], r["notes"])
+        assert r["error"] == "non-finite weight model.norm.weight (NaN or Inf)", r["error"]
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("core_memory_gib", "nan"), ("core_memory_gib", "inf"), ("core_memory_gib", "0"), ("core_memory_gib", "1e9"),
+    ("new_tokens", "1000000000"), ("new_tokens", "0"), ("max_cores", "-1"), ("max_cores", "100000"),
+    ("timeout_s", "0"), ("timeout_s", "99999999999"), ("judge_max_perplexity", "nan"), ("judge_max_perplexity", "-5"),
+    ("train_lr", "nan"), ("train_lr", "0"), ("train_lr", "10"), ("train_steps", "0"), ("lnc", "3"), ("cores", "-1"),
+    ("prompt", ""), ("image_prompt", "   "), ("image", "no/such/image.png")])
+def test_bad_flag_values_are_refused_before_any_row(flag, value):
+    """Every numeric flag is checked (finite, positive where it must be, no absurd size) before a row can be
+    written: a bad flag must never become a stored verdict that reruns then skip."""
+    from generate_compat_check import Config, PRESETS
+    from common import cli
+
+    with pytest.raises(UserError) as e:
+        cli.parse_config(Config, PRESETS, [f"--{flag}", value], "", "offline")
+    assert f"--{flag}" in str(e.value)
+
+
+def test_bad_flag_value_is_one_error_line_and_no_row(tmp_path):
+    for flag, value in (("--core_memory_gib", "nan"), ("--new_tokens", "1000000000")):
+        proc = run_example(SCRIPT, "--models", "tiny-qwen3", flag, value, "--no_compile", "--out_dir",
+                           str(tmp_path), check=False)
+        assert_clean_error(proc, flag)
+        assert proc.returncode == 2 and not list(tmp_path.glob("*.parquet"))
+
+
+def test_timeout_kills_the_whole_process_tree(tmp_path):
+    """What --task train relies on: past the limit the subprocess and its own children (train_hf_backend.py's
+    verification subprocess) are killed; nothing outlives the command."""
+    import psutil
+
+    grandchild = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(grandchild)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    start = time.perf_counter()
+    with pytest.raises(processes.subprocess.TimeoutExpired):
+        processes.run_limited([sys.executable, "-c", code], timeout_s=3)
+    assert time.perf_counter() - start < 30
+    pid = int(grandchild.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 # --------------------------------------------------------------------------- lookup
@@ -216,7 +318,7 @@ def _public_schema_file(path: Path, marker: Path) -> None:
     """A file in the public dataset's schema, without the `exclusion` column (as some public files are).
     Its run_py would create `marker` if anything ever executed it."""
     run_py = f"from pathlib import Path\nPath({str(marker)!r}).write_text('executed')\n"
-    rows = [
+    public = [
         {"model_id": "Qwen/Qwen3-8B", "library": "transformers", "tp": 2, "runner": "tp", "result": "PASS",
          "notes": None, "error": None, "wall_s": 812.5, "hbm_peak_gb": 17.9, "hbm_capacity_gb": 48.0,
          "cpu_match": None, "english": True, "neuronx_cc": "2.23.6484.0", "library_version": "5.16.0",
@@ -228,7 +330,7 @@ def _public_schema_file(path: Path, marker: Path) -> None:
          "transformers": "5.16.0", "accelerate": "1.15.0", "torch_neuronx": "2.14.3", "torch": "2.14.0",
          "nki": "0.2.0", "python": "3.11.7", "neuron_driver": "2.25.4.0", "run_py": run_py},
     ]
-    table = pa.Table.from_pylist(rows)
+    table = pa.Table.from_pylist(public)
     ts = pa.array([pd.Timestamp("2026-10-20T12:00:00Z")] * 2, pa.timestamp("us", tz="UTC"))
     pq.write_table(table.append_column("tested_at", ts), path)
 
@@ -241,35 +343,103 @@ def test_lookup_reads_ours_and_public_files(offline_run, tmp_path, capsys):
     assert "exclusion" not in pq.read_schema(public).names
 
     # the script's subcommand, once as a subprocess ...
-    proc = run_example(SCRIPT, "lookup", str(out), str(public), "--name", "QWEN3", "--task", "generate")
+    proc = run_example(SCRIPT, "lookup", str(out), str(public), "--name", "QWEN3", "--task", "text-generation")
     lines = proc.stdout.splitlines()
-    assert lines[-1] == "4 row(s)"  # tiny-qwen3, tiny-qwen3-moe, and the two public rows
+    assert lines[-1] == "4 row(s): 4 PASS, 0 FAIL, 0 EXCLUDED (not failures)"  # 2 tiny, 2 public rows
     assert sum("Qwen/Qwen3" in line for line in lines) == 2 and sum("tiny-qwen3" in line for line in lines) == 2
     assert "cores" in lines[0] and "wall_s" in lines[0] and "hbm_peak_gb" in lines[0]
+    proc = run_example(SCRIPT, "lookup", str(out), "--task", "image-text-to-text")
+    assert proc.stdout.splitlines()[-1] == "1 row(s): 1 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
+    assert "tiny-qwen-vl" in proc.stdout and "image-text-to-text" in proc.stdout
     proc = run_example(SCRIPT, "lookup", str(public), "--name", "Qwen3-8B", "--run_py")
     assert proc.stdout == f"from pathlib import Path\nPath({str(marker)!r}).write_text('executed')\n"
     assert not marker.exists()  # printed, never executed
 
     # ... and the same function in process, for the filters
-    def lookup(*argv: str) -> tuple[int, str, str]:
-        code = compat.lookup_main([str(out), str(public), *argv])
+    def search(*argv: str) -> tuple[int, str, str]:
+        code = lookup.lookup_main([str(out), str(public), *argv])
         captured = capsys.readouterr()
         return code, captured.out, captured.err
 
-    code, stdout, _ = lookup("--compiler", "2.23", "--transformers", "5.16")
-    assert code == 0 and stdout.splitlines()[-1] == "2 row(s)" and "tiny" not in stdout
-    code, stdout, _ = lookup("--compiler", "none", "--name", "smollm2", "--task", "generate")
-    assert stdout.splitlines()[-1] == "1 row(s)" and "PASS" in stdout
-    code, stdout, _ = lookup("--transformers", "4.")
-    assert stdout.splitlines()[-1] == "0 row(s)"
-    code, stdout, _ = lookup("--name", "smollm2", "--run_py", "--task", "generate")
+    code, stdout, _ = search("--compiler", "2.23", "--transformers", "5.16")
+    assert code == 0 and stdout.splitlines()[-1].startswith("2 row(s)") and "tiny" not in stdout
+    code, stdout, _ = search("--compiler", "none", "--name", "smollm2", "--task", "text-generation")
+    assert stdout.splitlines()[-1].startswith("1 row(s): 1 PASS")
+    code, stdout, _ = search("--transformers", "4.")
+    assert stdout.splitlines()[-1].startswith("0 row(s)")
+    code, stdout, _ = search("--name", "smollm2", "--run_py", "--task", "text-generation")
     assert code == 0 and stdout == (ROOT / "examples" / SCRIPT).read_text()
-    code, _, stderr = lookup("--name", "broken", "--run_py")  # a crashed model's row still holds its script
+    code, _, stderr = search("--name", "broken", "--run_py")  # a crashed model's row still holds its script
     assert code == 0 and not stderr
-    code, _, stderr = lookup("--name", "qwen3", "--run_py", "--task", "generate")
+    code, _, stderr = search("--name", "qwen3", "--run_py", "--task", "text-generation")
     assert code == 2 and stderr.startswith("error: --run_py needs exactly one matching row, found 4")
-    assert compat.lookup_main([str(tmp_path / "nowhere")]) == 2
+    assert lookup.lookup_main([str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'nowhere'} is neither")
+
+
+def odd_public_files(folder: Path) -> list[Path]:
+    """Files that the public schema allows or that turn up in practice: empty strings, nulls, NaN,
+    float columns all null or absent, numbers and booleans stored as text or integers, timestamps as
+    text, a column of another type, no model_id in a row; and one file that is not Parquet at all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    base = {"model_id": "org/odd-model", "library": "transformers", "result": "FAIL", "neuronx_cc": "2.23.6484.0",
+            "transformers": "5.16.0", "library_version": "5.16.0"}
+    variants = {
+        "empty_strings.parquet": [dict(base, error="", notes="", exclusion="", runner="", run_py="", tp=1,
+                                       wall_s=1.0, hbm_peak_gb=0.5, cpu_match=False)],
+        "nulls_and_nan.parquet": [dict(base, error=None, wall_s=float("nan"), hbm_peak_gb=None, tp=None,
+                                       cpu_match=None, english=None),
+                                  dict(base, model_id=None, result=None, wall_s=float("inf"))],
+        "float_columns_all_null.parquet": pa.table({**{k: [v] * 2 for k, v in base.items()},
+                                                    "wall_s": pa.nulls(2), "hbm_peak_gb": pa.nulls(2),
+                                                    "hbm_capacity_gb": pa.nulls(2), "tp": pa.nulls(2)}),
+        "no_optional_columns.parquet": [{"model_id": "org/minimal", "result": "PASS"}],
+        "other_types.parquet": [dict(base, tp="2", wall_s="812.5", hbm_peak_gb="n/a", cpu_match="true",
+                                     english=1, tested_at="2026-10-20 12:00:00", error=b"bytes error\nline 2",
+                                     notes=12345, run_py=None)],
+    }
+    for name, content in variants.items():
+        table = content if isinstance(content, pa.Table) else pa.Table.from_pylist(content)
+        pq.write_table(table, folder / name)
+        files.append(folder / name)
+    (folder / "not_parquet.parquet").write_bytes(b"this is not a parquet file\x00\xff")
+    files.append(folder / "not_parquet.parquet")
+    return files
+
+
+def test_lookup_survives_every_value_the_public_schema_allows(tmp_path, capsys):
+    odd = tmp_path / "odd"
+    odd_public_files(odd)
+    code = lookup.lookup_main([str(odd), "--html", str(tmp_path / "page.html")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "Traceback" not in captured.err
+    # the unreadable file is one line; every other file is still shown
+    assert [line.split(" is ")[0] for line in captured.err.splitlines()] == [
+        f"skipped: {odd / 'not_parquet.parquet'}"]
+    lines = captured.out.splitlines()
+    assert lines[-2] == "7 row(s): 1 PASS, 5 FAIL, 0 EXCLUDED (not failures)"
+    assert lines[-1] == f"page: {tmp_path / 'page.html'} (7 rows)"
+    df = lookup.load_results([odd])[0]
+    other = df[df["source_file"].str.endswith("other_types.parquet")].iloc[0]
+    assert (other["tp"], other["wall_s"], other["cpu_match"], other["english"]) == (2.0, 812.5, True, True)
+    assert math.isnan(other["hbm_peak_gb"]) and other["error"].startswith("bytes error")
+    assert other["tested_at"] == pd.Timestamp("2026-10-20T12:00:00Z")
+    for argv in (["--name", "odd", "--task", "text-generation"], ["--compiler", "2.23"], ["--transformers", "5"]):
+        assert lookup.lookup_main([str(odd), *argv]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert lookup.lookup_main([str(odd / "not_parquet.parquet")]) == 2  # nothing readable: an error
+    assert capsys.readouterr().err.startswith("error: no readable results file")
+
+
+def test_lookup_output_is_one_printable_line_per_row(tmp_path, capsys):
+    """A model id or error holding newlines or terminal escapes cannot add lines or move the cursor."""
+    path = tmp_path / "r.parquet"
+    rows.write_row(path, {"model_id": "evil\x1b[2J\nPASS", "result": "FAIL", "error": "\r\n\x1b]0;title\x07boom"})
+    assert lookup.lookup_main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and len(out.splitlines()) == 3
 
 
 # --------------------------------------------------------------------------- plumbing, in process
@@ -279,31 +449,34 @@ def test_sizing_from_headers_and_plan(model_assets):
 
     tiny = model_assets["tiny_qwen3"]
     tensors = load_file(str(tiny / "model.safetensors"))
-    assert compat.weight_bytes(tiny) == sum(t.numel() * t.element_size() for t in tensors.values())
-    assert compat.weight_bytes(tiny, run_dtype_bytes=2) == sum(t.numel() * 2 for t in tensors.values())
-    assert compat.min_cores(25 * device.GIB, 24.0) == 2 and compat.min_cores(1, 24.0) == 1
+    assert sizing.weight_bytes(tiny) == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert sizing.weight_bytes(tiny, run_dtype_bytes=2) == sum(t.numel() * 2 for t in tensors.values())
+    assert sizing.min_cores(25 * device.GIB, 24.0) == 2 and sizing.min_cores(1, 24.0) == 1
 
     smollm2 = AutoConfig.from_pretrained(model_assets["smollm2"])  # 9 heads, 3 key/value heads
-    assert compat.choose_plan(smollm2, 1, 16) == compat.Plan("single", 1)
-    assert compat.choose_plan(smollm2, 2, 16) == compat.Plan("tp", 3)  # 2 does not divide 9 heads
-    assert compat.choose_plan(smollm2, 17, 16).exclusion.startswith("needs 17 cores")
-    assert "divides" in compat.choose_plan(smollm2, 2, 16, forced_cores=2).exclusion
+    assert sizing.choose_plan(smollm2, 1, 16) == sizing.Plan("single", 1)
+    assert sizing.choose_plan(smollm2, 2, 16) == sizing.Plan("tp", 3)  # 2 does not divide 9 heads
+    assert sizing.choose_plan(smollm2, 17, 16).exclusion.startswith("needs 17 cores")
+    assert "divides" in sizing.choose_plan(smollm2, 2, 16, forced_cores=2).exclusion
     moe = AutoConfig.from_pretrained(model_assets["tiny_qwen3_moe"])
-    assert compat.choose_plan(moe, 2, 16) == compat.Plan("tp", 2)
-    assert compat.choose_plan(moe, 3, 16, sharding="ep") == compat.Plan("ep", 4)  # 8 experts
-    assert compat.choose_plan(smollm2, 2, 16, sharding="ep").exclusion.startswith("no expert-parallel plan")
-    assert compat.choose_plan(moe, 1, 16, sharding="ep") == compat.Plan("single", 1)  # one core is never sharded
+    assert sizing.choose_plan(moe, 2, 16) == sizing.Plan("tp", 2)
+    assert sizing.choose_plan(moe, 3, 16, sharding="ep") == sizing.Plan("ep", 4)  # 8 experts
+    assert sizing.choose_plan(smollm2, 2, 16, sharding="ep").exclusion.startswith("no expert-parallel plan")
+    assert sizing.choose_plan(moe, 1, 16, sharding="ep") == sizing.Plan("single", 1)  # one core is never sharded
+    vl = model_assets["tiny_qwen_vl"]
+    assert sizing.is_vision_language(vl) and not sizing.is_vision_language(tiny)
+    assert sizing.choose_plan(AutoConfig.from_pretrained(vl), 2, 16).exclusion.startswith("no sharding plan")
 
 
 def test_judge_separates_english_from_shuffled_and_repeated(model_assets):
     """Fluent English passes; the same words shuffled, gibberish, and repetition fail. Thresholds
-    (compat.JudgeLimits): perplexity under the judge <= 250, unknown words (wordfreq) <= 15%,
+    (judge.JudgeLimits): perplexity under the judge <= 250, unknown words (wordfreq) <= 15%,
     distinct word pairs >= 60%, at least 8 words."""
     corpus = paths.corpus_dir() / "train.jsonl"
     with corpus.open() as f:  # Emma's first sentence, without the title lines above it
         first = json.loads(next(f))["text"]
     text = " ".join(first[first.index("Emma Woodhouse"):].split()[:40])
-    judge = compat.EnglishJudge(model_assets["smollm2"])
+    judge = judging.EnglishJudge(model_assets["smollm2"])
     fluent = judge.judge(text)
     assert fluent["english"] is True, fluent
     words = text.split()
@@ -320,13 +493,18 @@ def test_judge_separates_english_from_shuffled_and_repeated(model_assets):
 
 def test_write_row_replaces_a_model_and_unions_columns(tmp_path):
     path = tmp_path / "r.parquet"
-    compat.write_row(path, {"model_id": "a", "result": "ERROR", "tp": 1})
-    compat.write_row(path, {"model_id": "a", "result": "PASS", "tp": 1})  # replaces the only row (--redo)
-    assert list(compat.read_table(path)["result"]) == ["PASS"]
-    compat.write_row(path, {"model_id": "b", "result": "ERROR", "error": "boom"})
-    compat.write_row(path, {"model_id": "a", "result": "FAIL", "tp": 2})
-    df = compat.read_table(path)
+    rows.write_row(path, {"model_id": "a", "result": "ERROR", "tp": 1})
+    rows.write_row(path, {"model_id": "a", "result": "PASS", "tp": 1})  # replaces the only row (--redo)
+    assert list(rows.read_table(path)["result"]) == ["PASS"]
+    rows.write_row(path, {"model_id": "b", "result": "ERROR", "error": "boom"})
+    rows.write_row(path, {"model_id": "a", "result": "FAIL", "tp": 2})
+    df = rows.read_table(path)
     assert sorted(zip(df["model_id"], df["result"])) == [("a", "FAIL"), ("b", "ERROR")]
+    # a "not fetched" row is replaced by the model's first verdict, whatever task it guessed
+    rows.write_row(path, {"model_id": "c", "task": "text-generation", "result": "EXCLUDED", "unavailable": True})
+    rows.write_row(path, {"model_id": "c", "task": "image-text-to-text", "result": "PASS"})
+    df = rows.read_table(path)
+    assert df[df["model_id"] == "c"][["task", "result"]].values.tolist() == [["image-text-to-text", "PASS"]]
     assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
 
 

@@ -1,1 +1,10 @@
-"""Plumbing used by examples/generate_compat_check.py alone: copy this folder with it."""
+"""Plumbing used by examples/generate_compat_check.py alone: copy this folder with it.
+
+rows.py     the Parquet results: columns, version stack, reading any public-schema file, writing a row
+sizing.py   weight bytes from safetensors headers, fewest cores, sharding plan, model kind
+judge.py    the English judge (a small causal LM plus word-level checks)
+measure.py  what a run measures besides tokens: compile time and cache, non-finite weights or logits
+processes.py  a time-limited process that leaves nothing behind (its whole tree is killed)
+lookup.py   the `lookup` subcommand: search, filter, print a table or a row's run_py, write the page
+page.py     the static HTML lookup page (one self-contained file, data embedded, shown as text)
+"""

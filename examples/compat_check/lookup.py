@@ -1,0 +1,148 @@
+"""The `lookup` subcommand of generate_compat_check.py: search our results and files in the public schema.
+
+    python examples/generate_compat_check.py lookup runs/compat --name qwen3            # a table
+    python examples/generate_compat_check.py lookup runs/compat --name tiny-qwen3 --run_py   # one row's script
+    python examples/generate_compat_check.py lookup runs/compat public/ --html page.html     # the static page
+
+A file that cannot be read is reported on one line and skipped; the others are still shown.
+`run_py` is printed or shown as text, never run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from common.errors import UserError
+from compat_check import page
+from compat_check.rows import TASKS, read_table
+
+
+def find_result_files(sources: Iterable[str | os.PathLike]) -> list[Path]:
+    sources = list(sources)
+    files = []
+    for src in sources:
+        p = Path(src)
+        if p.is_dir():
+            files += sorted(p.rglob("*.parquet"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise UserError(f"{src} is neither a Parquet file nor a folder of them")
+    if not files:
+        raise UserError(f"no .parquet files in {', '.join(map(str, sources))}")
+    return files
+
+
+def load_results(sources: Iterable[str | os.PathLike]):
+    """(every row of every readable file, columns unioned and normalized; one line per file that was not read)."""
+    import pandas as pd
+
+    frames, problems = [], []
+    for f in find_result_files(sources):
+        try:
+            df = read_table(f)
+        except UserError as e:
+            problems.append(str(e))
+            continue
+        df["source_file"] = str(f)
+        frames.append(df)
+    if not frames:
+        raise UserError("no readable results file: " + "; ".join(problems))
+    return pd.concat(frames, ignore_index=True), problems
+
+
+def filter_results(df, name: str | None = None, compiler: str | None = None, transformers: str | None = None,
+                   task: str | None = None):
+    if task:
+        df = df[df["task"] == task]
+    if name:
+        df = df[df["model_id"].fillna("").str.contains(name, case=False, regex=False)]
+    if compiler:
+        df = df[df["neuronx_cc"].fillna("none").str.startswith(compiler)]
+    if transformers:
+        df = df[df["transformers"].fillna(df["library_version"]).fillna("").str.startswith(transformers)]
+    return df
+
+
+SHOW = (("model_id", "model_id", 50), ("task", "task", 18), ("result", "result", 8), ("tp", "cores", 5),
+        ("runner", "runner", 16), ("wall_s", "wall_s", 8), ("hbm_peak_gb", "hbm_peak_gb", 11),
+        ("cpu_match", "cpu_match", 9), ("english", "english", 7), ("neuronx_cc", "neuronx_cc", 12),
+        ("transformers", "transformers", 12), ("exclusion", "exclusion", 50), ("error", "error", 60))
+
+
+def _shown(value, col: str) -> str:
+    """One cell as a single printable line: '-' for null, NaN or empty; control characters replaced, so a
+    value cannot move the cursor or recolour the terminal."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.0f}" if col == "tp" else f"{value:.2f}" if col == "hbm_peak_gb" else f"{value:.1f}"
+    lines = [line for line in str(value).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else "-"
+    return "".join(ch if ch.isprintable() else "\N{REPLACEMENT CHARACTER}" for ch in first)
+
+
+def format_results(df) -> str:
+    if df.empty:
+        return "(no matching rows)"
+    cells = [[_shown(v, col) for v, (col, _, _) in zip(values, SHOW)]
+             for values in df[[c for c, _, _ in SHOW]].itertuples(index=False)]
+    cells = [[c if len(c) <= w else c[: w - 1] + "\N{HORIZONTAL ELLIPSIS}" for c, (_, _, w) in zip(row, SHOW)]
+             for row in cells]
+    header = [title for _, title, _ in SHOW]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *cells])
+
+
+def summary_line(df) -> str:
+    counts = df["result"].value_counts()
+    return (f"{len(df)} row(s): {counts.get('PASS', 0)} PASS, {counts.get('FAIL', 0)} FAIL, "
+            f"{counts.get('EXCLUDED', 0)} EXCLUDED (not failures)")
+
+
+def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected: tuple[str, ...] = ()) -> int:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Search compatibility results: ours (runs/...) and files in the public schema.")
+    p.add_argument("sources", nargs="+", help="Parquet files or folders holding them")
+    p.add_argument("--name", help="case-insensitive substring of model_id")
+    p.add_argument("--compiler", help="neuronx-cc version prefix ('none': runs without Neuron)")
+    p.add_argument("--transformers", help="transformers version prefix")
+    p.add_argument("--task", choices=TASKS, help="only rows of this task (default: all)")
+    p.add_argument("--run_py", action="store_true",
+                   help="print the run_py (script source) of the one matching row instead of the table; "
+                        "it is printed, never executed")
+    p.add_argument("--html", metavar="FILE", help="also write the matching rows as one self-contained HTML page")
+    args = p.parse_args(argv)
+    try:
+        df, problems = load_results(args.sources)
+        for problem in problems:
+            print(f"skipped: {problem}", file=sys.stderr)
+        df = filter_results(df, args.name, args.compiler, args.transformers, args.task)
+        if args.run_py:
+            if len(df) != 1:
+                ids = ", ".join(f"{m} ({f})" for m, f in zip(df["model_id"], df["source_file"]))
+                raise UserError(f"--run_py needs exactly one matching row, found {len(df)}"
+                                + (f": {ids}; narrow --name/--compiler/--transformers/--task" if ids else ""))
+            source = df["run_py"].iloc[0]
+            if not source:
+                raise UserError(f"the row for {df['model_id'].iloc[0]} holds no run_py")
+            sys.stdout.write(source if source.endswith("\n") else source + "\n")
+            return 0
+        print(format_results(df))
+        print(summary_line(df))
+        if args.html:
+            try:
+                path = page.write_page(df, args.html, selected, [str(s) for s in args.sources])
+            except OSError as e:
+                raise UserError(f"--html {args.html} cannot be written: {e.strerror or e}") from None
+            print(f"page: {path} ({len(df)} rows)")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,377 @@
+"""The static lookup page: one self-contained HTML file (data embedded, no server, no network) that
+offers what the public lookup does: search by part of a model id, filters for the neuronx-cc and
+Transformers versions and the task, a "Selected" view (a curated list) and an "All" view, and per
+model the result, cores, wall time, memory, version stack, packages, error, run.py and how to
+reproduce the run.
+
+Every value from a results file is untrusted. The data travels as JSON inside a
+<script type="application/json"> element with <, > and & written as \\u escapes, so no value can close
+that element; the page's script builds every cell with textContent, never as HTML; and a
+Content-Security-Policy allows only the page's own script and style (by hash), no network at all.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from compat_check.rows import COLUMNS
+
+# What the page shows of a row (run_py goes into a table of distinct texts: a run writes the same
+# script into every row, and 10,000 copies of it would make the page hundreds of megabytes).
+PAGE_COLUMNS = tuple(c for c in COLUMNS if c not in ("run_py",)) + ("source_file",)
+
+
+def _cell(v):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return None
+    if hasattr(v, "isoformat"):  # a timestamp
+        return v.isoformat() if str(v) != "NaT" else None
+    if type(v).__module__ == "numpy":
+        v = v.item()
+    return v if isinstance(v, (str, int, float, bool)) else str(v)
+
+
+def page_data(df, selected: tuple[str, ...], sources: list[str]) -> dict:
+    """The JSON the page embeds: column names, one list per row, distinct run_py texts, the curated list."""
+    texts: dict[str, int] = {}
+    rows = []
+    for rec in df.to_dict("records"):
+        row = [_cell(rec.get(c)) for c in PAGE_COLUMNS]
+        run_py = rec.get("run_py")
+        row.append(texts.setdefault(run_py, len(texts)) if isinstance(run_py, str) and run_py else None)
+        rows.append(row)
+    return {"columns": [*PAGE_COLUMNS, "run_py"], "rows": rows, "texts": list(texts), "selected": list(selected),
+            "sources": sources, "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def script_json(data: dict) -> str:
+    """JSON that cannot end the <script> element holding it, whatever the strings in it say."""
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def _csp_hash(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def render(data: dict, title: str = "Trainium compatibility lookup") -> str:
+    csp = (f"default-src 'none'; script-src {_csp_hash(SCRIPT)}; style-src {_csp_hash(STYLE)}; "
+           "img-src data:; base-uri 'none'; form-action 'none'")
+    return PAGE.format(csp=html.escape(csp), title=html.escape(title), style=STYLE, script=SCRIPT,
+                       data=script_json(data))
+
+
+def write_page(df, path: str | Path, selected: tuple[str, ...], sources: list[str]) -> Path:
+    from common.results import atomic_write_text
+
+    path = Path(path)
+    atomic_write_text(path, render(page_data(df, selected, sources)))
+    return path
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>{title}</title>
+<style>{style}</style>
+</head>
+<body>
+<header>
+<h1>{title}</h1>
+<p class="lede">Short reproducible runs: 32 greedy tokens per model on the fewest cores that hold it. A single-core
+run must match CPU token for token; a sharded run must read as English. A PASS says nothing about throughput or
+long outputs. Wall time includes compilation.</p>
+</header>
+<main>
+<div class="views" role="group" aria-label="View">
+<button id="view-selected" type="button" aria-pressed="true">Selected</button>
+<button id="view-all" type="button" aria-pressed="false">All</button>
+</div>
+<form id="filters" class="filters" autocomplete="off">
+<label>Model <input id="q" type="search" placeholder="part of a model id, e.g. qwen3"></label>
+<label>neuronx-cc <select id="compiler"></select></label>
+<label>Transformers <select id="transformers"></select></label>
+<label>Task <select id="task"></select></label>
+<label>Result <select id="result"></select></label>
+</form>
+<p id="count" class="count" aria-live="polite"></p>
+<p id="empty-note" class="note" hidden></p>
+<table>
+<thead><tr><th>Model</th><th>Task</th><th>Result</th><th>Cores</th><th>Wall time (s, incl. compilation)</th>
+<th>Peak device memory (GiB)</th><th>neuronx-cc</th><th>Transformers</th></tr></thead>
+<tbody id="rows"></tbody>
+</table>
+<p><button id="more" type="button" hidden>Show more</button></p>
+</main>
+<footer id="footer"></footer>
+<script type="application/json" id="compat-data">{data}</script>
+<script>{script}</script>
+</body>
+</html>
+"""
+
+STYLE = """
+:root{--fg:#1b1f24;--muted:#57606a;--line:#d0d7de;--bg:#fff;--alt:#f6f8fa;--pass:#1a7f37;--fail:#cf222e;--excl:#8250df}
+*{box-sizing:border-box}
+body{margin:0;font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg)}
+header,main,footer{max-width:1200px;margin:0 auto;padding:0 16px}
+h1{font-size:1.4rem;margin:16px 0 4px}
+.lede,.count,.note,footer{color:var(--muted);font-size:.9rem}
+.views button{font:inherit;padding:6px 14px;border:1px solid var(--line);background:var(--alt);cursor:pointer}
+.views button[aria-pressed=true]{background:var(--fg);color:#fff}
+.filters{display:flex;flex-wrap:wrap;gap:8px 16px;margin:12px 0}
+.filters label{display:flex;flex-direction:column;font-size:.8rem;color:var(--muted)}
+.filters input,.filters select{font:inherit;padding:5px 6px;min-width:11rem;border:1px solid var(--line);
+ border-radius:4px}
+table{width:100%;border-collapse:collapse}
+th,td{text-align:left;padding:6px 8px;border-bottom:1px solid var(--line);vertical-align:top}
+th{font-size:.8rem;color:var(--muted);font-weight:600}
+td.num{font-variant-numeric:tabular-nums}
+button.model{font:inherit;background:none;border:0;padding:0;color:#0969da;cursor:pointer;text-align:left;
+ word-break:break-all}
+.badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:.8rem;font-weight:600;color:#fff}
+.badge.pass{background:var(--pass)}.badge.fail{background:var(--fail)}.badge.excluded{background:var(--excl)}
+.badge.unknown{background:var(--muted)}
+.why{display:block;color:var(--muted);font-size:.8rem}
+tr.detail td{background:var(--alt)}
+.detail h3{font-size:.95rem;margin:12px 0 4px}
+.detail dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 12px;margin:0}
+.detail dt{color:var(--muted)}.detail dd{margin:0;word-break:break-word}
+pre{background:#fff;border:1px solid var(--line);padding:8px;overflow:auto;max-height:28rem;white-space:pre-wrap;
+ word-break:break-word;font-size:.8rem}
+@media (max-width:720px){
+ thead{display:none}
+ table,tbody,tr,td{display:block;width:100%}
+ tr.row{border:1px solid var(--line);border-radius:6px;margin:8px 0;padding:4px}
+ td{border:0;padding:2px 6px}
+ td[data-label]::before{content:attr(data-label) ": ";color:var(--muted);font-size:.8rem}
+ .detail dl{grid-template-columns:1fr}
+}
+"""
+
+SCRIPT = r"""
+"use strict";
+(function () {
+  const DATA = JSON.parse(document.getElementById("compat-data").textContent);
+  const COL = {};
+  DATA.columns.forEach(function (c, i) { COL[c] = i; });
+  const ROWS = DATA.rows;
+  const SELECTED = new Set(DATA.selected);
+  const PAGE = 200;
+  const state = {view: "selected", q: "", compiler: "", transformers: "", task: "", result: "", shown: PAGE,
+                 open: new Set()};
+  const $ = function (id) { return document.getElementById(id); };
+  function get(r, c) { const v = r[COL[c]]; return v === undefined ? null : v; }
+  function text(v) { return v === null || v === undefined || v === "" ? "-" : String(v); }
+  function el(tag, cls, content) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (content !== undefined) e.textContent = content;
+    return e;
+  }
+  function compilerOf(r) { return get(r, "neuronx_cc") || "none"; }
+  function transformersOf(r) { return get(r, "transformers") || get(r, "library_version") || "unknown"; }
+  function taskOf(r) { return get(r, "task") || "text-generation"; }
+  function resultOf(r) { return get(r, "result") || "unknown"; }
+  const BADGE = {PASS: "pass", FAIL: "fail", EXCLUDED: "excluded"};
+
+  function fillSelect(id, label, values) {
+    const s = $(id);
+    s.appendChild(new Option("any " + label, ""));
+    Array.from(new Set(values)).sort().forEach(function (v) { s.appendChild(new Option(v, v)); });
+    s.addEventListener("change", function () { state[id] = s.value; state.shown = PAGE; render(); });
+  }
+  fillSelect("compiler", "version", ROWS.map(compilerOf));
+  fillSelect("transformers", "version", ROWS.map(transformersOf));
+  fillSelect("task", "task", ROWS.map(taskOf));
+  fillSelect("result", "result", ROWS.map(resultOf));
+  $("q").addEventListener("input", function () { state.q = $("q").value.trim().toLowerCase(); state.shown = PAGE;
+                                                 render(); });
+  $("filters").addEventListener("submit", function (e) { e.preventDefault(); });
+  function setView(v) {
+    state.view = v; state.shown = PAGE;
+    $("view-selected").setAttribute("aria-pressed", String(v === "selected"));
+    $("view-all").setAttribute("aria-pressed", String(v === "all"));
+    render();
+  }
+  $("view-selected").addEventListener("click", function () { setView("selected"); });
+  $("view-all").addEventListener("click", function () { setView("all"); });
+  $("more").addEventListener("click", function () { state.shown += PAGE; render(); });
+
+  function matches(r) {
+    if (state.view === "selected" && !SELECTED.has(get(r, "model_id"))) return false;
+    if (state.q && String(get(r, "model_id") || "").toLowerCase().indexOf(state.q) < 0) return false;
+    if (state.compiler && compilerOf(r) !== state.compiler) return false;
+    if (state.transformers && transformersOf(r) !== state.transformers) return false;
+    if (state.task && taskOf(r) !== state.task) return false;
+    if (state.result && resultOf(r) !== state.result) return false;
+    return true;
+  }
+  function num(v, digits) { return typeof v === "number" ? v.toFixed(digits) : "-"; }
+  function badge(r) {
+    const td = el("td");
+    td.setAttribute("data-label", "Result");
+    td.appendChild(el("span", "badge " + (BADGE[resultOf(r)] || "unknown"), resultOf(r)));
+    if (get(r, "unavailable") === true) td.appendChild(el("span", "why", "not fetched: no verdict"));
+    else if (resultOf(r) === "EXCLUDED") td.appendChild(el("span", "why", "excluded, not a failure"));
+    return td;
+  }
+  function cell(label, value, cls) {
+    const td = el("td", cls, value);
+    td.setAttribute("data-label", label);
+    return td;
+  }
+  function row(i) {
+    const r = ROWS[i];
+    const tr = el("tr", "row");
+    const first = el("td");
+    first.setAttribute("data-label", "Model");
+    const b = el("button", "model", text(get(r, "model_id")));
+    b.type = "button";
+    b.setAttribute("aria-expanded", String(state.open.has(i)));
+    b.addEventListener("click", function () {
+      if (state.open.has(i)) state.open.delete(i); else state.open.add(i);
+      render();
+    });
+    first.appendChild(b);
+    tr.appendChild(first);
+    tr.appendChild(cell("Task", taskOf(r)));
+    tr.appendChild(badge(r));
+    tr.appendChild(cell("Cores", typeof get(r, "tp") === "number" ? String(get(r, "tp")) : "-", "num"));
+    tr.appendChild(cell("Wall time (s, incl. compilation)", num(get(r, "wall_s"), 1), "num"));
+    tr.appendChild(cell("Peak device memory (GiB)", num(get(r, "hbm_peak_gb"), 2), "num"));
+    tr.appendChild(cell("neuronx-cc", compilerOf(r)));
+    tr.appendChild(cell("Transformers", transformersOf(r)));
+    return tr;
+  }
+  function dl(pairs) {
+    const d = el("dl");
+    pairs.forEach(function (p) { d.appendChild(el("dt", null, p[0])); d.appendChild(el("dd", null, text(p[1]))); });
+    return d;
+  }
+  function packages(r) {
+    const raw = get(r, "packages");
+    if (!raw) return [["recorded", null]];
+    try {
+      const p = JSON.parse(raw);
+      if (p && typeof p === "object" && !Array.isArray(p)) {
+        return Object.keys(p).map(function (k) { return [k, p[k]]; });
+      }
+    } catch (e) { /* shown as it is below */ }
+    return [["as recorded", raw]];
+  }
+  function quote(s) { return /^[A-Za-z0-9_.,:\/=+-]+$/.test(s) ? s : "'" + s.replace(/'/g, "'\"'\"'") + "'"; }
+  function reproduce(r) {
+    const lines = ["# 1. the version stack of this row"];
+    function pinned(pairs) {
+      return pairs.filter(function (p) { return p[1] && p[1] !== "unknown"; })
+                  .map(function (p) { return quote(p[0] + "==" + p[1]); });
+    }
+    const pins = pinned([["transformers", transformersOf(r)], ["accelerate", get(r, "accelerate")],
+                         ["torch", get(r, "torch")]]);
+    lines.push("pip install " + (pins.length ? pins.join(" ") : "transformers torch  # no versions recorded"));
+    const neuron = pinned([["neuronx-cc", get(r, "neuronx_cc")], ["torch-neuronx", get(r, "torch_neuronx")],
+                           ["nki", get(r, "nki")]]);
+    if (neuron.length) lines.push("pip install " + neuron.join(" ") + "  # from the AWS Neuron pip repository");
+    else lines.push("# no Neuron packages: this row ran without Trainium (" + text(get(r, "device")) + ")");
+    lines.push("# 2. the script: run.py above, saved as a file (read it first: it is shown, never run here)");
+    const args = get(r, "run_args");
+    if (args) {
+      lines.push("#    with the common/ and examples/compat_check/ files its header lists");
+      lines.push("python generate_compat_check.py " + args);
+    } else {
+      lines.push("python run.py");
+    }
+    lines.push("# 3. reuse the compiled graphs: only with the same compiler (neuronx-cc " + compilerOf(r) + ")");
+    const cache = get(r, "compile_cache");
+    if (cache && /^[A-Z_]+=/.test(cache)) {
+      lines.push("export " + cache.split("=")[0] + "=" + quote(cache.slice(cache.indexOf("=") + 1)) +
+                 "  # a copy of that folder from the machine that ran it");
+    } else if (cache) {
+      lines.push("# " + cache.replace(/[\r\n]+/g, " "));
+    } else {
+      lines.push("# where the graphs were cached is not recorded in this row: the first run compiles, reruns reuse it");
+    }
+    return lines.join("\n");
+  }
+  function detail(i) {
+    const r = ROWS[i];
+    const tr = el("tr", "detail");
+    const td = el("td");
+    td.colSpan = 8;
+    const box = el("div", "detail");
+    box.appendChild(el("h3", null, "Verdict"));
+    box.appendChild(dl([["result", resultOf(r)], ["exclusion", get(r, "exclusion")],
+                        ["matches CPU", get(r, "cpu_match")], ["English", get(r, "english")],
+                        ["notes", get(r, "notes")]]));
+    if (get(r, "error")) {
+      box.appendChild(el("h3", null, "Error"));
+      box.appendChild(el("pre", "error", get(r, "error")));
+    }
+    box.appendChild(el("h3", null, "Run"));
+    box.appendChild(dl([["task", taskOf(r)], ["cores", get(r, "tp")], ["runner", get(r, "runner")],
+                        ["device", get(r, "device")],
+                        ["wall time (includes compilation)", num(get(r, "wall_s"), 1) + " s"],
+                        ["of which compiling", num(get(r, "compile_s"), 1) + " s"],
+                        ["peak device memory", num(get(r, "hbm_peak_gb"), 2) + " GiB of " +
+                                               num(get(r, "hbm_capacity_gb"), 1) + " GiB"],
+                        ["tested at", get(r, "tested_at")], ["prompt", get(r, "prompt")], ["image", get(r, "image")],
+                        ["generated text", get(r, "generated_text")],
+                        ["compiled graphs cached in", get(r, "compile_cache")],
+                        ["results file", get(r, "source_file")]]));
+    box.appendChild(el("h3", null, "Version stack"));
+    box.appendChild(dl(["neuronx_cc", "torch_neuronx", "nki", "neuron_driver", "library", "library_version",
+                        "transformers", "accelerate", "torch", "python"].map(function (c) { return [c, get(r, c)]; })));
+    box.appendChild(el("h3", null, "Extra packages"));
+    box.appendChild(dl(packages(r)));
+    const idx = get(r, "run_py");
+    const src = typeof idx === "number" ? DATA.texts[idx] : null;
+    const d = el("details", "run-py");
+    d.appendChild(el("summary", null, src ? "run.py (" + src.split("\n").length + " lines; shown as text, never run)"
+                                          : "run.py: not recorded"));
+    if (src) d.appendChild(el("pre", "run-py", src));
+    box.appendChild(d);
+    box.appendChild(el("h3", null, "Reproduce"));
+    box.appendChild(el("pre", "reproduce", reproduce(r)));
+    td.appendChild(box);
+    tr.appendChild(td);
+    return tr;
+  }
+  function render() {
+    const hits = [];
+    for (let i = 0; i < ROWS.length; i++) if (matches(ROWS[i])) hits.push(i);
+    const counts = {PASS: 0, FAIL: 0, EXCLUDED: 0};
+    hits.forEach(function (i) { const k = resultOf(ROWS[i]); if (k in counts) counts[k] += 1; });
+    $("count").textContent = hits.length + " of " + ROWS.length + " rows (" +
+      (state.view === "selected" ? "Selected" : "All") + "): " + counts.PASS + " PASS, " + counts.FAIL + " FAIL, " +
+      counts.EXCLUDED + " EXCLUDED (excluded or not fetched; not counted as failures)";
+    const note = $("empty-note");
+    note.hidden = !(state.view === "selected" && hits.length === 0);
+    note.textContent = "None of these rows is in the curated list (the trn2_selected preset's models): see All.";
+    const body = document.createDocumentFragment();
+    hits.slice(0, state.shown).forEach(function (i) {
+      body.appendChild(row(i));
+      if (state.open.has(i)) body.appendChild(detail(i));
+    });
+    const tbody = $("rows");
+    tbody.replaceChildren(body);
+    $("more").hidden = hits.length <= state.shown;
+    $("more").textContent = "Show more (" + Math.min(PAGE, hits.length - state.shown) + " of " +
+                            (hits.length - state.shown) + " left)";
+  }
+  $("footer").textContent = "Written " + DATA.written_at + " from " + DATA.sources.join(", ") + ".";
+  const anySelected = ROWS.some(function (r) { return SELECTED.has(get(r, "model_id")); });
+  setView(anySelected ? "selected" : "all");
+  document.body.setAttribute("data-ready-ms", String(Math.round(performance.now())));  // since navigation start
+  document.body.setAttribute("data-ready", "true");
+})();
+"""

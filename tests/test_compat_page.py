@@ -1,0 +1,190 @@
+"""The compatibility lookup page (`generate_compat_check.py lookup ... --html PAGE`) in a real browser:
+headless Chromium from Debian (chromium, chromium-driver) driven by selenium, opening the page from disk.
+
+Nothing here is skipped: without Chromium or selenium every test fails with the set-up command to run.
+Screenshots go under each test's run folder (its tmp_path).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.bench_compat_page import (BrowserMissing, generated_rows, open_browser, wait_ready, write_page,
+                                     write_rows)
+from compat_check import page, rows
+
+STACK_NEW = {"neuronx_cc": "2.23.6484.0", "library": "transformers", "library_version": "5.16.0",
+             "transformers": "5.16.0", "accelerate": "1.15.0", "torch_neuronx": "2.14.3", "torch": "2.14.0",
+             "nki": "0.2.0", "python": "3.11.7", "neuron_driver": "2.25.4.0"}
+STACK_OLD = dict(STACK_NEW, neuronx_cc="2.21.1", library_version="4.57.1", transformers="4.57.1")
+RUN_PY = "# the script that ran\nprint('shown as text, never run')\n"
+CACHE = "TORCH_NEURONX_NEFF_CACHE_DIR=/var/tmp/neff-cache"
+
+
+def _row(model_id: str, result: str, stack: dict, **extra) -> dict:
+    return {"model_id": model_id, "result": result, "tp": 1, "runner": "single", "wall_s": 321.5, "hbm_peak_gb": 3.25,
+            "hbm_capacity_gb": 24.0, "device": "neuron", "task": "text-generation", "run_py": RUN_PY,
+            "compile_cache": CACHE, "run_args": f"--models {model_id} --task text-generation --cores 1",
+            "packages": json.dumps({"tokenizers": "0.23.3", "pillow": "13.0.0"}), **stack, **extra}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        driver = open_browser()
+    except BrowserMissing as e:
+        pytest.fail(str(e))
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """Two of our files (two compiler + Transformers stacks) with every kind of row."""
+    folder = tmp_path_factory.mktemp("compat_page") / "results"
+    new = rows.results_file(folder, STACK_NEW)
+    for r in (
+        _row("Qwen/Qwen3-8B", "PASS", STACK_NEW, tp=2, runner="tp", english=True),
+        _row("Qwen/Qwen3-VL-2B-Instruct", "PASS", STACK_NEW, task="image-text-to-text", cpu_match=True),
+        _row("meta-llama/Llama-3.2-1B-Instruct", "FAIL", STACK_NEW, cpu_match=False,
+             error="RuntimeError: tokens differ\nsecond line"),
+        _row("org/unlisted-model", "EXCLUDED", STACK_NEW, exclusion="no sharding plan: GPT2Config", tp=2, runner=None),
+        _row("Qwen/Qwen3-0.6B", "EXCLUDED", STACK_NEW, unavailable=True, wall_s=None, hbm_peak_gb=None,
+             exclusion="not fetched (no verdict; a rerun tries again): LocalEntryNotFoundError: offline"),
+    ):
+        rows.write_row(new, r)
+    rows.write_row(rows.results_file(folder, STACK_OLD), _row("Qwen/Qwen3-8B", "FAIL", STACK_OLD, error="old"))
+    return folder
+
+
+def _shown_ids(browser) -> list[str]:
+    return [b.text for b in browser.find_elements("css selector", "#rows button.model")]
+
+
+def _console_errors(browser) -> list[dict]:
+    return [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+
+
+def _open(browser, path: Path) -> None:
+    browser.get(path.resolve().as_uri())
+    wait_ready(browser)
+
+
+def test_page_search_filters_and_a_row(browser, results, tmp_path):
+    html = tmp_path / "page.html"
+    write_page(results, html)  # the example's entry point: lookup RESULTS --html PAGE
+    _open(browser, html)
+    # Selected (the trn2 preset's curated list) first: the unlisted model is only under All
+    assert browser.find_element("id", "view-selected").get_attribute("aria-pressed") == "true"
+    selected = _shown_ids(browser)
+    assert "org/unlisted-model" not in selected and len(selected) == 5
+    browser.find_element("id", "view-all").click()
+    assert len(_shown_ids(browser)) == 6
+    assert "6 of 6 rows (All): 2 PASS, 2 FAIL, 2 EXCLUDED" in browser.find_element("id", "count").text
+
+    browser.find_element("id", "q").send_keys("qwen3")  # search by part of the id, any case
+    assert sorted(_shown_ids(browser)) == ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-8B", "Qwen/Qwen3-8B",
+                                           "Qwen/Qwen3-VL-2B-Instruct"]
+    from selenium.webdriver.support.ui import Select
+
+    Select(browser.find_element("id", "compiler")).select_by_value("2.21.1")
+    assert _shown_ids(browser) == ["Qwen/Qwen3-8B"]
+    Select(browser.find_element("id", "compiler")).select_by_value("")
+    Select(browser.find_element("id", "transformers")).select_by_value("5.16.0")
+    Select(browser.find_element("id", "task")).select_by_value("image-text-to-text")
+    assert _shown_ids(browser) == ["Qwen/Qwen3-VL-2B-Instruct"]
+    Select(browser.find_element("id", "task")).select_by_value("")
+
+    # EXCLUDED is shown apart from FAIL, with its reason; a model that was not fetched says so
+    badges = {tr.find_element("css selector", "button.model").text: tr.find_element("css selector", ".badge")
+              for tr in browser.find_elements("css selector", "#rows tr.row")}
+    unfetched = badges["Qwen/Qwen3-0.6B"]
+    assert unfetched.text == "EXCLUDED" and "excluded" in unfetched.get_attribute("class")
+    assert "not fetched" in browser.find_element("css selector", "#rows").text
+
+    # open a row: its version stack, packages, error, run.py as text, and how to reproduce it
+    browser.find_element("id", "q").clear()
+    browser.find_element("id", "q").send_keys("Llama")
+    browser.find_element("css selector", "#rows button.model").click()
+    detail = browser.find_element("css selector", "tr.detail")
+    assert "wall time (includes compilation)" in detail.text and "321.5 s" in detail.text
+    assert "2.23.6484.0" in detail.text and "tokenizers" in detail.text and "RuntimeError: tokens differ" in detail.text
+    detail.find_element("css selector", "details.run-py summary").click()
+    assert detail.find_element("css selector", "pre.run-py").get_attribute("textContent") == RUN_PY
+    reproduce = detail.find_element("css selector", "pre.reproduce").text
+    assert "pip install transformers==5.16.0 accelerate==1.15.0 torch==2.14.0" in reproduce
+    assert "neuronx-cc==2.23.6484.0" in reproduce
+    assert "export TORCH_NEURONX_NEFF_CACHE_DIR=/var/tmp/neff-cache" in reproduce
+    assert "python generate_compat_check.py --models meta-llama/Llama-3.2-1B-Instruct" in reproduce
+    assert _console_errors(browser) == []
+    shot = tmp_path / "page.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+
+    browser.set_window_size(390, 844)  # a phone: rows become cards, nothing needs sideways scrolling
+    try:
+        assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
+        browser.save_screenshot(str(tmp_path / "page-phone.png"))
+    finally:
+        browser.set_window_size(1280, 1000)
+
+
+HOSTILE = [
+    "<img src=x onerror=\"document.title='pwned';window.pwned=1\">",
+    "</script><script>window.pwned=1;document.title='pwned'</script>",
+    "evil\"><svg onload=window.pwned=1>",
+]
+
+
+def hostile_page(folder: Path) -> Path:
+    """A results file whose ids, errors, notes, exclusions, versions and scripts are markup."""
+    path = folder / "hostile.parquet"
+    for i, text in enumerate(HOSTILE):
+        rows.write_row(path, _row(text, ("PASS", "FAIL", "EXCLUDED")[i], dict(STACK_NEW, transformers=text),
+                                  error=text, notes=text, exclusion=text, run_py=text + "\n" + RUN_PY,
+                                  run_args=text, compile_cache=text, packages=json.dumps({text: text})))
+    return path
+
+
+def test_hostile_rows_render_as_text(browser, tmp_path):
+    """Ids, errors and scripts holding tags and </script> show as text: no markup, no script run,
+    no console error, every row there."""
+    source = hostile_page(tmp_path)
+    html = tmp_path / "hostile.html"
+    write_page(source, html)
+    _open(browser, html)
+    browser.find_element("id", "view-all").click()
+    for i in range(len(HOSTILE)):  # open every row (each click redraws the table)
+        browser.find_elements("css selector", "#rows button.model")[i].click()
+    assert _shown_ids(browser) == HOSTILE
+    assert browser.title == "Trainium compatibility lookup"
+    assert browser.execute_script("return window.pwned === undefined")
+    assert browser.execute_script("return document.querySelectorAll('img, svg').length") == 0
+    assert browser.execute_script("return document.scripts.length") == 2  # the data and the page's own script
+    texts = [e.get_attribute("textContent") for e in browser.find_elements("css selector", "pre.run-py")]
+    assert texts == [t + "\n" + RUN_PY for t in HOSTILE]
+    assert _console_errors(browser) == []
+    browser.save_screenshot(str(tmp_path / "hostile.png"))
+
+
+def test_page_embeds_data_that_cannot_close_its_script_element():
+    data = page.page_data(rows.normalize(__import__("pandas").DataFrame([{"model_id": "</script><!--"}])), (), [])
+    text = page.script_json(data)
+    assert "<" not in text and ">" not in text and json.loads(text)["rows"][0][0] == "</script><!--"
+    assert "http" not in page.render(data).split("<script")[0].replace("http-equiv", "")  # nothing to fetch
+
+
+def test_ten_thousand_rows_open_and_filter(browser, tmp_path):
+    """The page holds 10,000 rows and stays usable (bench/bench_compat_page.py reports the figures)."""
+    source = write_rows(tmp_path / "many.parquet", generated_rows(10_000))
+    html = tmp_path / "many.html"
+    write_page(source, html)
+    _open(browser, html)
+    browser.find_element("id", "view-all").click()
+    assert browser.find_element("id", "count").text.startswith("10000 of 10000 rows (All)")
+    assert len(_shown_ids(browser)) == 200  # drawn a page at a time
+    browser.find_element("id", "q").send_keys("model-00042-")
+    assert all("model-00042-" in m for m in _shown_ids(browser)) and len(_shown_ids(browser)) == 1
+    assert _console_errors(browser) == []
