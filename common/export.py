@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from common import results
-from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config
+from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
 from common.errors import UserError
 
 
@@ -137,6 +137,11 @@ def _settings(config) -> dict:
     return out
 
 
+def _settings_differences(built_config, ckpt_dir) -> dict:
+    ours, theirs = _settings(built_config), _settings(read_hf_config(ckpt_dir))
+    return {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
+
+
 def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is_main: bool,
                pass_positions: bool = False) -> dict:
     """Before the first step: the model as torchtitan built and loaded it against transformers'
@@ -156,9 +161,8 @@ def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is
             reference = Path(tmp) / "load_reference.safetensors"
             save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
             read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
-        ours, theirs = _settings(built_config), _settings(read_hf_config(ckpt_dir))
         diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
-        differing = {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
+        differing = _settings_differences(built_config, ckpt_dir)
         check = {"max_abs_logit_diff": diff, "tolerance": tol, "config_differences": differing,
                  "passed": diff <= tol and not differing, **({"error": read_back["error"]} if "error" in read_back else {})}
     if torch.distributed.is_initialized():
@@ -178,9 +182,16 @@ def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is
 
 
 def attach_load_check(trainer, ckpt_dir, tokenizer_dir, **kwargs) -> dict:
-    """Run `load_check` once torchtitan has loaded the checkpoint (in `trainer.train()`), right before
-    the first step of a fresh run; a resumed run holds trained weights and is not checked.
+    """Compare the built model's settings with config.json now, before torchtitan loads anything
+    (a wrong head_dim or theta fails here with its name, not in the loader), then run `load_check`
+    once torchtitan has loaded the checkpoint (in `trainer.train()`), right before the first step of
+    a fresh run; a resumed run holds trained weights and is not checked.
     Returns the dict the check's result is written into (empty when it did not run)."""
+    differing = _settings_differences(kwargs["built_config"], ckpt_dir)
+    if differing:
+        raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
+                        + "; ".join(f"{k}: trained model {a}, config.json {b}" for k, (a, b) in differing.items())
+                        + "); pass --no-load_check to train anyway")
     original, result = trainer.train_step, {}
 
     def first_step(*args, **kw):
@@ -310,8 +321,8 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
 
 def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict:
     """Load the export with AutoModelForCausalLM and compare its logits on the reference input.
-    Its safetensors headers and index are checked first (no empty entries, every key where the
-    index says), and config.json and tokenizer.json must be there."""
+    config.json and tokenizer.json must be there, and the weights are validated against config.json
+    first (headers, index, keys, shapes, finite values), so a bad tensor is named."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -320,6 +331,8 @@ def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict
     if missing:
         raise UserError(f"{export_dir} lacks {', '.join(missing)}")
     stored = set(checkpoint_tensors(export_dir))
+    if files:  # an export: keys, shapes and finite values against its own config.json, tensors named
+        validate_hf_checkpoint(export_dir, tuple(read_hf_config(export_dir).get("architectures") or ()))
     ref = load_file(str(reference))
     model, info = AutoModelForCausalLM.from_pretrained(
         export_dir, dtype=torch.float32, output_loading_info=True)

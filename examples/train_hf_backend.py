@@ -148,14 +148,14 @@ def preflight(cfg: Config) -> dict:
     device_type = device.resolve_device_type(cfg.device)
     if cfg.attn_backend == "flex" and device_type != "cuda":
         raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")
-    found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
-    if cfg.compare_losses:
-        read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     ckpt = Path(cfg.hf_checkpoint)
     if cfg.preset in HF_MODEL_ID and not ckpt.exists():
         raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
     if ckpt.resolve().is_relative_to(paths.CACHE_DIR.resolve()) and not ckpt.exists():
         raise UserError(f"{ckpt} does not exist: prepare the assets first (`make setup`)")
+    found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
+    if cfg.compare_losses:
+        read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     if cfg.init == "pretrained":  # config, architecture, files, keys, shapes, finite values
         found["hf_config"] = checkpoint.validate_hf_checkpoint(ckpt, hf_fixes.ARCHITECTURES)
     else:  # a random init needs only the architecture

@@ -313,12 +313,13 @@ def test_head_dim_derived_from_hidden_and_heads(monkeypatch, tmp_path):
                     where=where)
 
     monkeypatch.setattr(checkpoint, "qwen3_spec_from_hf", derived)
-    # Stopped by torchtitan's load (a traceback), before the load check's head_dim comparison runs.
-    mismatch = (r"ValueError: Size mismatch between saved torch\.Size\(\[.*\]\) and current: torch\.Size\(\[.*\]\) "
-                r"for model\.layers\.0\.self_attn\.")
-    with pytest.raises(CheckpointException, match=mismatch):
-        run_here("train_native_qwen3.py", "--hf_checkpoint", str(src), *ONE_STEP, "--no-export",
-                 "--out_dir", str(tmp_path / "run"))
+    # The load check compares the built model's settings with config.json before torchtitan loads anything.
+    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(src), *ONE_STEP, "--no-export",
+                         "--out_dir", str(tmp_path / "run"))
+    assert code == 2
+    assert err.startswith("error: load check failed: "), err
+    own = json.loads((src / "config.json").read_text())
+    assert f"head_dim: trained model {own['hidden_size'] // own['num_attention_heads']}, config.json {own['head_dim']}" in err
 
 
 def test_weights_silently_not_loaded(monkeypatch, tmp_path, native_run):
@@ -356,8 +357,9 @@ def test_tied_lm_head_missing(export_checks, tmp_path):
     check, _folder = export_checks["tied_lm_head_missing"]
     assert not check["passed"]
     err = run_error(check, tmp_path)
-    assert err.startswith("error: export check failed (missing keys ['lm_head.weight']; "
-                          "lm_head tied: False, expected True; max abs logit diff "), err
+    # The verifier validates the export against its own config.json first: an untied config without lm_head.
+    assert err.startswith("error: export check failed (the export cannot be read back: checkpoint "), err
+    assert "does not match its config.json: missing keys [lm_head.weight]" in err
 
 
 def test_config_and_tokenizer_missing_from_torchtitans_save(moe_run, tmp_path):
@@ -385,9 +387,9 @@ def test_moe_experts_transposed_on_export(export_checks, tmp_path):
     check, folder = export_checks["experts_transposed"]
     assert not check["passed"] and len(load_file(str(shard(folder)))) > 0
     err = run_error(check, tmp_path)
-    # Caught by transformers' load inside the verifier; its message does not name the keys (see the doc).
-    assert err.startswith("error: export check failed (the export cannot be read back: RuntimeError: You set "
-                          "`ignore_mismatched_sizes` to `False`"), err
+    # The verifier compares the stored shapes with config.json before transformers loads: the tensors are named.
+    assert err.startswith("error: export check failed (the export cannot be read back: checkpoint "), err
+    assert "does not match its config.json: wrong shapes [model.layers.0.mlp.experts.0.down_proj.weight" in err
 
 
 def test_moe_experts_permuted_on_export(export_checks, tmp_path):

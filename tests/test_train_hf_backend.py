@@ -174,8 +174,11 @@ def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
     first = {}
     for init, steps in (("pretrained", "10"), ("random", "1")):
         out = tmp_path / init
-        run_example(SCRIPT, "--preset", "smollm2", "--init", init, "--steps", steps, "--no-export",
-                    "--out_dir", str(out), "--compare_losses", str(GOLDEN_SMOLLM2), "--loss_tolerance", str(GOLDEN_TOL))
+        proc = run_example(SCRIPT, "--preset", "smollm2", "--init", init, "--steps", steps, "--no-export",
+                           "--out_dir", str(out), "--compare_losses", str(GOLDEN_SMOLLM2),
+                           "--loss_tolerance", str(GOLDEN_TOL), check=init == "pretrained")
+        if init == "random":  # a comparison that fails is a non-zero exit, after results.json is written
+            assert_clean_error(proc, "losses differ from", "from step 1")
         res = read_results(out)
         assert res["init"] == init and res["model"] == "LlamaForCausalLM"
         first[init] = res["first_step_loss"]
@@ -210,6 +213,9 @@ def test_bad_input_unknown_preset_and_flag(tmp_path):
     assert_clean_error(proc, "--init")
     # the trn2 preset before its weights are downloaded
     proc = run_example(SCRIPT, "--preset", "qwen3_4b_instruct", "--dataset_path", str(tmp_path),
+                       "--out_dir", str(tmp_path / "o"), check=False)
+    assert_clean_error(proc, "the trn2 stack is not usable", "torch-neuronx")  # the preflight, first
+    proc = run_example(SCRIPT, "--preset", "qwen3_4b_instruct", "--device", "cpu", "--dataset_path", str(tmp_path),
                        "--out_dir", str(tmp_path / "o"), check=False)
     assert_clean_error(proc, "Qwen/Qwen3-4B-Instruct-2507")
 

@@ -18,7 +18,7 @@ GOLDEN = ROOT / "tests" / "assets" / "golden_losses" / "train_moe_nki.tiny.json"
 GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other instruction sets may move it
 LAYERS, BATCH, SEQ, TOP_K, EXPERTS = 2, 2, 128, 4, 16  # the tiny preset
 STOCK_TOL = 1e-4  # bf16 expert matmuls: grouped vs torchtitan's _grouped_mm, same math, rounding order may differ
-OVERRIDE = re.compile(r"\[Override\] (common\.\w+\.\w+): (\S+) (\w+)\.Config -> (\w+)\.Config")
+OVERRIDE = re.compile(r"\[Override\] (common\.[\w.]+): (\S+) (\w+)\.Config -> (\w+)\.Config")
 
 
 def _expected_replacements():
