@@ -15,9 +15,9 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup env assets demo test clean-runs
+.PHONY: setup env assets browser demo test clean-runs
 
-setup: env assets
+setup: env assets browser
 
 env: $(STAMP)
 
@@ -32,13 +32,18 @@ assets: env
 	@echo "== preparing offline assets in $(CACHE)/assets (tokenizer, corpus, models)"
 	$(PYTHON) -m tools.prepare_assets prepare
 
+# Headless Chromium (Debian's chromium + chromium-driver) for the lookup page's browser tests.
+browser:
+	bash tools/install_browser.sh
+
 demo: setup
 	$(PYTHON) examples/train_native_qwen3.py --preset tiny --steps 10 --out_dir runs/demo_native_qwen3
 
 # Two pytest workers, one test file each at a time (module fixtures run once): most tests run
-# training processes whose imports and set-up use one core.
+# training processes whose imports and set-up use one core. -rs prints why a test was skipped
+# (the Trainium-only tests, on a machine without a NeuronCore).
 test: setup
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -q -rs -n 2 --dist loadfile tests
 
 clean-runs:
 	rm -rf runs

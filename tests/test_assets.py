@@ -232,7 +232,7 @@ def test_prepare_twice_is_fast() -> None:
     start = time.perf_counter()
     paths = assets.prepare()
     assert time.perf_counter() - start < 5
-    assert set(paths) == {"tokenizer", "corpus", "smollm2", "tiny_qwen3", "tiny_qwen3_moe"}
+    assert set(paths) == {"tokenizer", "corpus", "smollm2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_qwen_vl"}
     assert assets.verify(deep=True) == paths
 
 

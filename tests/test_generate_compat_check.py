@@ -33,8 +33,7 @@ OFFLINE = ("tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct", "tiny-qwen-v
 def model_assets(prepared_assets):
     folders = assets.prepare(["tiny_qwen3", "tiny_qwen3_moe", "smollm2"])
     # The vision-language asset, through the registry once it lists it, else its own builder.
-    folders["tiny_qwen_vl"] = (assets.prepare(["tiny_qwen_vl"])["tiny_qwen_vl"] if "tiny_qwen_vl" in assets.ASSETS
-                               else tiny_qwen_vl.prepare())
+    folders["tiny_qwen_vl"] = assets.prepare(["tiny_qwen_vl"])["tiny_qwen_vl"]
     return folders
 
 

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from tools import tiny_qwen_vl
 from common.paths import (CACHE_DIR, FOLDERS, MANIFEST, asset_files as _asset_files, prepare_hint as _prepare_hint,
                           asset_dir, sha256 as _sha256, tokenizer_dir, verify_dir)
 
@@ -664,6 +665,8 @@ ASSETS: dict[str, Asset] = {
         Asset("corpus", FOLDERS["corpus"], _build_corpus, _check_corpus, recipe=1),
         Asset("smollm2", FOLDERS["smollm2"], _build_smollm2, _check_smollm2, recipe=1),
         Asset("tiny_qwen3", FOLDERS["tiny_qwen3"], _build_tiny_qwen3, _check_tiny_qwen3, recipe=1, needs=("tokenizer",)),
+        Asset("tiny_qwen_vl", FOLDERS["tiny_qwen_vl"], tiny_qwen_vl.build, tiny_qwen_vl.check, recipe=tiny_qwen_vl.RECIPE,
+              needs=("tokenizer",)),
         Asset("tiny_qwen3_moe", FOLDERS["tiny_qwen3_moe"], _build_tiny_qwen3_moe, _check_tiny_qwen3_moe, recipe=1,
               needs=("tokenizer",)),
     )

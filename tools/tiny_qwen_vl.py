@@ -14,30 +14,25 @@ What image-text-to-text checks need on a machine without a model hub:
                                      photographer Stefan van der Walt, taken from the scikit-image wheel on
                                      PyPI (skimage/data/chelsea.png, sha256 checked)
 
-    python -m tools.tiny_qwen_vl            # build into the asset cache if missing (about 15 s), with manifest.json
-    python -m tools.tiny_qwen_vl --force    # rebuild it
+Built by `python -m tools.prepare_assets prepare` (asset `tiny_qwen_vl`, about 15 s), like the others:
+    python -m tools.prepare_assets prepare --only tiny_qwen_vl --force    # rebuild it
 
 The processor needs torchvision (transformers' Qwen3-VL video processor requires it).
 """
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 import zipfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python tools/tiny_qwen_vl.py` finds common/
-
-from common import paths  # noqa: E402
-from common.errors import UserError  # noqa: E402
+from common import paths
+from common.errors import UserError
 
 RECIPE = 1
 NAME = "tiny_qwen_vl"
@@ -188,48 +183,3 @@ def check(folder: Path) -> None:
         raise UserError(f"the asset built in {folder} fails its check: expected {'; '.join(problems)}")
     n_params = sum(p.numel() for p in model.parameters())
     _log(f"{n_params:,} parameters; greedy on the photograph: {tokens}")
-
-
-def prepare(force: bool = False) -> Path:
-    """The asset's folder in the asset cache, built first when it is missing, fails verification or was built by
-    another RECIPE: in a temp folder beside the final one, checked, given its manifest.json, then renamed."""
-    folder = paths.CACHE_DIR / paths.FOLDERS[NAME]
-    try:
-        if not force and paths.verify_dir(folder).get("recipe") == RECIPE:
-            return folder
-    except UserError:
-        pass  # not built yet, or a broken copy: rebuild it
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
-    start = time.perf_counter()
-    try:
-        source = build(tmp)
-        check(tmp)
-        files = {rel: {"sha256": paths.sha256(tmp / rel), "size": (tmp / rel).stat().st_size}
-                 for rel in paths.asset_files(tmp)}
-        manifest = {"asset": NAME, "format": 1, "recipe": RECIPE,
-                    "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "build_seconds": round(time.perf_counter() - start, 1), "python": sys.version.split()[0],
-                    "source": source, "files": files}
-        (tmp / paths.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        tmp.chmod(0o755)
-        if folder.exists():  # a folder cannot be renamed over a non-empty one: move the old one aside first
-            old = folder.with_name(f".{folder.name}.old.tmp")
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"assets: {NAME}: built {folder} ({sum(f['size'] for f in files.values()) / 1e6:.1f} MB) "
-          f"in {time.perf_counter() - start:.1f} s", flush=True)
-    return folder
-
-
-if __name__ == "__main__":
-    try:
-        prepare(force="--force" in sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
