@@ -4,21 +4,39 @@ The full-size model is built on the meta device (no memory) from the very Traine
 would use (model spec, overrides, parallelism), and torchtitan's own parallelize function applies
 the parallel plan at the intended world size in one process: collectives go to PyTorch's "fake"
 process-group backend, so FSDP shards exactly as it would on `world_size` ranks. What each rank
-holds is then read from the sharded parameters.
+holds is then read from the sharded parameters and from FSDP's units.
 
-Per-rank memory, in bytes (every term is reported):
-  parameters   local shard x 4          (torchtitan keeps float32 master weights, training.dtype)
-  gradients    local shard x 4          (FSDP reduce-scatters into float32 sharded grads)
-  optimizer    local shard x 8          (AdamW: exp_avg and exp_avg_sq, float32)
-  gathered     2 x largest block x c    (FSDP all-gathers one transformer block in the compute dtype
-                                         (c bytes a value), plus the prefetched next one)
-  activations  an estimate, per rank:   with full activation checkpointing every layer keeps its
-               input (b*s*d*c) and one layer at a time is recomputed; without it every layer keeps
-               its working set, b*s*34*d*c/2 (Korthikanti et al. 2022, "Reducing Activation
-               Recomputation", eq. 2, for 16-bit values, scaled by c/2; their 5*heads*s^2*b term,
-               the stored attention scores, is left out: fused attention (SDPA's flash path, the
-               Neuron attention kernels) keeps no s x s matrix), plus for MoE layers the routed
-               copies b*s*top_k*(3*moe_hidden + d)*c; plus float32 logits b*s*vocab*4.
+Per-rank memory, in bytes (every term is reported; c is the compute dtype's size, r = 4 the
+gradient-reduction dtype's, N the world size, V x d the vocabulary matrix):
+  parameters        local shard x 4    (torchtitan keeps float32 master weights, training.dtype)
+  gradients         local shard x 4    (FSDP reduce-scatters into float32 sharded gradients)
+  optimizer_state   local shard x 8    (AdamW: exp_avg and exp_avg_sq, float32)
+  gathered_blocks   k x (U + B) x c    FSDP's all-gathered parameters: U the largest unit outside the
+                    transformer blocks, read from the plan (torchtitan groups a tied embedding and
+                    lm_head into one unit that holds the shared matrix twice: one copy per module),
+                    B the largest block; k = 2 above one rank, where FSDP keeps the all-gather's flat
+                    output beside the unsharded parameters until the next all-gather, else 1; plus,
+                    with a 16-bit compute dtype, the local shard's cast copy the all-gather sends
+  gradient_buffers  G x (c + r + r/N)  FSDP's reduce of the largest unit's gradient: the unsharded
+                    gradient, the reduce-scatter input and its output (G = max(V x d, B); one rank:
+                    G x max(c + r, 2r), a copy and a divided copy instead of the collective)
+  activations       the larger of two phases, both holding the checkpointed block inputs
+                    (full activation checkpointing: L x b x s x d x c):
+                    the loss: torchtitan's chunked loss runs lm_head forward and backward on
+                      b x s / chunks tokens at a time: chunk x V x (c + 12) (the logits, and float32
+                      log-probabilities, their gradient and the logits' gradient), or chunk x V x 8
+                      plus lm_head's weight gradient V x d x c when that is larger; plus the final
+                      hidden states and their float32 gradient, b x s x d x (c + 4);
+                    the decoder backward: one block recomputed, per token (4 d + 4 d_q + 4 d_kv +
+                      4 F) x c saved (norm inputs and outputs, q/k/v before and after norm and RoPE,
+                      attention output, the SwiGLU's gate, up, activation and product) and 2 F x c
+                      of gradients in flight (MoE blocks: top_k x (3 F_moe + d) for the routed
+                      copies in place of 6 F), plus the float32 attention mask b x s x s x 4 and the
+                      hidden-state gradient b x s x d x 4.
+                    Without activation checkpointing every block keeps what it saves (L x the saved
+                    part), and the decoder backward adds only what is in flight.
+Measured against a CPU training step (bench/bench_memory_model.py, docs/memory-model.md): parameters,
+gradients and optimizer state are exact; the errors of the other terms are stated there.
 The per-core limit defaults to 24 GiB (one LNC=2 Trainium2 core: 96 GiB HBM per chip, 4 cores).
 """
 from __future__ import annotations
@@ -30,42 +48,79 @@ from common.errors import UserError
 from common.results import versions, write_results
 
 TRN2_LNC2_CORE_GIB = 24.0
+REDUCE_BYTES = 4  # FSDP reduces gradients in float32 (training.mixed_precision_reduce)
 
 
 def _bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
-def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes: int, full_ac: bool) -> dict:
+def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes: int, full_ac: bool,
+                        loss_chunks: int = 1) -> dict:
     """Activation bytes per rank for one micro-batch (formula in the module docstring). `shape` is
-    an HF config.json dict (hidden_size, num_hidden_layers, num_attention_heads, vocab_size, and for
-    MoE num_experts_per_tok, moe_intermediate_size)."""
-    d, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    heads, vocab = shape["num_attention_heads"], shape["vocab_size"]
-    del heads  # the attention-score term needs an unfused attention; see the module docstring
-    per_layer = batch * seq_len * 34 * d * compute_bytes // 2
-    if shape.get("num_experts_per_tok"):
-        per_layer += batch * seq_len * shape["num_experts_per_tok"] * (3 * shape["moe_intermediate_size"] + d) * compute_bytes
-    kept = layers * batch * seq_len * d * compute_bytes if full_ac else layers * per_layer
-    working = per_layer if full_ac else 0
-    logits = batch * seq_len * vocab * 4
-    return {"checkpointed_or_kept": kept, "recomputed_layer": working, "logits": logits,
-            "total": kept + working + logits}
+    an HF config.json dict (hidden_size, num_hidden_layers, num_attention_heads, vocab_size,
+    intermediate_size, and for MoE num_experts_per_tok, moe_intermediate_size). `loss_chunks`: the
+    chunks of torchtitan's ChunkedLossWrapper (1: the whole logits at once)."""
+    c, tokens = compute_bytes, batch * seq_len
+    d, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    heads = shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or d // heads
+    d_q, d_kv = heads * head_dim, (shape.get("num_key_value_heads") or heads) * head_dim
+    if shape.get("num_experts_per_tok"):  # the routed copies of every token
+        mlp_saved = mlp_in_flight = shape["num_experts_per_tok"] * (3 * shape["moe_intermediate_size"] + d) // 2
+    else:  # gate, up, activation, product saved; two gradients of that size in flight
+        mlp_saved, mlp_in_flight = 4 * shape["intermediate_size"], 2 * shape["intermediate_size"]
+    saved = tokens * (4 * d + 4 * d_q + 4 * d_kv + mlp_saved) * c  # what one block keeps for its backward
+    in_flight = tokens * mlp_in_flight * c + batch * seq_len * seq_len * 4 + tokens * d * 4  # + mask, dh
+    kept = layers * tokens * d * c if full_ac else layers * saved
+    chunk = tokens // max(loss_chunks, 1) * vocab
+    loss_work = max(chunk * (c + 12), chunk * 8 + vocab * d * c) + tokens * d * (c + 4)
+    decoder_work = (saved if full_ac else 0) + in_flight
+    return {"checkpointed_or_kept": kept, "loss_working_set": loss_work, "recomputed_layer": decoder_work,
+            "loss_phase": kept + loss_work, "decoder_backward_phase": kept + decoder_work,
+            "total": kept + max(loss_work, decoder_work)}
 
 
-def _blocks(model: torch.nn.Module) -> list[int]:
-    """Parameter counts of the transformer blocks: the children of the first `layers` container."""
+def _units(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> tuple[list[int], list[int]]:
+    """Parameter counts of FSDP's units after the plan was applied: (units outside the transformer
+    blocks, block units). A unit counts each of its parameters at full size, as FSDP gathers it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    block_ids = {id(b) for b in blocks}
+    seen, other, block = set(), [], []
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        group = mod._get_fsdp_state()._fsdp_param_group  # FSDP2 internals (torch 2.14), read only
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        numel = sum(fp.sharded_param.numel() for fp in group.fsdp_params)  # a DTensor's numel is global
+        (block if id(mod) in block_ids else other).append(numel)
+    return other, block
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the children of the first `layers` container."""
     for name, mod in model.named_modules():
         if name.split(".")[-1] == "layers" and isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            return [sum(p.numel() for p in block.parameters()) for block in mod.children()]
+            return list(mod.children())
     raise RuntimeError("no `layers` container in the model")
+
+
+def _loss_chunks(tc) -> int:
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    return tc.loss.num_chunks if isinstance(tc.loss, ChunkedLossWrapper.Config) else 1
 
 
 def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_params: float | None,
             label: str) -> dict:
     """Build `tc`'s model on meta, shard it for `world_size` ranks with torchtitan's plan, and size
     one rank. `shape` is the model's config.json (for the activation estimate and weight tying).
-    Call in a process without a process group (it creates and destroys a fake one)."""
+    Call in a process without a process group (it creates and destroys a fake one). One plan per
+    world size and process: torchtitan 0.3.0's spmd_types path refuses a second one in the same
+    process (a mesh from the first is found again)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -90,6 +145,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
             model = model_config.build()
         n_params = sum(p.numel() for p in model.parameters())  # shared (tied) tensors count once
         blocks = _blocks(model)
+        largest_block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
         model = tc.model_spec.parallelize_fn(
             model, parallel_dims=parallel_dims, training=tc.training, parallelism=tc.parallelism,
             compile_config=tc.compile, ac_config=tc.activation_checkpoint, dump_folder=tc.dump_folder)
@@ -98,14 +154,23 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
         tied = shape.get("tie_word_embeddings", False)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                     for name, p in model.named_parameters() if not (tied and name.endswith("lm_head.weight")))
+        other_units, _block_units = _units(model, _blocks(model))
     finally:
         dist.destroy_process_group()
 
-    compute = _bytes(tc.training.mixed_precision_param)
+    compute, r = _bytes(tc.training.mixed_precision_param), REDUCE_BYTES
     act = activation_estimate(shape, batch=lbs, seq_len=tc.training.seq_len, compute_bytes=compute,
-                              full_ac=isinstance(tc.activation_checkpoint, FullAC.Config))
+                              full_ac=isinstance(tc.activation_checkpoint, FullAC.Config),
+                              loss_chunks=_loss_chunks(tc))
+    k = 2 if world_size > 1 else 1
+    unit = max(other_units, default=0) + largest_block
+    cast = unit // world_size * compute if compute != 4 else 0  # the local shard cast for the all-gather
+    gathered = k * unit * compute + cast
+    grad_unit = max(shape["vocab_size"] * shape["hidden_size"], largest_block)
+    per_element = compute + r + r / world_size if world_size > 1 else max(compute + r, 2 * r)
     per_rank = {"parameters": local * 4, "gradients": local * 4, "optimizer_state": local * 8,
-                "gathered_blocks": 2 * max(blocks) * compute, "activations": act["total"]}
+                "gathered_blocks": gathered, "gradient_buffers": int(grad_unit * per_element),
+                "activations": act["total"]}
     total = sum(per_rank.values())
     limit = int(per_core_gib * GIB)
     result = {
@@ -113,6 +178,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
         "published_parameters": published_params,
         "parameters_vs_published": (n_params / published_params - 1) if published_params else None,
         "local_parameters_per_rank": local, "data_parallel_shard": parallel_dims.dp_shard,
+        "fsdp_units": {"largest_outside_blocks": max(other_units, default=0), "largest_block": largest_block},
         "per_rank_bytes": per_rank, "activation_terms": act, "total_bytes": total,
         "per_core_limit_bytes": limit, "fits": total <= limit,
         "overflow": [] if total <= limit else _overflow(per_rank, limit),

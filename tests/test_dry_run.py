@@ -11,7 +11,8 @@ def _dry(script, tmp_path, *args, check=True):
 
 
 def _table_ok(r):
-    assert set(r["per_rank_bytes"]) == {"parameters", "gradients", "optimizer_state", "gathered_blocks", "activations"}
+    assert set(r["per_rank_bytes"]) == {"parameters", "gradients", "optimizer_state", "gathered_blocks",
+                                        "gradient_buffers", "activations"}
     assert all(v > 0 for v in r["per_rank_bytes"].values())
     assert r["total_bytes"] == sum(r["per_rank_bytes"].values())
     assert r["per_core_limit_bytes"] == 24 * 2**30
@@ -25,6 +26,20 @@ def test_native_qwen3_4b_at_64_ranks(tmp_path):
     assert r["parameters"] / 64 <= r["local_parameters_per_rank"] <= 1.2 * r["parameters"] / 64
     _table_ok(r)
     assert r["fits"] and "per core: fits" in proc.stdout
+    # FSDP's units read from torchtitan's plan: the tied embedding + norm + lm_head unit holds the shared
+    # 151,936 x 2560 matrix twice (one copy per module), and dwarfs a block (~0.1 B parameters)
+    vocab, dim = 151936, 2560
+    units = r["fsdp_units"]
+    assert units["largest_outside_blocks"] == 2 * vocab * dim + dim
+    assert 0.09e9 < units["largest_block"] < 0.11e9
+    # bfloat16 compute at 64 ranks: the flat all-gather output beside the unsharded parameters (x2),
+    # and the local shard's bfloat16 copy that the all-gather sends
+    unit = units["largest_outside_blocks"] + units["largest_block"]
+    gathered = 2 * unit * 2 + unit // 64 * 2
+    assert r["per_rank_bytes"]["gathered_blocks"] == gathered
+    # the chunked loss (8 chunks): logits of 512 tokens at a time, never the whole sequence's
+    act = r["activation_terms"]
+    assert act["loss_working_set"] < 4096 * vocab * 4
 
 
 def test_native_qwen3_4b_on_one_small_core_does_not_fit(tmp_path):

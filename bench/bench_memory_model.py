@@ -1,0 +1,538 @@
+"""The dry run's memory model (common/dryrun.py) term by term against what a CPU training step
+really holds, at several model sizes and at 1 and 2 ranks.
+
+Each size is a dense Qwen3 with the real 151,936-token vocabulary (the tiny Qwen3 from set-up, or a
+seeded random HF folder of a larger shape), trained with `--hf_checkpoint`. For each size and world size:
+  - estimated: `examples/train_native_qwen3.py --dry_run --dry_run_ranks N` for the same flags (its
+    `dry_run` function; above one rank in a process of its own);
+  - measured on rank 0, over one training step after a warm-up step, on torchtitan's Trainer built by
+    the example's own `build_trainer_config` (FSDP over gloo, full activation checkpointing, chunked
+    loss, `--dtype`):
+      parameters, gradients, optimizer state: bytes of the local shards (numel x element size): exact;
+      gathered, gradient buffers, activations: from the CPU allocator's own record of every allocation
+        and free during forward + backward (torch.profiler with profile_memory: c10's CPU allocator
+        reports each one with its address and size). Each allocation is tagged by what it holds:
+        FSDP's all-gather buffers (all its all-gather allocates, and the addresses of the unsharded
+        parameters read after each), gradients (FSDP's unsharded gradients, read before each
+        post-backward, and all the post-backward allocates), the rest being activations and
+        temporaries (`activations`; also per phase: the chunked loss, the decoder's backward).
+        A term's figure is the largest live total of its tag during the step (gradient buffers: of
+        all gradient memory, less the gradients kept after the step). Exact to the byte for tensor
+        storage; what bypasses c10's allocator (Python objects, gloo's internal buffers) is not seen.
+  - `total`: parameters + optimizer state + the largest live total of everything the step allocated,
+    against the dry run's total, which adds every term's own peak (an upper bound).
+Ratios are measured / estimated: 1.00 means exact, above 1 the model underestimates.
+
+    python bench/bench_memory_model.py --out_dir runs/bench/memory_model        # about 4 minutes (2-core CPU)
+    python bench/bench_memory_model.py --preset tiny --out_dir runs/bench/mm    # the test's setting, about 1 minute
+    python bench/bench_memory_model.py --ranks 2 --sizes tiny_untied --dtype bfloat16 --out_dir runs/bench/mm_bf16
+
+results.json: `rows` (one per size and world size: every term estimated, measured and their ratio, the
+activation phases, what was live at the step's peak), `sizes`. Results: docs/memory-model.md.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common_bench as cb  # noqa: E402
+from common import checkpoint, cli, paths  # noqa: E402
+from common.errors import UserError  # noqa: E402
+
+TERMS = ("parameters", "gradients", "optimizer_state", "gathered_blocks", "gradient_buffers", "activations")
+# Dense Qwen3 shapes besides the tiny one from set-up (2 layers, dim 64, tied); the rest of each
+# config.json is the tiny model's (vocabulary, RoPE, norms).
+SIZES = {
+    "tiny": {},
+    "tiny_untied": {"tie_word_embeddings": False},
+    "small_untied": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False},
+    "medium": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "head_dim": 32},
+}
+
+
+@dataclass
+class Config:
+    preset: str = "default"
+    out_dir: str = field(default="runs/bench/memory_model", metadata={"help": "results.json, models/, logs/ go here"})
+    sizes: str = field(default="tiny,small_untied,medium", metadata={"help": f"comma-separated: {', '.join(SIZES)}"})
+    ranks: str = field(default="1,2", metadata={"help": "comma-separated world sizes (each a separate launch)"})
+    sizes_above_one_rank: str = field(default="", metadata={
+        "help": "the sizes measured at world sizes above 1 (comma-separated; empty: all of --sizes)"})
+    local_batch_size: int = field(default=4, metadata={"help": "sequences per rank"})
+    seq_len: int = field(default=256, metadata={"help": "tokens per sequence (a multiple of 8: the chunked loss)"})
+    dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "compute dtype (FSDP mixed precision), as the example's --dtype"})
+    measure_here: bool = field(default=False, metadata={
+        "help": "internal: measure in this process (the benchmark launches itself so, under torchrun above 1 rank)"})
+
+    def validate(self) -> None:
+        if self.local_batch_size <= 0 or self.seq_len <= 0 or self.seq_len % 8:
+            raise UserError("--local_batch_size must be positive and --seq_len a positive multiple of 8")
+
+
+def default() -> Config:
+    """Three sizes (tied and untied), 1 and 2 ranks, 4 x 256 tokens per rank."""
+    return Config()
+
+
+def tiny() -> Config:
+    """The test's setting: the tiny Qwen3 tied and untied at 1 rank, untied at 2, 2 x 128 tokens per rank."""
+    return replace(Config(), sizes="tiny,tiny_untied", sizes_above_one_rank="tiny_untied", local_batch_size=2,
+                   seq_len=128)
+
+
+PRESETS = {"default": default, "tiny": tiny}
+
+
+# ---------------------------------------------------------------------------------- the launcher
+def write_model(size: str, folder: Path) -> Path:
+    """The HF folder of a size: the tiny Qwen3 from set-up, or a seeded random Qwen3 of that shape."""
+    if not SIZES[size]:
+        return paths.tiny_qwen3_dir()
+    import torch
+    import transformers
+
+    base = {k: v for k, v in checkpoint.read_hf_config(paths.tiny_qwen3_dir()).items()
+            if k not in ("layer_types", "transformers_version")}  # layer_types: one per layer of the tiny model
+    shape = {**base, **SIZES[size]}
+    done = folder / "model.safetensors"
+    if done.is_file() and all(checkpoint.read_hf_config(folder).get(k) == v for k, v in SIZES[size].items()):
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).save_pretrained(tmp)
+    for name in checkpoint.TOKENIZER_FILES:
+        if (paths.tiny_qwen3_dir() / name).is_file():
+            shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def main(cfg: Config) -> dict:
+    if cfg.measure_here:
+        return measure_all(cfg)
+    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    sizes, ranks = _sizes(cfg), _ranks(cfg)
+    above = _sizes(cfg, cfg.sizes_above_one_rank) if cfg.sizes_above_one_rank else sizes
+    folders = {s: write_model(s, out_dir / "models" / s) for s in sizes}
+    common = ["--local_batch_size", str(cfg.local_batch_size), "--seq_len", str(cfg.seq_len), "--dtype", cfg.dtype]
+    runs = [(s, n) for n in ranks for s in (sizes if n == 1 else above)]
+    # The estimates: the example's own --dry_run. At one rank the measuring process runs it first;
+    # above one rank in a process of its own, while the measurements run (torchtitan 0.3.0's
+    # spmd_types path refuses a second FSDP plan at the same world size in one process).
+    dry = {(s, n): _start_dry_run(folders[s], n, common, out_dir / "dry_runs" / f"{s}_{n}_ranks")
+           for s, n in runs if n > 1}
+    measured: dict[int, dict] = {n: {} for n in ranks}
+    for n in ranks:
+        # One launch for every size at one rank; one per size above (the same limit as the dry run's).
+        for group in [sizes] if n == 1 else [[s] for s in above]:
+            args = ["--measure_here", "--out_dir", str(out_dir), "--sizes", ",".join(group), *common]
+            measured[n].update(_launch(Path(__file__).resolve(), args, n, out_dir, tag="_".join(group)))
+    for (s, n), (proc, folder) in dry.items():
+        measured[n][s]["estimated"] = _finish_dry_run(proc, folder)
+    rows = []
+    for size, n in runs:
+        m = measured[n][size]
+        row = {"size": size, "ranks": n, "tied": m["tied"], "parameters_total": m["estimated"]["parameters"]}
+        for term in (*TERMS, "total"):
+            got = m["measured"][term]
+            est = m["estimated"]["total_bytes"] if term == "total" else m["estimated"]["per_rank_bytes"][term]
+            row[term] = {"estimated": est, "measured": got, "ratio": cb.ratio(got, est)}
+        act, phases = m["estimated"]["activation_terms"], m["measured_only"]["phases"]
+        for phase in ("loss", "decoder_backward"):
+            got = phases.get(phase, {}).get("other", 0)
+            row[f"activations_{phase}"] = {"estimated": act[f"{phase}_phase"], "measured": got,
+                                           "ratio": cb.ratio(got, act[f"{phase}_phase"])}
+        row["measured_only"] = m["measured_only"]
+        row["phase_of_peak"] = m["phase_of_peak"]
+        rows.append(row)
+    flat = [{"run": f"{r['size']} x{r['ranks']}", **{t: r[t]["ratio"] for t in (*TERMS, "total")},
+             "act_loss": r["activations_loss"]["ratio"], "act_decoder": r["activations_decoder_backward"]["ratio"],
+             "act_mib": r["activations"]["measured"] / 2**20, "peak_mib": r["total"]["measured"] / 2**20}
+            for r in rows]
+    table = cb.format_table(flat, [("run", "size x ranks", ""), ("parameters", "params", ".3f"),
+                                   ("gradients", "grads", ".3f"), ("optimizer_state", "optimizer", ".3f"),
+                                   ("gathered_blocks", "gathered", ".2f"), ("gradient_buffers", "grad buffers", ".2f"),
+                                   ("activations", "activations", ".2f"), ("act_loss", "act: loss", ".2f"),
+                                   ("act_decoder", "act: decoder bwd", ".2f"),
+                                   ("total", "total", ".2f"), ("act_mib", "act MiB", ".1f"),
+                                   ("peak_mib", "peak MiB", ".1f")])
+    table += ("\nratios: measured / dry-run estimate, per rank (rank 0); "
+              f"{cfg.local_batch_size} x {cfg.seq_len} tokens per rank, {cfg.dtype}")
+    results = {"config": cfg, "sizes": {s: {**SIZES[s]} for s in sizes},
+               "baseline": "the dry run's figures for the same size, world size and batch, computed in the same run",
+               "method": {"tensors": "parameters, gradients, optimizer state: local shard bytes (numel x element size)",
+                          "allocator": "gathered, gradient buffers, activations, peak: torch.profiler profile_memory "
+                                       "(c10 CPU allocator: every allocation and free with address and size) over "
+                                       "forward + backward of the step after a warm-up step"},
+               "rows": rows}
+    cb.write(out_dir, "memory_model", results, table)
+    return results
+
+
+def _sizes(cfg: Config, text: str | None = None) -> list[str]:
+    text = cfg.sizes if text is None else text
+    sizes = [s for s in text.split(",") if s]
+    if not sizes or any(s not in SIZES for s in sizes):
+        raise UserError(f"--sizes takes a comma-separated subset of {', '.join(SIZES)}, got {text!r}")
+    return sizes
+
+
+def _ranks(cfg: Config) -> list[int]:
+    try:
+        ranks = [int(r) for r in cfg.ranks.split(",") if r]
+    except ValueError:
+        raise UserError(f"--ranks takes comma-separated integers, got {cfg.ranks!r}") from None
+    if not ranks or min(ranks) <= 0:
+        raise UserError(f"--ranks takes positive world sizes, got {cfg.ranks!r}")
+    return ranks
+
+
+def _start_dry_run(folder: Path, ranks: int, common: list[str], out: Path):
+    """`train_native_qwen3.py --dry_run` for this size and world size, started in the background."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(cb.ROOT / "examples" / "train_native_qwen3.py"), "--hf_checkpoint", str(folder),
+           "--dry_run", "--dry_run_ranks", str(ranks), "--out_dir", str(out), *common]
+    log = (out / "dry_run.log").open("w")
+    return subprocess.Popen(cmd, cwd=cb.ROOT, env=cb.training_env(), stdout=log, stderr=subprocess.STDOUT), out
+
+
+def _finish_dry_run(proc, out: Path) -> dict:
+    if proc.wait(timeout=1800) != 0 or not (out / "results.json").is_file():
+        raise RuntimeError(f"the dry run in {out} exited {proc.returncode}:\n"
+                           + (out / "dry_run.log").read_text()[-4000:])
+    return json.loads((out / "results.json").read_text())["dry_run"]
+
+
+def _launch(script: Path, args: list[str], nproc: int, out_dir: Path, tag: str) -> dict:
+    """This script with --measure_here, under torchrun for nproc > 1; returns what rank 0 wrote."""
+    cmd = [sys.executable, str(script), *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "--local-ranks-filter=0", str(script), *args]
+    target = out_dir / f"measured_{tag}_{nproc}_ranks.json"
+    target.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cb.ROOT, env=cb.training_env(), capture_output=True, text=True, timeout=1800)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs" / f"measure_{tag}_{nproc}_ranks.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+    if proc.returncode != 0 or not target.is_file():
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
+                           f"\n--- stderr\n{proc.stderr[-5000:]}")
+    print(f"[bench] measured {tag} at {nproc} ranks in {time.perf_counter() - t0:.0f} s", flush=True)
+    return json.loads(target.read_text())
+
+
+# ------------------------------------------------------------------------------- the measurement
+def measure_all(cfg: Config) -> dict:
+    """In each process of one world size: the process group, then one measured step per size."""
+    from bench.timed_train import load_example
+    from common import device
+    from common.results import atomic_write_text
+
+    example = load_example(cb.ROOT / "examples" / "train_native_qwen3.py")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    out_dir = Path(cfg.out_dir).resolve()
+    configs = {s: example.Config(hf_checkpoint=str(write_model(s, out_dir / "models" / s)), steps=2, export=False,
+                                 device="cpu", dtype=cfg.dtype, local_batch_size=cfg.local_batch_size,
+                                 seq_len=cfg.seq_len, dry_run_ranks=1)
+               for s in _sizes(cfg)}
+    # At one rank the dry run's figures come from this process, before it has a process group.
+    estimates = {s: example.dry_run(c, out_dir / "dry_runs" / f"{s}_1_ranks") for s, c in configs.items()} \
+        if world == 1 else {}
+    dev = device.setup("cpu")
+    try:
+        out = {}
+        for size, ecfg in configs.items():
+            folder = Path(ecfg.hf_checkpoint)
+            t0 = time.perf_counter()
+            out[size] = measure_one(example, ecfg, dev, out_dir / "work" / f"{size}_{world}_ranks")
+            if size in estimates:
+                out[size]["estimated"] = estimates[size]
+            out[size]["tied"] = bool(checkpoint.read_hf_config(folder).get("tie_word_embeddings"))
+            print(f"[bench] measured {size} at {world} ranks in {time.perf_counter() - t0:.1f} s", flush=True)
+            gc.collect()
+        if dev.is_main:
+            tag = "_".join(_sizes(cfg))
+            atomic_write_text(out_dir / f"measured_{tag}_{world}_ranks.json", json.dumps(out, indent=1) + "\n")
+        return out
+    finally:
+        device.teardown()
+
+
+def measure_one(example, ecfg, dev, run_dir: Path) -> dict:
+    """Build the example's trainer for `ecfg`, run a warm-up step, then measure one step (this rank)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from common import export
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    found = example.preflight(ecfg)
+    tc, _notes = example.build_trainer_config(ecfg, dev, run_dir, found)
+    if dev.is_main:
+        export.stage_hf_assets(Path(tc.hf_assets_path), found["tokenizer_dir"], Path(ecfg.hf_checkpoint).resolve())
+    torch.distributed.barrier()
+    trainer = tc.build()
+    model = trainer.model_parts[0]
+
+    def local_bytes(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    batch = next(iter(trainer.dataloader))
+    trainer.step = 1  # warm-up step: creates the optimizer state and FSDP's lazy state
+    trainer.train_step(trainer.batch_generator([batch]))
+    trainer.optimizers.zero_grad(set_to_none=True)  # what train_step does first; freed before the window
+    gc.collect()
+    params = sum(local_bytes(p) for p in model.parameters())
+    optimizer = sum(local_bytes(v) for opt in trainer.optimizers.optimizers for st in opt.state.values()
+                    for v in st.values() if torch.is_tensor(v))
+    tracker = AllocationTracker(model)
+    step, loss_fn = trainer.forward_backward_step, trainer.loss_fn
+
+    def tracked_step(**kwargs):
+        with tracker:
+            return step(**kwargs)
+
+    def marked_loss(*args, **kwargs):  # the chunked loss runs lm_head forward and backward chunk by chunk
+        tracker.phase("loss")
+        try:
+            return loss_fn(*args, **kwargs)
+        finally:
+            tracker.phase("decoder_backward")
+
+    trainer.forward_backward_step, trainer.loss_fn = tracked_step, marked_loss
+    trainer.step = 2
+    try:
+        trainer.train_step(trainer.batch_generator([batch]))
+    finally:
+        trainer.forward_backward_step, trainer.loss_fn = step, loss_fn
+    grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    t = tracker.summary()
+    trainer.close()
+    del trainer, model
+    return {
+        "measured": {"parameters": params, "gradients": grads, "optimizer_state": optimizer,
+                     "gathered_blocks": t["peak_by_tag"]["gathered"],
+                     # every byte of gradient memory at its peak beyond the gradients kept after the step
+                     "gradient_buffers": t["peak_by_tag"]["all_gradients"] - grads,
+                     "activations": t["peak_by_tag"]["other"], "total": params + optimizer + t["peak_total"]},
+        "measured_only": {"gradient_buffers_peak": t["peak_by_tag"]["grad"], "at_peak": t["at_peak"],
+                          "phases": t["phases"], "largest": t["largest_activations_at_phase_peak"],
+                          "allocations": t["allocations"]},
+        "phase_of_peak": t["phase_of_peak"],
+    }
+
+
+class AllocationTracker:
+    """Every CPU allocation and free inside the `with` block (torch.profiler, profile_memory), tagged
+    afterwards: `gathered` (FSDP all-gather outputs), `grad` (FSDP gradients and reduce-scatter
+    buffers), `other` (activations, temporaries). Tags come from markers: after every FSDP
+    all-gather the addresses of the gathered storages, before every post-backward the addresses of
+    the unsharded gradients, and the post-backward's extent (all it allocates is gradient memory)."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule
+
+        groups = {}
+        for mod in model.modules():
+            if isinstance(mod, FSDPModule):
+                group = mod._get_fsdp_state()._fsdp_param_group  # FSDP2 internals (torch 2.14), read only
+                if group is not None:
+                    groups[id(group)] = group
+        self.groups = list(groups.values())
+        self.marks: list[tuple[str, set[int], str]] = []
+        self.prof = None
+        self._saved = {}
+
+    def phase(self, name: str) -> None:
+        self._mark("phase", set(), name)
+
+    # markers: a zero-length profiler range named after its index in self.marks
+    def _mark(self, kind: str, ptrs: set[int], name: str = "") -> None:
+        from torch.autograd.profiler import record_function
+
+        self.marks.append((kind, ptrs, name))
+        with record_function(f"memory_model_mark_{len(self.marks) - 1}"):
+            pass
+
+    def _gathered_ptrs(self) -> set[int]:
+        ptrs = set()
+        for g in self.groups:
+            for fp in g.fsdp_params:
+                for t in getattr(fp, "all_gather_outputs", []):
+                    if t.untyped_storage().nbytes():
+                        ptrs.add(t.untyped_storage().data_ptr())
+            for result in (g._all_gather_result, getattr(g.comm_ctx.all_gather_state, "all_gather_result", None)):
+                if result is not None and result.all_gather_output is not None:
+                    ptrs.add(result.all_gather_output.untyped_storage().data_ptr())
+        return ptrs
+
+    def _unsharded_grad_ptrs(self, group) -> set[int]:
+        ptrs = set()
+        for fp in group.fsdp_params:
+            if hasattr(fp, "_unsharded_param"):
+                for t in (fp._unsharded_param.grad, fp.unsharded_accumulated_grad):
+                    if t is not None:
+                        t = t.to_local() if hasattr(t, "to_local") else t
+                        ptrs.add(t.untyped_storage().data_ptr())
+        return ptrs
+
+    @staticmethod
+    def _sharded_grad_ptrs(group) -> set[int]:
+        return {fp.sharded_param.grad.to_local().untyped_storage().data_ptr() for fp in group.fsdp_params
+                if fp.sharded_param.grad is not None}
+
+    def __enter__(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.profiler import ProfilerActivity, profile
+
+        tracker = self
+        unshard, wait, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard, \
+            FSDPParamGroup.post_backward
+
+        def unshard_marked(group, *a, **k):  # the all-gather: all it allocates is gathered memory
+            tracker._mark("gather_begin", set())
+            try:
+                return unshard(group, *a, **k)
+            finally:
+                tracker._mark("gather_end", set())
+                tracker._mark("gathered", tracker._gathered_ptrs())
+
+        def wait_marked(group, *a, **k):
+            r = wait(group, *a, **k)
+            tracker._mark("gathered", tracker._gathered_ptrs())
+            return r
+
+        def post_backward_marked(group, *a, **k):
+            tracker._mark("grad", tracker._unsharded_grad_ptrs(group))
+            tracker._mark("grad_begin", set())
+            try:
+                return post_backward(group, *a, **k)
+            finally:
+                tracker._mark("grad_end", set())
+                tracker._mark("sharded_grad", tracker._sharded_grad_ptrs(group))
+
+        self._saved = {"unshard": unshard, "wait_for_unshard": wait, "post_backward": post_backward}
+        # Instrumentation of this process only, undone on exit: FSDP has no hook at these points.
+        FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard = unshard_marked, wait_marked
+        FSDPParamGroup.post_backward = post_backward_marked
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.__enter__()
+        self.phase("forward")
+        return self
+
+    def __exit__(self, *exc):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        try:
+            self.prof.__exit__(*exc)
+        finally:
+            for name, fn in self._saved.items():
+                setattr(FSDPParamGroup, name, fn)
+        return False
+
+    def _events(self) -> list[tuple[int, str, object]]:
+        """(time, kind, payload) for allocations and frees (address, signed size, the ops around it)
+        and for markers (index into self.marks), in time order."""
+        events, stack = [], list(self.prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if str(e.tag).endswith("Allocation"):
+                f = e.extra_fields
+                if f.device.type == "cpu":
+                    ops, q = [], e.parent
+                    while q is not None and len(ops) < 3:
+                        ops.append(q.name)
+                        q = q.parent
+                    events.append((e.start_time_ns, "alloc", (f.ptr, f.alloc_size, " < ".join(ops))))
+            elif e.name.startswith("memory_model_mark_"):
+                events.append((e.start_time_ns, "mark", int(e.name.rsplit("_", 1)[1])))
+        events.sort(key=lambda ev: ev[0])
+        return events
+
+    def summary(self) -> dict:
+        """Peaks of every tag, per phase and over the step, and the breakdown at the step's peak.
+        Pass 1 gives every allocation its final tag (a marker may tag an allocation made before it);
+        pass 2 replays allocations and frees with those tags. Frees of memory allocated before the
+        step are ignored: the step's figures count what the step allocated."""
+        events = self._events()
+        allocs: list[dict] = []
+        replay: list[tuple[str, object]] = []  # ("+", index) / ("-", index) / ("phase", name)
+        live: dict[int, int] = {}
+        in_grad, in_gather, phase = 0, 0, "forward"
+        for _t, kind, payload in events:
+            if kind == "mark":
+                what, ptrs, name = self.marks[payload]
+                if what == "phase":
+                    phase = name
+                    replay.append(("phase", name))
+                elif what == "grad_begin":
+                    in_grad += 1
+                elif what == "grad_end":
+                    in_grad -= 1
+                elif what == "gather_begin":
+                    in_gather += 1
+                elif what == "gather_end":
+                    in_gather -= 1
+                else:  # gathered, grad, sharded_grad: retag the live allocations at these addresses
+                    for ptr in ptrs:
+                        if ptr in live and (what != "grad" or allocs[live[ptr]]["tag"] == "other"):
+                            allocs[live[ptr]]["tag"] = what
+                continue
+            ptr, size, ops = payload
+            if size > 0:
+                live[ptr] = len(allocs)
+                replay.append(("+", len(allocs)))
+                tag = "grad" if in_grad else "gathered" if in_gather else "other"
+                allocs.append({"size": size, "tag": tag, "ops": ops})
+            elif ptr in live:
+                replay.append(("-", live.pop(ptr)))
+        tags = ("gathered", "sharded_grad", "grad", "other")
+        totals = dict.fromkeys(tags, 0)
+        phases: dict[str, dict[str, int]] = {}
+        peak_total, at_peak, phase_of_peak, phase = 0, dict(totals), None, "forward"
+        largest = {}
+        current: set[int] = set()
+        for kind, x in replay:
+            if kind == "phase":
+                phase = x
+                continue
+            a = allocs[x]
+            if kind == "-":
+                totals[a["tag"]] -= a["size"]
+                current.discard(x)
+                continue
+            totals[a["tag"]] += a["size"]
+            current.add(x)
+            peaks = phases.setdefault(phase, dict.fromkeys(tags, 0))
+            if a["tag"] == "other" and totals["other"] > peaks["other"]:
+                largest[phase] = sorted(((allocs[i]["size"], allocs[i]["ops"]) for i in current
+                                         if allocs[i]["tag"] == "other"), reverse=True)[:6]
+            for tag in tags:
+                peaks[tag] = max(peaks[tag], totals[tag])
+            peaks["all_gradients"] = max(peaks.get("all_gradients", 0), totals["grad"] + totals["sharded_grad"])
+            if sum(totals.values()) > peak_total:
+                peak_total, at_peak, phase_of_peak = sum(totals.values()), dict(totals), phase
+        return {"peak_total": peak_total, "at_peak": at_peak, "phase_of_peak": phase_of_peak,
+                "peak_by_tag": {t: max(p.get(t, 0) for p in phases.values()) for t in (*tags, "all_gradients")},
+                "phases": phases, "largest_activations_at_phase_peak": largest, "allocations": len(allocs)}
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main, Config, PRESETS, __doc__, default_preset="default"))
