@@ -71,7 +71,7 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
         if f.name == "preset":
             continue
         tp = hints[f.name]
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         conv, choices = _field_type(tp)
         flag = "--" + f.name

@@ -1,3 +1,7 @@
+# Copy with this file (all it imports from the repository):
+#   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
+#   common/checkpoint.py common/torchtitan_fixes.py common/preflight.py
+#   common/kernels/__init__.py common/kernels/rope_op.py common/kernels/rope_module.py
 """The guide's kernel example: a custom RoPE kernel in torchtitan's Qwen3, checked against PyTorch.
 
 The rotary embedding runs as a torch.library op with its own backward op (common/kernels/rope_op.py):
@@ -67,12 +71,17 @@ MODEL_KERNEL_TOL = 1e-4  # tiny Qwen3 on the NKI path, float32: a few ulps of Ro
 class Config:
     preset: str = "cpu"
     out_dir: str = field(default="runs/rope_parity", metadata={"help": "results.json goes here"})
-    device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(
+        default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for inputs and model weights"})
-    rope_layers: str = field(default="*", metadata={"help": "fnmatch glob on the RoPE module FQN: '*' every layer, '*layers.1.*' layer 1 only"})
-    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size; the kernel needs seq % (128 x LNC) == 0"})
-    check_kernel_shape: bool = field(default=False, metadata={"help": "enforce the NKI kernel's shape rule on any device (always on for neuron)"})
-    seq_len: int = field(default=0, metadata={"help": "0: the preset's shapes (256 and 512); otherwise every shape and the model use this length"})
+    rope_layers: str = field(default="*", metadata={
+        "help": "fnmatch glob on the RoPE module FQN: '*' every layer, '*layers.1.*' layer 1 only"})
+    lnc: int = field(default=2, metadata={
+        "help": "Trainium logical NeuronCore size; the kernel needs seq % (128 x LNC) == 0"})
+    check_kernel_shape: bool = field(default=False, metadata={
+        "help": "enforce the NKI kernel's shape rule on any device (always on for neuron)"})
+    seq_len: int = field(default=0, metadata={
+        "help": "0: the preset's shapes (256 and 512); otherwise every shape and the model use this length"})
     model_batch: int = field(default=2, metadata={"help": "sequences in the tiny-model check"})
 
     def validate(self) -> None:
@@ -238,7 +247,8 @@ def replace_rope(cfg: Config) -> tuple:
     torchtitan_fixes.use_attention_backend(stock_cfg, "sdpa")
     ours_cfg = copy.deepcopy(stock_cfg)
     entry = rope_module.register(cfg.rope_layers)
-    lines = apply_overrides(OverrideConfig(imports=[(entry, {"lnc": cfg.lnc, "check_kernel_shape": cfg.check_kernel_shape})]),
+    settings = {"lnc": cfg.lnc, "check_kernel_shape": cfg.check_kernel_shape}
+    lines = apply_overrides(OverrideConfig(imports=[(entry, settings)]),
                             ours_cfg)
     if not lines:
         raise UserError(f"--rope_layers {cfg.rope_layers!r} matched no RoPE module; their names look like "

@@ -1,3 +1,7 @@
+# Copy with this file (all it imports from the repository):
+#   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
+#   common/checkpoint.py common/export.py common/torchtitan_fixes.py common/dryrun.py common/preflight.py
+#   examples/hf_backend/ (the whole folder: __init__.py, fixes.py)
 """Train the model transformers' `AutoModelForCausalLM` builds, with torchtitan's Transformers
 modeling backend: public weights in, HF safetensors out.
 

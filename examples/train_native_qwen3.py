@@ -1,3 +1,6 @@
+# Copy with this file (all it imports from the repository):
+#   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
+#   common/checkpoint.py common/export.py common/torchtitan_fixes.py common/dryrun.py common/preflight.py
 """Train torchtitan's own Qwen3, chosen through `config.model_spec`, and export HF safetensors.
 
 The second path of the Trainium guide: start from torchtitan's `qwen3_32b` builder (torchtitan
@@ -243,8 +246,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     trainer = tc.build()
     load_check = None  # trainer.train() loads --hf_checkpoint (or resumes); checked before step 1
     if cfg.hf_checkpoint and cfg.load_check:
+        built = checkpoint.hf_config_from_qwen3(tc.model_spec.model)  # the settings torchtitan's model uses
         load_check = export.attach_load_check(trainer, cfg.hf_checkpoint, tokenizer_dir, dtype=cfg.dtype,
-                                              is_main=dev.is_main, built_config=checkpoint.hf_config_from_qwen3(tc.model_spec.model))
+                                              is_main=dev.is_main, built_config=built)
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
     t0 = time.perf_counter()

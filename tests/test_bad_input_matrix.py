@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_clean_error, run_example
+from conftest import ROOT, assert_clean_error, run_example
 
 
 def _save_qwen3(path):
@@ -253,3 +253,17 @@ def test_malformed_tokenizer(tmp_path, prepared_assets):
     (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
     proc = run_example("train_moe_nki.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"), check=False)
     assert_clean_error(proc, "cannot be read as a tokenizer")
+
+
+@pytest.mark.parametrize("script", ["train_native_qwen3.py", "train_hf_backend.py", "train_moe_nki.py",
+                                    "rope_parity.py", "generate_compat_check.py"])
+def test_help_lists_every_flag(script):
+    """`--help` works for every example (help strings are formatted by argparse, '%' included)."""
+    import dataclasses
+    import runpy
+
+    proc = run_example(script, "--help", check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]
+    names = runpy.run_path(str(ROOT / "examples" / script), run_name="help_check")["Config"]
+    for f in dataclasses.fields(names):
+        assert f"--{f.name}" in proc.stdout, f.name
