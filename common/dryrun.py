@@ -41,6 +41,8 @@ The per-core limit defaults to 24 GiB (one LNC=2 Trainium2 core: 96 GiB HBM per 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from common.device import GIB
@@ -225,3 +227,43 @@ def check_published(r: dict, tolerance: float = 0.01) -> None:
                         f"{100 * r['parameters_vs_published']:+.1f}% off the published "
                         f"{r['published_parameters'] / 1e9:.1f} B")
 
+
+
+def parameter_estimate(shape: dict) -> int:
+    """Parameters of a (dense or MoE) Qwen3 config.json, from its numbers alone (no model built)."""
+    d, layers, vocab, heads = (shape[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                  "num_attention_heads"))
+    head_dim = shape.get("head_dim") or d // heads
+    d_q, d_kv = heads * head_dim, (shape.get("num_key_value_heads") or heads) * head_dim
+    experts = shape.get("num_experts") or shape.get("num_local_experts")
+    mlp = experts * (3 * d * shape["moe_intermediate_size"] + d) if experts else 3 * d * shape["intermediate_size"]
+    block = 2 * d * d_q + 2 * d * d_kv + mlp + 2 * d + 2 * head_dim
+    return vocab * d * (1 if shape.get("tie_word_embeddings") else 2) + layers * block + d
+
+
+def check_fits(shape: dict, *, local_batch: int, seq_len: int, dtype: str, world_size: int, device_type: str,
+               per_core_gib: float) -> None:
+    """Before anything is launched or allocated: refuse a run whose per-rank memory cannot fit even at
+    its lower bound (sharded float32 weights, gradients and AdamW state, and the activations with every
+    block checkpointed) in what one rank has: the CPU's available memory shared by the ranks on this
+    host, a GPU's memory, or --per_core_gib on Trainium. `--dry_run` gives the full table."""
+    try:
+        state = parameter_estimate(shape) * 16 // world_size
+        acts = activation_estimate(shape, batch=local_batch, seq_len=seq_len, compute_bytes=_bytes(dtype),
+                                   full_ac=True)["total"]
+    except (KeyError, TypeError):  # a config.json without these numbers: the load refuses it later, by name
+        return
+    if device_type == "cpu":
+        import psutil
+
+        ranks_here = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        limit, where = psutil.virtual_memory().available // ranks_here, f"{ranks_here} rank(s)' share of free memory"
+    elif device_type == "cuda":
+        limit, where = torch.cuda.get_device_properties(0).total_memory, "one GPU"
+    else:
+        limit, where = int(per_core_gib * GIB), f"--per_core_gib {per_core_gib:g}"
+    if state + acts > limit:
+        raise UserError(f"this run needs at least {(state + acts) / GIB:.1f} GiB per rank (weights, gradients and "
+                        f"optimizer state {state / GIB:.1f} GiB, activations {acts / GIB:.1f} GiB for --local_batch_size "
+                        f"{local_batch} x --seq_len {seq_len}) and {where} is {limit / GIB:.1f} GiB: lower them, or "
+                        "see --dry_run")

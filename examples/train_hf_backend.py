@@ -42,7 +42,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, export, paths  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.results import LossRecorder, atomic_write_text, finish_run, read_reference_losses, versions  # noqa: E402
@@ -168,6 +168,9 @@ def preflight(cfg: Config) -> dict:
     positions = checkpoint.config_value(found["hf_config"], "max_position_embeddings", int, ckpt)
     if cfg.seq_len > positions:
         raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {positions} positions")
+    dryrun.check_fits(found["hf_config"], local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
+                      world_size=device.planned_world_size(cfg.nproc_per_node), device_type=device_type,
+                      per_core_gib=cfg.per_core_gib)
     found["checkpoint"] = checkpoint.check_tokenizer(ckpt, ": the HF folder must carry its tokenizer")
     return found
 
@@ -221,7 +224,6 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
     Reads only config.json: the downloaded one, or the published one embedded above."""
     import json
     import torch
-    from common import dryrun
 
     device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
     ckpt = Path(cfg.hf_checkpoint)

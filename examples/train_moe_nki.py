@@ -44,7 +44,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, export, paths  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.results import LossRecorder, finish_run, read_reference_losses, versions  # noqa: E402
@@ -192,6 +192,9 @@ def preflight(cfg: Config) -> dict:
     shape = model_shape(cfg)
     if cfg.seq_len > shape["max_position_embeddings"]:
         raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {shape['max_position_embeddings']} positions")
+    dryrun.check_fits(shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
+                      world_size=device.planned_world_size(cfg.nproc_per_node), device_type=device_type,
+                      per_core_gib=cfg.per_core_gib)
     return found
 
 
@@ -262,7 +265,6 @@ def replaced_modules(tc) -> list[str]:
 def dry_run(cfg: Config, out_dir: Path) -> dict:
     """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training."""
     import torch
-    from common import dryrun
 
     device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
     target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)

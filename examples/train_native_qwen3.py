@@ -35,7 +35,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, export, paths  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.results import LossRecorder, finish_run, read_reference_losses, versions  # noqa: E402
@@ -140,6 +140,10 @@ def preflight(cfg: Config) -> dict:
     shape = found.get("hf_config") or (checkpoint.read_hf_config(paths.tiny_qwen3_dir()) if cfg.flavor == "tiny" else {})
     if cfg.seq_len > shape.get("max_position_embeddings", cfg.seq_len):
         raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {shape['max_position_embeddings']} positions")
+    if shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
+        dryrun.check_fits(shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
+                          world_size=device.planned_world_size(cfg.nproc_per_node), device_type=device_type,
+                          per_core_gib=cfg.per_core_gib)
     return found
 
 
@@ -192,7 +196,6 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
 def dry_run(cfg: Config, out_dir: Path) -> dict:
     """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training."""
     import torch
-    from common import dryrun
 
     device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
     found = {"hf_config": checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)} \
