@@ -35,7 +35,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -99,27 +98,7 @@ PRESETS = {"default": default, "tiny": tiny}
 # ---------------------------------------------------------------------------------- the launcher
 def write_model(size: str, folder: Path) -> Path:
     """The HF folder of a size: the tiny Qwen3 from set-up, or a seeded random Qwen3 of that shape."""
-    if not SIZES[size]:
-        return paths.tiny_qwen3_dir()
-    import torch
-    import transformers
-
-    base = {k: v for k, v in checkpoint.read_hf_config(paths.tiny_qwen3_dir()).items()
-            if k not in ("layer_types", "transformers_version")}  # layer_types: one per layer of the tiny model
-    shape = {**base, **SIZES[size]}
-    done = folder / "model.safetensors"
-    if done.is_file() and all(checkpoint.read_hf_config(folder).get(k) == v for k, v in SIZES[size].items()):
-        return folder
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).save_pretrained(tmp)
-    for name in checkpoint.TOKENIZER_FILES:
-        if (paths.tiny_qwen3_dir() / name).is_file():
-            shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
+    return cb.seeded_qwen3(folder, SIZES[size]) if SIZES[size] else paths.tiny_qwen3_dir()
 
 
 def main(cfg: Config) -> dict:

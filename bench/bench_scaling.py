@@ -24,7 +24,6 @@ results.json: `rows` (one per run), `sizes`.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import checkpoint, cli, paths  # noqa: E402
+from common import cli, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 # Larger dense Qwen3 shapes, the rest as the tiny Qwen3's config.json (vocabulary, rope, tied embeddings).
@@ -79,24 +78,7 @@ PRESETS = {"default": default, "tiny": tiny}
 
 def write_model(size: str, folder: Path) -> Path:
     """A seeded random Qwen3 HF folder of the given size, with the tiny model's tokenizer files."""
-    import torch
-    import transformers
-
-    shape = {**checkpoint.read_hf_config(paths.tiny_qwen3_dir()), **SIZES[size]}
-    shape.pop("layer_types", None)  # one entry per layer of the tiny model: transformers derives it for this depth
-    if (folder / "config.json").is_file() and json.loads((folder / "config.json").read_text()).get("hidden_size") \
-            == shape["hidden_size"] and (folder / "model.safetensors").is_file():
-        return folder
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).save_pretrained(tmp)
-    for name in checkpoint.TOKENIZER_FILES:  # the ones the tiny model's folder has (some are optional)
-        if (paths.tiny_qwen3_dir() / name).is_file():
-            shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
+    return cb.seeded_qwen3(folder, SIZES[size])
 
 
 def main(cfg: Config) -> dict:

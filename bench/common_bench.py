@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common import cli  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 
 
@@ -279,3 +278,30 @@ def write(out_dir: Path, name: str, results: dict, table: str) -> Path:
     print(table)
     print(f"[bench] {name}: {path}")
     return path
+
+
+def seeded_qwen3(folder: Path, overrides: dict) -> Path:
+    """A seeded random Qwen3 HF folder: the tiny Qwen3's config.json with `overrides` (size keys), and
+    its tokenizer files. Reused when the folder already holds that shape; written under a temp name."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from common import checkpoint, paths
+
+    base = {k: v for k, v in checkpoint.read_hf_config(paths.tiny_qwen3_dir()).items()
+            if k not in ("layer_types", "transformers_version")}  # layer_types: one per layer of the tiny model
+    if (folder / "model.safetensors").is_file() and all(checkpoint.read_hf_config(folder).get(k) == v
+                                                        for k, v in overrides.items()):
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**base, **overrides})).save_pretrained(tmp)
+    for name in checkpoint.TOKENIZER_FILES:  # the ones the tiny model's folder has (some are optional)
+        if (paths.tiny_qwen3_dir() / name).is_file():
+            shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder

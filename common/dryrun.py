@@ -209,8 +209,6 @@ def format_table(r: dict) -> str:
 def finish(r: dict, *, out_dir, results: dict, per_core_gib: float) -> dict:
     """Print the table, write results.json with the `dry_run` section, then fail (exit 2) when the
     size is off the published one or the plan does not fit, naming what overflows."""
-    from common import cli
-
     print(format_table(r))
     write_results(out_dir, {**results, "versions": versions(), "dry_run": r})
     check_published(r)

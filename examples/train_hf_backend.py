@@ -265,7 +265,6 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
-    from common import torchtitan_fixes
     from hf_backend import fixes as hf_fixes
 
     init_logger()  # torchtitan's step lines (loss, tokens/s, memory) on rank 0

@@ -300,7 +300,6 @@ def main(cfg: Config) -> dict:
 def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
-    from common import torchtitan_fixes
     from common.kernels import moe_module
 
     init_logger()  # torchtitan's [Override] lines and step lines on rank 0

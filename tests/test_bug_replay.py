@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import ROOT, read_results
 from common import checkpoint, device, export, paths

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import time
 
 import psutil
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, script_env

@@ -18,9 +18,6 @@ This module imports no torchtitan.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 from torch import nn
 
