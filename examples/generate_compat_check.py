@@ -1,6 +1,6 @@
 # Copy with this file (all it imports from the repository):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
-#   common/checkpoint.py
+#   common/checkpoint.py common/preflight.py
 #   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, lookup, page)
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
 """The Trainium model-compatibility protocol: a short, reproducible generation run per model, kept in Parquet.
@@ -57,7 +57,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import cli, device, paths  # noqa: E402
+from common import cli, device, paths, preflight  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 from compat_check import judge as judging, lookup, measure, processes, rows, sizing, training  # noqa: E402
@@ -381,6 +381,8 @@ def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     specs = model_specs(cfg.models)
     check_specs(specs)
+    if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
+        preflight.require_stack("trn2")
     dev_type = device.resolve_device_type(cfg.device)
     run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
     if cfg.task == "train":  # the training script runs too: keep its source beside this one
