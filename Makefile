@@ -41,9 +41,9 @@ demo: setup
 
 # Two pytest workers, one test file each at a time (module fixtures run once): most tests run
 # training processes whose imports and set-up use one core. -rs prints why a test was skipped
-# (the Trainium-only tests, on a machine without a NeuronCore).
+# (the Trainium-only tests, on a machine without a NeuronCore); --durations lists the slowest tests.
 test: setup
-	$(PYTHON) -m pytest -q -rs -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -q -rs --durations=15 -n 2 --dist loadfile tests
 
 clean-runs:
 	rm -rf runs
