@@ -23,7 +23,7 @@ seeded random HF folder of a larger shape), trained with `--hf_checkpoint`. For 
     against the dry run's total, which adds every term's own peak (an upper bound).
 Ratios are measured / estimated: 1.00 means exact, above 1 the model underestimates.
 
-    python bench/bench_memory_model.py --out_dir runs/bench/memory_model        # about 4 minutes (2-core CPU)
+    python bench/bench_memory_model.py --out_dir runs/bench/memory_model        # 3 to 5 minutes (2-core CPU)
     python bench/bench_memory_model.py --preset tiny --out_dir runs/bench/mm    # the test's setting, about 1 minute
     python bench/bench_memory_model.py --ranks 2 --sizes tiny_untied --dtype bfloat16 --out_dir runs/bench/mm_bf16
 
@@ -71,6 +71,7 @@ class Config:
         "help": "the sizes measured at world sizes above 1 (comma-separated; empty: all of --sizes)"})
     local_batch_size: int = field(default=4, metadata={"help": "sequences per rank"})
     seq_len: int = field(default=256, metadata={"help": "tokens per sequence (a multiple of 8: the chunked loss)"})
+    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "compute dtype (FSDP mixed precision), as the example's --dtype"})
     measure_here: bool = field(default=False, metadata={
@@ -113,14 +114,15 @@ def main(cfg: Config) -> dict:
     # The estimates: the example's own --dry_run. At one rank the measuring process runs it first;
     # above one rank in a process of its own, while the measurements run (torchtitan 0.3.0's
     # spmd_types path refuses a second FSDP plan at the same world size in one process).
-    dry = {(s, n): _start_dry_run(folders[s], n, common, out_dir / "dry_runs" / f"{s}_{n}_ranks")
+    dry = {(s, n): _start_dry_run(folders[s], n, common, out_dir / "dry_runs" / f"{s}_{n}_ranks", cfg.threads)
            for s, n in runs if n > 1}
     measured: dict[int, dict] = {n: {} for n in ranks}
     for n in ranks:
         # One launch for every size at one rank; one per size above (the same limit as the dry run's).
         for group in [sizes] if n == 1 else [[s] for s in above]:
             args = ["--measure_here", "--out_dir", str(out_dir), "--sizes", ",".join(group), *common]
-            measured[n].update(_launch(Path(__file__).resolve(), args, n, out_dir, tag="_".join(group)))
+            measured[n].update(_launch(Path(__file__).resolve(), args, n, out_dir, tag="_".join(group),
+                                       threads=cfg.threads))
     for (s, n), (proc, folder) in dry.items():
         measured[n][s]["estimated"] = _finish_dry_run(proc, folder)
     rows = []
@@ -181,13 +183,13 @@ def _ranks(cfg: Config) -> list[int]:
     return ranks
 
 
-def _start_dry_run(folder: Path, ranks: int, common: list[str], out: Path):
+def _start_dry_run(folder: Path, ranks: int, common: list[str], out: Path, threads: int):
     """`train_native_qwen3.py --dry_run` for this size and world size, started in the background."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(cb.ROOT / "examples" / "train_native_qwen3.py"), "--hf_checkpoint", str(folder),
            "--dry_run", "--dry_run_ranks", str(ranks), "--out_dir", str(out), *common]
     log = (out / "dry_run.log").open("w")
-    return subprocess.Popen(cmd, cwd=cb.ROOT, env=cb.training_env(), stdout=log, stderr=subprocess.STDOUT), out
+    return subprocess.Popen(cmd, cwd=cb.ROOT, env=cb.training_env(threads), stdout=log, stderr=subprocess.STDOUT), out
 
 
 def _finish_dry_run(proc, out: Path) -> dict:
@@ -197,7 +199,7 @@ def _finish_dry_run(proc, out: Path) -> dict:
     return json.loads((out / "results.json").read_text())["dry_run"]
 
 
-def _launch(script: Path, args: list[str], nproc: int, out_dir: Path, tag: str) -> dict:
+def _launch(script: Path, args: list[str], nproc: int, out_dir: Path, tag: str, threads: int) -> dict:
     """This script with --measure_here, under torchrun for nproc > 1; returns what rank 0 wrote."""
     cmd = [sys.executable, str(script), *args]
     if nproc > 1:
@@ -206,7 +208,8 @@ def _launch(script: Path, args: list[str], nproc: int, out_dir: Path, tag: str) 
     target = out_dir / f"measured_{tag}_{nproc}_ranks.json"
     target.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cb.ROOT, env=cb.training_env(), capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, cwd=cb.ROOT, env=cb.training_env(threads), capture_output=True, text=True,
+                          timeout=1800)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     (out_dir / "logs" / f"measure_{tag}_{nproc}_ranks.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
     if proc.returncode != 0 or not target.is_file():

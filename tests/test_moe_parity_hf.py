@@ -41,6 +41,16 @@ SHAPE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1024, "hidden_s
          "tie_word_embeddings": False}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine a second thread spins waiting for a busy core
+    (measured here: 3 to 10 times the CPU time of the same test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _hf_blocks(seed: int = 0) -> list[Qwen3MoeSparseMoeBlock]:
     cfg = Qwen3MoeConfig(hidden_size=DIM, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                          moe_intermediate_size=MOE_HIDDEN, norm_topk_prob=True, experts_implementation="eager")
@@ -196,15 +206,13 @@ def test_grouped_op_alone_against_transformers_experts():
     assert w1.grad[5].abs().max() == 0 and hf.experts.gate_up_proj.grad[5].abs().max() == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])
-def test_chained_layers_really_route_differently(dtype):
-    """The check can fail: a block whose router weights are permuted routes other experts, and the
+def test_agreement_measure_sees_a_different_router():
+    """The check can fail: a block whose router rows are permuted routes other experts, and the
     agreement measure sees it."""
-    hf = _hf_blocks()
+    hf = _hf_blocks()[:1]
     titan = _titan_blocks(hf, "float32")
     with torch.no_grad():
         titan[0].router.gate.weight.copy_(titan[0].router.gate.weight.roll(1, dims=0))
-    x, out_grad = _inputs(dtype)
-    ref = _run(hf, x, out_grad, routed_by=lambda b: b.gate)
-    got = _run(titan, x, out_grad, routed_by=lambda b: b.router)
-    assert (ref["ids"][0] == got["ids"][0]).all(dim=-1).float().mean() < 0.1
+        x, _ = _inputs(torch.float32)
+        ref, got = _ids(hf[0].gate(x.reshape(-1, DIM))), _ids(titan[0].router(x))
+    assert (ref == got).all(dim=-1).float().mean() < 0.1
