@@ -56,7 +56,7 @@ def _broken_copy(src: Path, dest: Path) -> Path:
 
 def _kill_after_first_row(args: tuple, out: Path, timeout: float = 300) -> pd.DataFrame:
     """Start the check, SIGKILL it (its workers too) as soon as its Parquet file holds a row, and
-    return what a reader then finds in the file (issue 8: finished rows survive a kill)."""
+    return what a reader then finds in the file (finished rows survive a kill)."""
     kill_when(SCRIPT, *args, ready=lambda: any(out.glob("*.parquet")), what="its first row", timeout=timeout)
     models = args[args.index("--models") + 1].split(",")
     done = read_results(out)["models"] if (out / "results.json").exists() else []  # written after each model
