@@ -186,8 +186,11 @@ def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
             golden = json.loads(GOLDEN_SMOLLM2.read_text())["losses"]
             assert max(abs(a - b) for a, b in zip(res["losses"], golden)) <= GOLDEN_TOL, (res["losses"], golden)
             assert res["loss_comparison"]["passed"] and res["loss_comparison"]["steps_compared"] == 10
+            # the real pretrained weights, as the backend built and loaded them = transformers' load of them
+            assert res["load_check"]["passed"] and res["load_check"]["max_abs_logit_diff"] <= 1e-4, res["load_check"]
         else:
             assert not res["loss_comparison"]["passed"]  # the comparison does see a different run
+            assert res["load_check"] is None  # nothing loaded, nothing to check
     # a random model is near-uniform over SmolLM2's 49,152 tokens (ln = 10.8) or worse
     assert first["random"] > 0.9 * math.log(49152), first
     assert first["pretrained"] < 0.6 * first["random"], first
