@@ -114,13 +114,31 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        full = None if isinstance(e, (SystemExit, GeneratorExit)) else _disk_full(e)
+        if full is None:
             raise
-        print(f"error: out of disk space writing {e.filename or 'a file'}: free space or choose another --out_dir",
+        print(f"error: out of disk space writing {full.filename or 'a file'}: free space or choose another --out_dir",
               file=sys.stderr)
         return 2
     return 0
+
+
+def _disk_full(e: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT error behind `e`, if any: raised directly, chained, or inside the per-rank
+    failures of torch.distributed.checkpoint's CheckpointException (torchtitan's saves)."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return x
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+        for failure in (getattr(x, "failures", None) or {}).values():
+            todo += [f for f in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(f, BaseException)]
+    return None
 
 
 def require(cfg, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:

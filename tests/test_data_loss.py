@@ -131,3 +131,18 @@ def test_signal_to_the_launcher_stops_every_worker(prepared_assets, tmp_path, si
     while _descendants_alive(family) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _descendants_alive(family)
+
+
+def test_out_of_disk_space_is_one_line(prepared_assets, tmp_path):
+    """--out_dir on a 3 MB file system: the checkpoint save fails with ENOSPC inside torchtitan's
+    distributed checkpoint; the run ends in one `error:` line, not a traceback."""
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        proc = run_example(SCRIPT, *SHORT, "--out_dir", str(disk / "run"), check=False)
+        assert_clean_error(proc, "out of disk space writing")
+    finally:
+        subprocess.run(["umount", str(disk)])
