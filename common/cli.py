@@ -115,7 +115,12 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
         print("error: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        full = None if isinstance(e, (SystemExit, GeneratorExit)) else _disk_full(e)
+        if isinstance(e, (SystemExit, GeneratorExit)):
+            raise
+        if _behind(e, lambda x: isinstance(x, KeyboardInterrupt)):  # Ctrl-C inside a checkpoint save
+            print("error: interrupted", file=sys.stderr)
+            return 130
+        full = _behind(e, lambda x: isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
         if full is None:
             raise
         print(f"error: out of disk space writing {full.filename or 'a file'}: free space or choose another --out_dir",
@@ -124,8 +129,8 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
     return 0
 
 
-def _disk_full(e: BaseException) -> OSError | None:
-    """The ENOSPC/EDQUOT error behind `e`, if any: raised directly, chained, or inside the per-rank
+def _behind(e: BaseException, match) -> BaseException | None:
+    """The exception behind `e` that `match`es: `e` itself, one it chains, or one inside the per-rank
     failures of torch.distributed.checkpoint's CheckpointException (torchtitan's saves)."""
     todo, seen = [e], set()
     while todo:
@@ -133,7 +138,7 @@ def _disk_full(e: BaseException) -> OSError | None:
         if id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+        if match(x):
             return x
         todo += [c for c in (x.__cause__, x.__context__) if c is not None]
         for failure in (getattr(x, "failures", None) or {}).values():

@@ -146,3 +146,21 @@ def test_out_of_disk_space_is_one_line(prepared_assets, tmp_path):
         assert_clean_error(proc, "out of disk space writing")
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_ctrl_c_during_a_checkpoint_save_is_one_line(prepared_assets, tmp_path):
+    """SIGINT while torchtitan writes a checkpoint (a step folder without its .metadata yet)."""
+    out = tmp_path / "o"
+    proc = subprocess.Popen(example_command(SCRIPT, *SHORT[2:], "--steps", "40", "--checkpoint_every", "1",
+                                            "--no-export", "--out_dir", str(out)),
+                            cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        steps = list((out / "checkpoint").glob("step-*")) if (out / "checkpoint").is_dir() else []
+        if any(not (s / ".metadata").exists() for s in steps):  # a save in progress
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == ["error: interrupted"]
