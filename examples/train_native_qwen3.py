@@ -217,9 +217,11 @@ def main(cfg: Config) -> dict:
         return dry_run(cfg, out_dir)
     device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
     export.check_replaceable(out_dir)
-    found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
-    if cfg.nproc_per_node > 1 and not device.under_launcher():
+    launch = cfg.nproc_per_node > 1 and not device.under_launcher()
+    if launch:  # before the inputs' sizing, which shares this host's memory among the processes
         device.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
+    found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
+    if launch:
         raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
