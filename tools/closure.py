@@ -1,0 +1,74 @@
+"""What copying each example drags in: the repository files its imports reach, transitively, and their lines.
+
+    python -m tools.closure            # one row per example: lines, files
+    python -m tools.closure --files    # and the files, one per line
+
+Imports are read from the source (ast), wherever they stand (inside functions too), as are the
+"common.x.y" strings the override registry imports. The example itself is not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module_file(name: str, base: Path) -> Path | None:
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        stem = base.joinpath(*parts[:k])
+        for path in (stem.with_suffix(".py"), stem / "__init__.py"):
+            if path.is_file():
+                return path.resolve()
+    return None
+
+
+def local_imports(path: Path) -> set[Path]:
+    """Repository files one source file imports. Absolute names resolve as the examples run them: from the
+    repository root (each example puts it on sys.path) or from examples/ (the script's own folder)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            package = path.relative_to(ROOT).parent.parts
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            names += [module] + [f"{module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("common."):
+            names.append(node.value.rsplit(".", 1)[0])  # override-registry import strings
+    found = {f for name in names for base in (ROOT, ROOT / "examples") if (f := _module_file(name, base))}
+    return {f for f in found if ROOT in f.parents and f != path.resolve()}
+
+
+def closure(example: Path) -> list[Path]:
+    seen, todo = set(), list(local_imports(example))
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo += local_imports(f)
+    return sorted(seen)
+
+
+def count_lines(files: list[Path]) -> int:
+    return sum(len(f.read_text().splitlines()) for f in files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", action="store_true", help="list the files of each closure")
+    args = parser.parse_args(argv)
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        files = closure(example)
+        print(f"{example.name:28s} {count_lines(files):5d} lines in {len(files):2d} files")
+        for f in files if args.files else ():
+            print(f"    {f.relative_to(ROOT)}  {len(f.read_text().splitlines())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
