@@ -62,7 +62,7 @@ PRESETS = {"default": default, "tiny": tiny}
 
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    tiny_dir = paths.tiny_qwen3_dir()
+    tiny_dir = paths.asset_dir("tiny_qwen3")
     args = ["--steps", str(cfg.steps), "--no-export", *cfg.extra_args.split()]
     runs = {"native": cb.TrainingRun("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(tiny_dir), *args]),
             "hf": cb.TrainingRun("ours", "train_hf_backend.py", ["--hf_checkpoint", str(tiny_dir), *args])}

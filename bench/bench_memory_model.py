@@ -99,7 +99,7 @@ PRESETS = {"default": default, "tiny": tiny}
 # ---------------------------------------------------------------------------------- the launcher
 def write_model(size: str, folder: Path) -> Path:
     """The HF folder of a size: the tiny Qwen3 from set-up, or a seeded random Qwen3 of that shape."""
-    return cb.seeded_qwen3(folder, SIZES[size]) if SIZES[size] else paths.tiny_qwen3_dir()
+    return cb.seeded_qwen3(folder, SIZES[size]) if SIZES[size] else paths.asset_dir("tiny_qwen3")
 
 
 def main(cfg: Config) -> dict:

@@ -88,7 +88,7 @@ def main(cfg: Config) -> dict:
         raise UserError(f"--sizes takes a comma-separated subset of {', '.join(SIZES)}, got {cfg.sizes!r}")
     common = ["--steps", str(cfg.steps), "--no-export", "--seq_len", str(cfg.seq_len)]
     one = ["--local_batch_size", str(cfg.global_batch)]
-    models = {"tiny": paths.tiny_qwen3_dir(), **{s: write_model(s, out_dir / "models" / s) for s in sizes}}
+    models = {"tiny": paths.asset_dir("tiny_qwen3"), **{s: write_model(s, out_dir / "models" / s) for s in sizes}}
     runs = {f"{m}_1p": cb.TrainingRun("ours", "train_native_qwen3.py", ["--hf_checkpoint", str(folder), *common, *one])
             for m, folder in models.items()}
     if cfg.processes > 1:

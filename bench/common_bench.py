@@ -290,7 +290,7 @@ def seeded_qwen3(folder: Path, overrides: dict) -> Path:
 
     from common import checkpoint, paths
 
-    base = {k: v for k, v in checkpoint.read_hf_config(paths.tiny_qwen3_dir()).items()
+    base = {k: v for k, v in checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3")).items()
             if k not in ("layer_types", "transformers_version")}  # layer_types: one per layer of the tiny model
     if (folder / "model.safetensors").is_file() and all(checkpoint.read_hf_config(folder).get(k) == v
                                                         for k, v in overrides.items()):
@@ -300,8 +300,8 @@ def seeded_qwen3(folder: Path, overrides: dict) -> Path:
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**base, **overrides})).save_pretrained(tmp)
     for name in checkpoint.TOKENIZER_FILES:  # the ones the tiny model's folder has (some are optional)
-        if (paths.tiny_qwen3_dir() / name).is_file():
-            shutil.copy2(paths.tiny_qwen3_dir() / name, tmp / name)
+        if (paths.asset_dir("tiny_qwen3") / name).is_file():
+            shutil.copy2(paths.asset_dir("tiny_qwen3") / name, tmp / name)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder

@@ -8,7 +8,6 @@ folders instead, and none of this is used.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,25 +25,10 @@ def prepare_hint(name: str, force: bool = False) -> str:
     return f"`python -m tools.prepare_assets prepare --only {name}{' --force' if force else ''}`"
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def asset_files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)
-
-
-def verify_dir(folder: Path, deep: bool = False) -> dict:
-    """Check an asset folder against its manifest.json and return the manifest.
-
-    Always: every listed file exists with its recorded size, and no unlisted file is there.
-    deep=True: also recompute every sha256 (seconds for the 0.5 GB of SmolLM2).
-    Raises UserError naming the first bad file.
-    """
+def verify_dir(folder: Path) -> dict:
+    """Check an asset folder against its manifest.json (every listed file there with its recorded size, no
+    unlisted file) and return the manifest; a UserError names the first bad file. `python -m
+    tools.prepare_assets verify --deep` also recomputes every sha256."""
     folder = Path(folder)
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
@@ -53,59 +37,30 @@ def verify_dir(folder: Path, deep: bool = False) -> dict:
         raise UserError(f"{folder / MANIFEST} is missing or unreadable ({e}): the folder is not a finished asset; "
                         "run `make setup`") from None
     fix = f"rebuild it with {prepare_hint(manifest.get('asset', 'NAME'), force=True)}"
-    unlisted = sorted(set(asset_files(folder)) - set(files))
+    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST}
+    unlisted = sorted(found - set(files))
     if unlisted:
         raise UserError(f"{folder / unlisted[0]} is not in {MANIFEST} (a stray or leftover file): remove it or {fix}")
     for rel, record in files.items():
         path = folder / rel
         if not path.is_file():
             raise UserError(f"{path} is missing ({MANIFEST} lists it): {fix}")
-        size = path.stat().st_size
-        if size != record["size"]:
-            raise UserError(f"{path} is {size:,} bytes but {MANIFEST} records {record['size']:,}: {fix}")
-        if deep and sha256(path) != record["sha256"]:
-            raise UserError(f"{path} is corrupt: its sha256 differs from the one in {MANIFEST}: {fix}")
+        if path.stat().st_size != record["size"]:
+            raise UserError(f"{path} is {path.stat().st_size:,} bytes but {MANIFEST} records {record['size']:,}: {fix}")
     return manifest
 
 
 def asset_dir(name: str, check: bool = True) -> Path:
-    """The folder of a prepared asset (`FOLDERS`), checked against its manifest unless check=False."""
+    """The folder of a prepared asset (a key of `FOLDERS`), checked against its manifest unless check=False:
+    tokenizer (the Qwen3 tokenizer files), corpus (English JSON lines), smollm2 (SmolLM2-135M-Instruct),
+    tiny_qwen3 / tiny_qwen3_moe (2-layer seeded random Qwen3 and Qwen3-MoE with the real vocabulary),
+    tiny_qwen_vl (a seeded random Qwen vision-language model and a test photograph)."""
     folder = CACHE_DIR / FOLDERS[name]
     if check:
         if not (folder / MANIFEST).is_file():
             raise UserError(f"{name} assets not prepared in {folder}: run `make setup` or {prepare_hint(name)}")
         verify_dir(folder)
     return folder
-
-
-def tokenizer_dir(check: bool = True) -> Path:
-    """The Qwen3 tokenizer folder (tokenizer.json, vocab.json, merges.txt, tokenizer_config.json)."""
-    return asset_dir("tokenizer", check)
-
-
-def corpus_dir(check: bool = True) -> Path:
-    """The English corpus: `datasets.load_dataset(str(corpus_dir()), split="train")` reads it."""
-    return asset_dir("corpus", check)
-
-
-def smollm2_dir(check: bool = True) -> Path:
-    """SmolLM2-135M-Instruct as an HF folder (config.json, model.safetensors, tokenizer files)."""
-    return asset_dir("smollm2", check)
-
-
-def tiny_qwen3_dir(check: bool = True) -> Path:
-    """A 2-layer seeded random Qwen3 with the real vocabulary, as an HF folder with the Qwen3 tokenizer."""
-    return asset_dir("tiny_qwen3", check)
-
-
-def tiny_qwen3_moe_dir(check: bool = True) -> Path:
-    """A 2-layer seeded random Qwen3-MoE (8 experts, top-2), as an HF folder with the Qwen3 tokenizer."""
-    return asset_dir("tiny_qwen3_moe", check)
-
-
-def tiny_qwen_vl_dir(check: bool = True) -> Path:
-    """A seeded random Qwen vision-language model with the Qwen3 tokenizer, and a test photograph."""
-    return asset_dir("tiny_qwen_vl", check)
 
 
 def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
@@ -115,7 +70,7 @@ def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
     read here until a non-empty text turns up: no data, no `text` field, or only empty texts is
     one UserError (the trainer would otherwise fail late or wait forever for a token)."""
     if dataset == "corpus":
-        return "c4_test", str(corpus_dir())
+        return "c4_test", str(asset_dir("corpus"))
     folder = (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
     if not Path(folder).is_dir():
         raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "

@@ -44,6 +44,7 @@ model the first time (tiny Qwen3-VL: 170 s of a 180 s wall time), seconds from i
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -191,7 +192,7 @@ def image_file(cfg: Config) -> Path:
     if cfg.image:
         return Path(cfg.image)
     try:
-        return paths.tiny_qwen_vl_dir() / OFFLINE_IMAGE
+        return paths.asset_dir("tiny_qwen_vl") / OFFLINE_IMAGE
     except UserError as e:
         raise Unavailable(f"no --image and the default photograph is missing: {e}") from None
 
@@ -319,7 +320,8 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
            "trust_remote_code": cfg.trust_remote_code}
     if vision:
         job["image"] = str(image_file(cfg))
-        row["image"] = f"{job['image']} (sha256 {paths.sha256(Path(job['image']))})"
+        with open(job["image"], "rb") as f:
+            row["image"] = f"{job['image']} (sha256 {hashlib.file_digest(f, 'sha256').hexdigest()})"
     try:
         rep = processes.run_ranks(worker, job, job["cores"], job["timeout_s"])
     except (TimeoutError, RuntimeError) as e:

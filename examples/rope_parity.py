@@ -242,7 +242,7 @@ def replace_rope(cfg: Config) -> tuple:
     from common import torchtitan_fixes
     from common.kernels import rope_module
 
-    hf_cfg = checkpoint.read_hf_config(paths.tiny_qwen3_dir())
+    hf_cfg = checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3"))
     stock_cfg = checkpoint.qwen3_spec_from_hf(hf_cfg, where="tiny-qwen3").model
     torchtitan_fixes.use_attention_backend(stock_cfg, "sdpa")
     ours_cfg = copy.deepcopy(stock_cfg)
@@ -317,7 +317,7 @@ def main(cfg: Config) -> dict:
     from common.kernels.rope_op import check_kernel_rule
 
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    paths.tiny_qwen3_dir()  # fail fast if set-up has not run
+    paths.asset_dir("tiny_qwen3")  # fail fast if set-up has not run
     neuron = preflight.wants_neuron(cfg.device)
     if neuron:  # the Neuron stack, before the process group and the runtime start
         preflight.require_stack("trn2")
@@ -367,9 +367,10 @@ def run(cfg: Config, dev_info, out_dir: Path) -> dict:
                **model, "model_passed": model_ok, "cases": rows, "seconds": time.perf_counter() - t0}
     results["passed"] = results["float32"]["passed"] and results["bfloat16"]["passed"] and model_ok
     path = write_results(out_dir, results)
-    print(f"[done] float32 fwd {results['float32']['forward_max_abs_diff']:.3g} bwd "
-          f"{results['float32']['backward_max_abs_diff']:.3g}; bfloat16 fwd {results['bfloat16']['forward_max_abs_diff']:.3g} "
-          f"bwd {results['bfloat16']['backward_max_abs_diff']:.3g}; passed={results['passed']}; {path}")
+    f32, bf16 = results["float32"], results["bfloat16"]
+    print(f"[done] float32 fwd {f32['forward_max_abs_diff']:.3g} bwd {f32['backward_max_abs_diff']:.3g}; "
+          f"bfloat16 fwd {bf16['forward_max_abs_diff']:.3g} bwd {bf16['backward_max_abs_diff']:.3g}; "
+          f"passed={results['passed']}; {path}")
     if not results["passed"]:
         raise UserError(f"parity outside tolerance; see the cases marked within_tolerance=false in {path}")
     return results

@@ -51,7 +51,7 @@ from common.results import LossRecorder, atomic_write_text, finish_run, read_ref
 @dataclass
 class Config:
     preset: str = "tiny"
-    hf_checkpoint: str = field(default_factory=lambda: str(paths.tiny_qwen3_dir(check=False)), metadata={
+    hf_checkpoint: str = field(default_factory=lambda: str(paths.asset_dir("tiny_qwen3", check=False)), metadata={
         "help": "HF model folder: config.json (the architecture), *.safetensors, tokenizer"})
     init: Literal["pretrained", "random"] = field(default="pretrained", metadata={
         "help": "pretrained: load the folder's weights; random: only its config.json, torchtitan's init"})
@@ -84,7 +84,8 @@ class Config:
         "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
     export_tolerance: float | None = field(default=None, metadata={
         "help": "max abs logits difference the export check accepts (none: 1e-4 for float32, 5e-2 for bfloat16)"})
-    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
+    nproc_per_node: int = field(
+        default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
@@ -121,7 +122,7 @@ def tiny() -> Config:
 def smollm2() -> Config:
     """CPU: the real pretrained SmolLM2-135M-Instruct (Llama architecture) from set-up, float32,
     local batch 1 as in the guide, 64 tokens a sequence (about 3.3 s a step on 2 cores)."""
-    return replace(Config(), hf_checkpoint=str(paths.smollm2_dir(check=False)), lr=3e-4, local_batch_size=1,
+    return replace(Config(), hf_checkpoint=str(paths.asset_dir("smollm2", check=False)), lr=3e-4, local_batch_size=1,
                    seq_len=64)
 
 

@@ -109,7 +109,8 @@ class Config:
         "help": "write HF safetensors (Qwen3MoeForCausalLM) + config + tokenizer to OUT_DIR/hf_export and verify them"})
     export_tolerance: float | None = field(default=None, metadata={
         "help": "max abs logits difference the export check accepts (none: 1e-5 for float32, 5e-2 for bfloat16)"})
-    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
+    nproc_per_node: int = field(
+        default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
@@ -186,12 +187,13 @@ def preflight(cfg: Config) -> dict:
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-    found["tokenizer_dir"] = checkpoint.check_tokenizer(cfg.hf_assets or paths.tokenizer_dir(), hint)
+    found["tokenizer_dir"] = checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint)
     if cfg.hf_checkpoint:
         checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_MOE)
     shape = model_shape(cfg)
     if cfg.seq_len > shape["max_position_embeddings"]:
-        raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {shape['max_position_embeddings']} positions")
+        raise UserError(f"--seq_len {cfg.seq_len} is more than the model's "
+                        f"{shape['max_position_embeddings']} positions")
     dryrun.check_fits(shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                       world_size=device.planned_world_size(cfg.nproc_per_node), device_type=device_type,
                       per_core_gib=cfg.per_core_gib)
@@ -275,7 +277,8 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
                        published_params=published,
                        label=f"{cfg.preset} ({shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
                              f"top_k {shape['num_experts_per_tok']})")
-    return dryrun.finish(r, out_dir=out_dir, results={"script": "train_moe_nki.py", "config": cfg, "model_shape": shape},
+    return dryrun.finish(r, out_dir=out_dir,
+                         results={"script": "train_moe_nki.py", "config": cfg, "model_shape": shape},
                          per_core_gib=cfg.per_core_gib)
 
 
@@ -358,7 +361,8 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     path = finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
                           out_dir=out_dir, title=f"train_moe_nki ({cfg.preset})", is_main=dev.is_main)
     if dev.is_main:
-        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
+        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; "
+            f"{results['tokens_per_s']:.0f} tokens/s; {path}")
     return results
 
 

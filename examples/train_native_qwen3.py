@@ -77,7 +77,8 @@ class Config:
         "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
     export_tolerance: float | None = field(default=None, metadata={
         "help": "max abs logits difference the export check accepts (none: 1e-5 for float32, 5e-2 for bfloat16)"})
-    nproc_per_node: int = field(default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
+    nproc_per_node: int = field(
+        default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
@@ -134,12 +135,14 @@ def preflight(cfg: Config) -> dict:
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-    found["tokenizer_dir"] = checkpoint.check_tokenizer(cfg.hf_assets or paths.tokenizer_dir(), hint)
+    found["tokenizer_dir"] = checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint)
     if cfg.hf_checkpoint:
         found["hf_config"] = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
-    shape = found.get("hf_config") or (checkpoint.read_hf_config(paths.tiny_qwen3_dir()) if cfg.flavor == "tiny" else {})
+    tiny = cfg.flavor == "tiny" and not cfg.hf_checkpoint
+    shape = found.get("hf_config") or (checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3")) if tiny else {})
     if cfg.seq_len > shape.get("max_position_embeddings", cfg.seq_len):
-        raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {shape['max_position_embeddings']} positions")
+        raise UserError(f"--seq_len {cfg.seq_len} is more than the model's "
+                        f"{shape['max_position_embeddings']} positions")
     if shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
         dryrun.check_fits(shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                           world_size=device.planned_world_size(cfg.nproc_per_node), device_type=device_type,
@@ -161,7 +164,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
         tc.model_spec = checkpoint.qwen3_spec_from_hf(found["hf_config"], where=cfg.hf_checkpoint)
     elif cfg.flavor == "tiny":
         # the shape of the tiny Qwen3 prepared at set-up (its weights are not loaded: torchtitan's init)
-        tiny_dir = paths.tiny_qwen3_dir()
+        tiny_dir = paths.asset_dir("tiny_qwen3")
         tc.model_spec = checkpoint.qwen3_spec_from_hf(checkpoint.read_hf_config(tiny_dir), where=tiny_dir)
     else:
         try:
@@ -278,7 +281,8 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     path = finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
                           out_dir=out_dir, title=f"train_native_qwen3 ({cfg.preset})", is_main=dev.is_main)
     if dev.is_main:
-        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
+        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; "
+            f"{results['tokens_per_s']:.0f} tokens/s; {path}")
     return results
 
 

@@ -206,7 +206,7 @@ def test_r_lazyload_reader(tmp_path: Path) -> None:
 def test_verify_dir_names_the_corrupt_file(tokenizer_path: Path, tmp_path: Path) -> None:
     copy = tmp_path / "tok"
     shutil.copytree(tokenizer_path, copy)
-    paths.verify_dir(copy, deep=True)
+    assets.verify_deep(copy)
 
     merges = copy / "merges.txt"
     data = bytearray(merges.read_bytes())
@@ -214,7 +214,7 @@ def test_verify_dir_names_the_corrupt_file(tokenizer_path: Path, tmp_path: Path)
     merges.write_bytes(bytes(data))
     paths.verify_dir(copy)  # the fast check compares sizes only
     with pytest.raises(UserError, match=r"merges\.txt is corrupt"):
-        paths.verify_dir(copy, deep=True)
+        assets.verify_deep(copy)
 
     (copy / "vocab.json").write_bytes(b"{}")
     with pytest.raises(UserError, match=r"vocab\.json is 2 bytes"):

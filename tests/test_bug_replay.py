@@ -172,7 +172,7 @@ def _process_state():
 def native_run(tmp_path_factory):
     """The tiny Qwen3 from its HF folder, one step: the load check passes."""
     out = tmp_path_factory.mktemp("native")
-    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.tiny_qwen3_dir()), *ONE_STEP,
+    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3")), *ONE_STEP,
                          "--no-export", "--out_dir", str(out))
     assert code == 0, err
     assert read_results(out)["load_check"]["passed"]
@@ -184,7 +184,7 @@ def moe_run(tmp_path_factory):
     """The tiny Qwen3-MoE (tied embeddings) from its HF folder through the RoPE and grouped-expert ops,
     one step, exported: load check and export check pass. Its export is the one the export cases break."""
     out = tmp_path_factory.mktemp("moe")
-    code, err = run_here("train_moe_nki.py", "--hf_checkpoint", str(paths.tiny_qwen3_moe_dir()), *ONE_STEP,
+    code, err = run_here("train_moe_nki.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3_moe")), *ONE_STEP,
                          "--out_dir", str(out))
     assert code == 0, err
     res = read_results(out)
@@ -267,7 +267,7 @@ def test_rope_theta_overridden_by_default(monkeypatch, tmp_path, native_run):
             layer.attention.rope.theta = 10_000.0
 
     patch_spec(monkeypatch, default_theta)
-    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.tiny_qwen3_dir()), *ONE_STEP,
+    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3")), *ONE_STEP,
                          "--no-export", "--out_dir", str(tmp_path))
     assert code == 2
     assert err.startswith("error: load check failed: ")
@@ -283,7 +283,7 @@ def test_rms_norm_eps_ignored(monkeypatch, tmp_path, native_run):
             norm.eps = 1e-5
 
     patch_spec(monkeypatch, default_eps)
-    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.tiny_qwen3_dir()), *ONE_STEP,
+    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3")), *ONE_STEP,
                          "--no-export", "--out_dir", str(tmp_path))
     assert code == 2
     assert err.startswith("error: load check failed: ")
@@ -329,7 +329,7 @@ def test_weights_silently_not_loaded(monkeypatch, tmp_path, native_run):
     real = Qwen3StateDictAdapter.from_hf
     monkeypatch.setattr(Qwen3StateDictAdapter, "from_hf",
                         lambda self, hf: {f"unmatched.{k}": v for k, v in real(self, hf).items()})
-    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.tiny_qwen3_dir()), *ONE_STEP,
+    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3")), *ONE_STEP,
                          "--no-export", "--out_dir", str(tmp_path))
     assert code == 2
     assert err.startswith("error: load check failed: "), err
@@ -425,7 +425,7 @@ def test_rope_op_output_left_unwritten(monkeypatch, tmp_path, moe_run):
         return torch.empty_like(x_q), torch.empty_like(x_k)
 
     monkeypatch.setattr(rope_op, "_rope_torch", unwritten)
-    code, err = run_here("train_moe_nki.py", "--hf_checkpoint", str(paths.tiny_qwen3_moe_dir()), *ONE_STEP,
+    code, err = run_here("train_moe_nki.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3_moe")), *ONE_STEP,
                          "--no-export", "--out_dir", str(tmp_path))
     assert code == 2
     assert err.startswith("error: load check failed: "), err
@@ -444,7 +444,7 @@ def test_grouped_experts_op_output_left_unwritten(monkeypatch, tmp_path, moe_run
         return (torch.empty_like(out), *saved)
 
     monkeypatch.setattr(moe_op, "_experts_torch", unwritten)
-    code, err = run_here("train_moe_nki.py", "--hf_checkpoint", str(paths.tiny_qwen3_moe_dir()), *ONE_STEP,
+    code, err = run_here("train_moe_nki.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3_moe")), *ONE_STEP,
                          "--no-export", "--out_dir", str(tmp_path))
     assert code == 2
     assert err.startswith("error: load check failed: "), err

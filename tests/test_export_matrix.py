@@ -42,7 +42,7 @@ def _save_odd_qwen3(folder: Path) -> None:
     torch.manual_seed(7)
     Qwen3ForCausalLM(cfg).float().save_pretrained(folder)
     for name in TOKENIZER:
-        shutil.copy2(paths.tokenizer_dir() / name, folder / name)
+        shutil.copy2(paths.asset_dir("tokenizer") / name, folder / name)
 
 
 @pytest.fixture(scope="module")

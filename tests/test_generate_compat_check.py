@@ -471,7 +471,7 @@ def test_judge_separates_english_from_shuffled_and_repeated(model_assets):
     """Fluent English passes; the same words shuffled, gibberish, and repetition fail. Thresholds
     (judge.JudgeLimits): perplexity under the judge <= 250, unknown words (wordfreq) <= 15%,
     distinct word pairs >= 60%, at least 8 words."""
-    corpus = paths.corpus_dir() / "train.jsonl"
+    corpus = paths.asset_dir("corpus") / "train.jsonl"
     with corpus.open() as f:  # Emma's first sentence, without the title lines above it
         first = json.loads(next(f))["text"]
     text = " ".join(first[first.index("Emma Woodhouse"):].split()[:40])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -52,8 +53,7 @@ from typing import Any
 
 from common.errors import UserError
 from tools import tiny_qwen_vl
-from common.paths import (CACHE_DIR, FOLDERS, MANIFEST, asset_files as _asset_files, prepare_hint as _prepare_hint,
-                          asset_dir, sha256 as _sha256, tokenizer_dir, verify_dir)
+from common.paths import CACHE_DIR, FOLDERS, MANIFEST, asset_dir, prepare_hint as _prepare_hint, verify_dir
 
 # torch, transformers, tokenizers, tiktoken and rdata are imported inside the functions that build and check,
 # so that importing this module for a path, or running `path`/`verify`, stays instant.
@@ -563,7 +563,7 @@ def _build_seeded_model(out: Path, config_cls: str, model_cls: str, config: dict
     with _step(f"initialise a seeded random {model_cls} and save it with the Qwen3 tokenizer"):
         torch.manual_seed(seed)
         getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).save_pretrained(out)
-        source = tokenizer_dir()
+        source = asset_dir("tokenizer")
         for name in TOKENIZER_FILES:
             shutil.copy2(source / name, out / name)
     return {
@@ -775,7 +775,7 @@ def verify(names: list[str] | None = None, deep: bool = False) -> dict[str, Path
         folder = asset_dir(name, check=False)
         if not folder.exists():
             raise UserError(f"{name} assets not prepared in {folder}: run {_prepare_hint(name)}")
-        manifest = verify_dir(folder, deep=deep)
+        manifest = verify_deep(folder) if deep else verify_dir(folder)
         what = "sha256 and size" if deep else "size"
         print(f"assets: {name}: ok, {what} of every file ({len(manifest['files'])}) match manifest.json "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
@@ -786,6 +786,26 @@ def verify(names: list[str] | None = None, deep: bool = False) -> dict[str, Path
 # ---------------------------------------------------------------------------------------------
 # Small helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def verify_deep(folder: Path) -> dict:
+    """`common.paths.verify_dir` (files and sizes), then every file's sha256 against the manifest (seconds for
+    the 0.5 GB of SmolLM2). Returns the manifest; a UserError names the first corrupt file."""
+    manifest = verify_dir(folder)
+    for rel, record in manifest["files"].items():
+        if _sha256(folder / rel) != record["sha256"]:
+            raise UserError(f"{folder / rel} is corrupt: its sha256 differs from the one in {MANIFEST}: rebuild it "
+                            f"with {_prepare_hint(manifest.get('asset', 'NAME'), force=True)}")
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _asset_files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)
 
 
 def _expect(condition: bool, what: str, folder: Path) -> None:

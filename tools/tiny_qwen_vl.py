@@ -125,7 +125,7 @@ def build(out: Path) -> dict:
     start = time.perf_counter()
     photo = _photograph(out)
     _log(f"photograph from {PHOTO_PACKAGE} ({time.perf_counter() - start:.1f} s)")
-    tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer_dir())
+    tokenizer = AutoTokenizer.from_pretrained(paths.asset_dir("tokenizer"))
     wrong = {k: (v, tokenizer.convert_tokens_to_ids(v)) for k, v in VISION_TOKENS.items()
              if tokenizer.convert_tokens_to_ids(v) != TINY_QWEN_VL_CONFIG[k]}
     if wrong:

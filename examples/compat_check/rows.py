@@ -15,12 +15,12 @@ import math
 import os
 import platform
 import re
-import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 from common.errors import UserError
+from common.results import atomic_path
 
 # In the order the public dataset lists them.
 PUBLIC_COLUMNS = (
@@ -226,14 +226,5 @@ def write_row(path: Path, row: dict) -> None:
             raise UserError(f"{path} was not written by this script (its columns do not cast: {e}); "
                             "choose another --out_dir") from None
         new = pa.concat_tables([old, new])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(new, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -84,7 +84,8 @@ def _expected_inv_freq(module) -> tuple[torch.Tensor, float]:
     PreTrainedModel._init_weights, RotaryEmbedding branch)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    fn = module.compute_default_rope_parameters if module.rope_type == "default" else ROPE_INIT_FUNCTIONS[module.rope_type]
+    kind = module.rope_type
+    fn = module.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
     inv_freq, scaling = fn(module.config)
     return inv_freq, scaling
 
