@@ -140,8 +140,10 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    from common.results import atomic_path
+
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
     return path
 
 

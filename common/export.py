@@ -111,10 +111,8 @@ def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_p
 
     tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
     if is_main:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(tmp))
-        os.replace(tmp, path)
+        with results.atomic_path(path) as tmp:
+            save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(tmp))
 
 
 LOAD_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}  # max abs logit difference; bf16 compute rounds

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -32,20 +33,26 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temp file in the same folder and rename: readers see the old file or the new one."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """A temp file beside `path` to write into; when the block ends without error it is synced to disk and renamed
+    onto `path` (readers see the old file or the new one, never half of one), else removed. Every writer uses it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
+        yield Path(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def write_results(out_dir: str | os.PathLike, results: dict) -> Path:
@@ -81,10 +88,9 @@ def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 
