@@ -149,8 +149,8 @@ def trn2_selected() -> Config:
 
 
 PRESETS = {"offline": offline, "trn2_selected": trn2_selected}
-OFFLINE_MODELS = {"tiny-qwen3": paths.tiny_qwen3_dir, "tiny-qwen3-moe": paths.tiny_qwen3_moe_dir,
-                  "smollm2-135m-instruct": paths.smollm2_dir, "tiny-qwen-vl": paths.tiny_qwen_vl_dir}
+OFFLINE_MODELS = {"tiny-qwen3": "tiny_qwen3", "tiny-qwen3-moe": "tiny_qwen3_moe",  # name -> asset (paths.FOLDERS)
+                  "smollm2-135m-instruct": "smollm2", "tiny-qwen-vl": "tiny_qwen_vl"}
 OFFLINE_IMAGE = "photograph.png"  # in the tiny-qwen-vl asset: Chelsea the cat (CC0), from scikit-image
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]  # never pickles
 
@@ -179,7 +179,7 @@ def resolve_model(spec: str, with_code: bool = False) -> Path:
         return Path(spec).expanduser()
     try:
         if spec in OFFLINE_MODELS:
-            return OFFLINE_MODELS[spec]()
+            return paths.asset_dir(OFFLINE_MODELS[spec])
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
