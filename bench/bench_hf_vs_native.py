@@ -27,29 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common_bench as cb  # noqa: E402
 from common import paths  # noqa: E402
 from common import cli  # noqa: E402
-from common.errors import UserError  # noqa: E402
 
 COMPARED_WITH = "torchtitan's native Qwen3 on the same model, weights, data and batch = 1.00; above 1: hf is slower"
 
 
 @dataclass
-class Config:
-    preset: str = "default"
+class Config(cb.TrainingBench):
     out_dir: str = field(default="runs/bench/hf_vs_native",
                          metadata={"help": "results.json, logs/, timings/ go here"})
-    steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)"})
-    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
-    repeats: int = field(default=3, metadata={"help": "processes of each path, alternating"})
     extra_args: str = field(default="", metadata={"help": "flags added to both training commands"})
-
-    def validate(self) -> None:
-        if self.steps < 3 or self.repeats <= 0:
-            raise UserError("--steps must be at least 3 (step 1 is warm-up) and --repeats positive")
 
 
 def default() -> Config:
     """The CPU presets as they are (batch 2 x 128 tokens), 8 steps, 3 alternating repeats."""
-    return Config()
+    return replace(Config(), steps=8, repeats=3)
 
 
 def tiny() -> Config:

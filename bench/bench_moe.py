@@ -218,8 +218,7 @@ def main(cfg: Config) -> dict:
                                           "RoutedExperts (bfloat16 torch._grouped_mm), same weights and routing",
                "compared_with": f"loop_over_op, loop_over_matmuls: {COMPARED_WITH}; stock_over_op: torchtitan's "
                                 "stock RoutedExperts in bfloat16 = 1.00",
-               "method": {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup,
-                          "calls_per_sample": cfg.iters, "statistic": "median over rounds of the median call time"},
+               "method": cb.call_timing_method(cfg, threads),
                "rows": rows, "at_16_experts": at_16}
     cb.write(out_dir, "moe", results, table)
     return results

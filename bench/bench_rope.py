@@ -187,8 +187,7 @@ def main(cfg: Config) -> dict:
                                           "forward + backward, alternating rounds",
                "compared_with": f"cossin_over_op: {COMPARED_WITH}; hf_over_op: transformers' "
                                 "apply_rotary_pos_emb on the same inputs = 1.00",
-               "method": {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup,
-                          "calls_per_sample": cfg.iters, "statistic": "median over rounds of the median call time"},
+               "method": cb.call_timing_method(cfg, threads),
                "rows": rows, "lowest": lowest}
     cb.write(out_dir, "rope", results, table)
     return results

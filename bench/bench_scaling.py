@@ -44,21 +44,18 @@ SIZES = {
 
 
 @dataclass
-class Config:
-    preset: str = "default"
+class Config(cb.TrainingBench):
     out_dir: str = field(default="runs/bench/scaling",
                          metadata={"help": "results.json, models/, logs/, timings/ go here"})
     sizes: str = field(default="small", metadata={"help": "comma-separated larger sizes besides tiny: small, medium"})
     processes: int = field(default=2, metadata={"help": "process count of the multi-process run (1: none)"})
-    steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
-    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
-    repeats: int = field(default=2, metadata={"help": "processes of each run, alternating"})
     global_batch: int = field(default=4, metadata={"help": "sequences per step, split over the processes"})
     seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
 
     def validate(self) -> None:
-        if self.steps < 3 or min(self.repeats, self.processes, self.global_batch, self.seq_len) <= 0:
-            raise UserError("--steps must be at least 3 (step 1 is warm-up); other counts positive")
+        super().validate()
+        if min(self.processes, self.global_batch, self.seq_len) <= 0:
+            raise UserError("--processes, --global_batch and --seq_len must be positive")
         if self.global_batch % self.processes:
             raise UserError(f"--global_batch {self.global_batch} is not a multiple of --processes {self.processes}")
 

@@ -58,20 +58,12 @@ COMPARED_WITH = "torchtitan's own entry point on the same Trainer.Config = 1.00"
 
 
 @dataclass
-class Config:
-    preset: str = "default"
+class Config(cb.TrainingBench):
     out_dir: str = field(default="runs/bench/train_overhead",
                          metadata={"help": "results.json, logs/, timings/ go here"})
     scripts: str = field(default="native,hf,moe", metadata={"help": "comma-separated: native, hf, moe"})
-    steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
-    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
-    repeats: int = field(default=2, metadata={"help": "processes of each kind, alternating"})
     extra_args: str = field(default="",
                             metadata={"help": "flags added to every training command (e.g. '--seq_len 64')"})
-
-    def validate(self) -> None:
-        if self.steps < 3 or self.repeats <= 0:
-            raise UserError("--steps must be at least 3 (step 1 is warm-up) and --repeats positive")
 
 
 def default() -> Config:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from common.errors import UserError  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 
 
@@ -131,6 +133,25 @@ def _timed(fn) -> float:
 THREADS_HELP = ("torch intra-op threads per process (0: torch's default, one per core). 1 by default: on a "
                 "shared machine a second thread waits for a busy core at every op, which times the scheduler, "
                 "not the code (measured here: 10x slower RoPE calls at 2 threads under load)")
+
+
+@dataclass
+class TrainingBench:
+    """The flags of the benchmarks that time training processes; their Config adds its own."""
+    preset: str = "default"
+    steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
+    threads: int = field(default=1, metadata={"help": THREADS_HELP})
+    repeats: int = field(default=2, metadata={"help": "processes of each kind, alternating"})
+
+    def validate(self) -> None:
+        if self.steps < 3 or self.repeats <= 0:
+            raise UserError("--steps must be at least 3 (step 1 is warm-up) and --repeats positive")
+
+
+def call_timing_method(cfg, threads: int) -> dict:
+    """How a microbenchmark (bench_moe, bench_rope) timed its calls, for results.json."""
+    return {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup,
+            "calls_per_sample": cfg.iters, "statistic": "median over rounds of the median call time"}
 
 
 def set_threads(threads: int) -> int:

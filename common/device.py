@@ -1,12 +1,6 @@
-"""Device choice, process group, self-launch, and the workarounds torchtitan 0.3.0 needs off CUDA.
-
-Every example calls `setup()` first, before anything imports torchtitan: torchtitan picks its
-device type once, at import time (torchtitan/tools/utils.py:55), and falls back to "cuda" when
-it finds no accelerator, so the choice has to be made before that import.
-
-The one Neuron availability check of the repository is `neuron_available()`; Neuron-only lines
-below say why they exist. Nothing here fakes a Neuron module: on a machine without torch-neuronx,
-`--device neuron` is an error and `--device auto` picks cuda or cpu.
+"""Device choice, process group and self-launch. Every example calls `setup()` before anything imports
+torchtitan, which picks its device type once, at import. `neuron_available()` is the repository's one Neuron
+availability check: without torch-neuronx, `--device neuron` is an error and `--device auto` picks cuda or cpu.
 """
 from __future__ import annotations
 
@@ -26,7 +20,6 @@ import torch.distributed as dist
 from common.errors import UserError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "neuron")
-# One process group backend per device type.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
 GIB = 1 << 30
 
@@ -59,14 +52,10 @@ def resolve_device_type(requested: str) -> str:
     if requested not in DEVICE_CHOICES:
         raise UserError(f"unknown device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}")
     if requested == "auto":
-        if neuron_available():
-            return "neuron"
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "neuron" if neuron_available() else "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "neuron" and not neuron_available():
-        raise UserError(
-            "--device neuron needs a Trainium host with torch-neuronx installed "
-            "(see README, 'trn2 install'); this machine has none"
-        )
+        raise UserError("--device neuron needs a Trainium host with torch-neuronx installed "
+                        "(docs/first-hour-trn2.md); this machine has none")
     if requested == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but torch sees no CUDA device here")
     return requested
@@ -79,9 +68,8 @@ def _free_port() -> int:
 
 
 def fill_single_process_env() -> bool:
-    """Workaround: torchtitan always builds a process group, so plain `python script.py` needs
-    the variables torchrun would set. Returns True when it filled them in.
-    Remove when torchtitan skips process-group creation at world size 1."""
+    """Workaround: torchtitan always builds a process group, so plain `python script.py` needs the variables
+    torchrun would set; True when filled in. Remove when torchtitan skips the group at world size 1."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return False
     os.environ.update(
@@ -91,53 +79,25 @@ def fill_single_process_env() -> bool:
     return True
 
 
-class _CPUDeviceModule(SimpleNamespace):
-    """What torchtitan calls on its `device_module` (torch.cuda-like), answered for the host CPU.
+def _cpu_device_module() -> SimpleNamespace:
+    """What torchtitan calls on its `device_module` (torch.cuda-like), answered for the host CPU: torch.cpu lacks
+    get_device_name, memory_stats and friends, which torchtitan's memory monitor and MFU logging call. Peak
+    memory is the process's peak resident set size."""
+    import psutil
 
-    torch.cpu lacks get_device_name, memory_stats and friends, which torchtitan's memory monitor
-    and MFU logging call. Peak memory is the process's peak resident set size."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        super().__init__(_total=psutil.virtual_memory().total)
-
-    def is_available(self) -> bool:
-        return True
-
-    def device_count(self) -> int:
-        return 1
-
-    def current_device(self) -> int:
-        return 0
-
-    def set_device(self, device) -> None:
-        pass
-
-    def synchronize(self, device=None) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def reset_peak_memory_stats(self, device=None) -> None:
-        pass
-
-    def get_device_name(self, device=None) -> str:
-        return f"CPU {platform.processor() or platform.machine()}"
-
-    def get_device_properties(self, device=None) -> SimpleNamespace:
-        return SimpleNamespace(total_memory=self._total, name=self.get_device_name())
-
-    def memory_stats(self, device=None) -> dict[str, int]:
-        peak = peak_memory_bytes("cpu")
-        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak}
+    name, total = f"CPU {platform.processor() or platform.machine()}", psutil.virtual_memory().total
+    nothing = lambda *args, **kwargs: None  # noqa: E731
+    return SimpleNamespace(
+        is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0, set_device=nothing,
+        synchronize=nothing, empty_cache=nothing, reset_peak_memory_stats=nothing,
+        get_device_name=lambda device=None: name,
+        get_device_properties=lambda device=None: SimpleNamespace(total_memory=total, name=name),
+        memory_stats=lambda device=None: dict.fromkeys(("active_bytes.all.peak", "reserved_bytes.all.peak"),
+                                                       peak_memory_bytes("cpu")))
 
 
 def synchronize(device_type: str) -> None:
     """Wait for queued device work, so that a wall time covers it."""
-    import torch
-
     if device_type == "cuda":
         torch.cuda.synchronize()
     elif device_type == "neuron":  # only reached after setup() found torch-neuronx
@@ -146,8 +106,6 @@ def synchronize(device_type: str) -> None:
 
 def peak_memory_bytes(device_type: str) -> int:
     """Peak device memory of this process. CPU has no device memory: the peak resident set size."""
-    import torch
-
     if device_type == "cuda":
         return int(torch.cuda.max_memory_allocated())
     if device_type == "neuron":
@@ -156,12 +114,10 @@ def peak_memory_bytes(device_type: str) -> int:
 
 
 def route_torchtitan_device(device_type: str) -> None:
-    """Workaround: make torchtitan use `device_type` rather than what it detects at import.
-
-    torchtitan 0.3.0 binds `device_type, device_module` in torchtitan/tools/utils.py at import and
-    falls back to "cuda" when no accelerator is found; every other torchtitan module copies the
-    pair with `from torchtitan.tools.utils import ...`. Setting the pair right after importing that
-    one module, before any other torchtitan import, routes all of torchtitan.
+    """Workaround: make torchtitan use `device_type` rather than what it detects at import. torchtitan 0.3.0
+    binds `device_type, device_module` in torchtitan/tools/utils.py at import ("cuda" when it finds no
+    accelerator), and every other module copies the pair; setting it right after importing that one module,
+    before any other torchtitan import, routes all of torchtitan.
     Remove when torchtitan detects CPU-only hosts (or takes the device as a setting)."""
     already_imported = "torchtitan.tools.utils" in sys.modules
     import torchtitan.tools.utils as tt_utils
@@ -174,13 +130,12 @@ def route_torchtitan_device(device_type: str) -> None:
             f"torchtitan runs on {device_type!r} rather than {tt_utils.device_type!r}"
         )
     tt_utils.device_type = device_type
-    tt_utils.device_module = _CPUDeviceModule() if device_type == "cpu" else getattr(torch, device_type)
+    tt_utils.device_module = _cpu_device_module() if device_type == "cpu" else getattr(torch, device_type)
 
 
 def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
-    """Neuron runtime/compiler settings, from config fields, in one place. Trainium only:
-    LNC (logical NeuronCore size) must match the NKI kernels' launch grid; the NEFF cache keeps
-    compiled graphs across runs so only the first run pays for neuronx-cc."""
+    """Neuron runtime/compiler settings from config fields, in one place (Trainium only): LNC (logical
+    NeuronCore size) must match the NKI kernels' launch grid; the NEFF cache keeps compiled graphs across runs."""
     env = {"NEURON_LOGICAL_NC_CONFIG": str(lnc)}
     if neff_cache_dir:
         env["TORCH_NEURONX_NEFF_CACHE_DIR"] = neff_cache_dir
@@ -189,9 +144,8 @@ def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
 
 
 def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> DeviceInfo:
-    """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to
-    the device, and create the process group (torchtitan then reuses it). On Trainium the Neuron
-    settings are applied first: the runtime reads them when the process group starts it."""
+    """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to the device, and
+    create the process group (torchtitan reuses it). Neuron settings first: the runtime reads them at start."""
     device_type = resolve_device_type(requested)
     if device_type == "neuron":
         print(f"[neuron] {set_neuron_env(lnc, os.environ.get('TORCH_NEURONX_NEFF_CACHE_DIR'))}", flush=True)
@@ -225,7 +179,7 @@ def teardown() -> None:
 
 
 def under_launcher() -> bool:
-    """True inside torchrun (or any launcher that set the rank variables)."""
+    """Inside torchrun (or any launcher that set the rank variables)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
@@ -235,8 +189,8 @@ def planned_world_size(nproc_per_node: int) -> int:
 
 
 def check_batch_split(global_batch: int, local_batch: int, world_size: int) -> None:
-    """Data parallel splits the global batch into local batches on every rank (torchtitan adds
-    gradient accumulation for the rest): it must divide evenly. -1 means local x ranks."""
+    """The global batch (-1: local x ranks) must split into local batches on every rank (torchtitan adds
+    gradient accumulation for the rest)."""
     if global_batch > 0 and global_batch % (local_batch * world_size):
         raise UserError(f"global batch {global_batch} is not a multiple of local batch {local_batch} x "
                         f"{world_size} ranks")
@@ -246,8 +200,8 @@ PROCESS_GIB = 1.5  # one tiny-preset training process on CPU: torchtitan logs ab
 
 
 def check_nproc(nproc_per_node: int, device_type: str, oversubscribe: bool = False) -> None:
-    """Before a self-launch: no more processes than the host has cores (CPU) or devices (CUDA), and
-    memory for their start-up. `oversubscribe` (a flag) lets people who know better go on."""
+    """Before a self-launch: no more processes than the host has cores (CPU) or GPUs, and memory for their
+    start-up, unless `oversubscribe`."""
     if nproc_per_node <= 1 or oversubscribe:
         return
     import psutil
@@ -264,10 +218,9 @@ def check_nproc(nproc_per_node: int, device_type: str, oversubscribe: bool = Fal
 
 
 def self_launch(nproc_per_node: int, argv: list[str]) -> int:
-    """Re-run this script under torchrun with `nproc_per_node` workers on this host, so users can
-    skip typing torchrun for a single node. Returns the launcher's exit code. The workers run in a
-    process group of their own: SIGINT, SIGTERM or SIGHUP sent to this process alone (a scheduler's
-    kill, `kill -INT PID`) stops every one of them, so nothing outlives the command."""
+    """Re-run this script under torchrun with `nproc_per_node` workers on this host; returns its exit code.
+    The workers run in a process group of their own: SIGINT, SIGTERM or SIGHUP sent to this process alone (a
+    scheduler's kill, `kill -INT PID`) stops every one of them, so nothing outlives the command."""
     import signal
     import subprocess
     import threading

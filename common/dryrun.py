@@ -6,38 +6,8 @@ the parallel plan at the intended world size in one process: collectives go to P
 process-group backend, so FSDP shards exactly as it would on `world_size` ranks. What each rank
 holds is then read from the sharded parameters and from FSDP's units.
 
-Per-rank memory, in bytes (every term is reported; c is the compute dtype's size, r = 4 the
-gradient-reduction dtype's, N the world size, V x d the vocabulary matrix):
-  parameters        local shard x 4    (torchtitan keeps float32 master weights, training.dtype)
-  gradients         local shard x 4    (FSDP reduce-scatters into float32 sharded gradients)
-  optimizer_state   local shard x 8    (AdamW: exp_avg and exp_avg_sq, float32)
-  gathered_blocks   k x (U + B) x c    FSDP's all-gathered parameters: U the largest unit outside the
-                    transformer blocks, read from the plan (torchtitan groups a tied embedding and
-                    lm_head into one unit that holds the shared matrix twice: one copy per module),
-                    B the largest block; k = 2 above one rank, where FSDP keeps the all-gather's flat
-                    output beside the unsharded parameters until the next all-gather, else 1; plus,
-                    with a 16-bit compute dtype, the local shard's cast copy the all-gather sends
-  gradient_buffers  G x (c + r + r/N)  FSDP's reduce of the largest unit's gradient: the unsharded
-                    gradient, the reduce-scatter input and its output (G = max(V x d, B); one rank:
-                    G x max(c + r, 2r), a copy and a divided copy instead of the collective)
-  activations       the larger of two phases, both holding the checkpointed block inputs
-                    (full activation checkpointing: L x b x s x d x c):
-                    the loss: torchtitan's chunked loss runs lm_head forward and backward on
-                      b x s / chunks tokens at a time: chunk x V x (c + 12) (the logits, and float32
-                      log-probabilities, their gradient and the logits' gradient), or chunk x V x 8
-                      plus lm_head's weight gradient V x d x c when that is larger; plus the final
-                      hidden states and their float32 gradient, b x s x d x (c + 4);
-                    the decoder backward: one block recomputed, per token (4 d + 4 d_q + 4 d_kv +
-                      4 F) x c saved (norm inputs and outputs, q/k/v before and after norm and RoPE,
-                      attention output, the SwiGLU's gate, up, activation and product) and 2 F x c
-                      of gradients in flight (MoE blocks: top_k x (3 F_moe + d) for the routed
-                      copies in place of 6 F), plus the float32 attention mask b x s x s x 4 and the
-                      hidden-state gradient b x s x d x 4.
-                    Without activation checkpointing every block keeps what it saves (L x the saved
-                    part), and the decoder backward adds only what is in flight.
-Measured against a CPU training step (bench/bench_memory_model.py, docs/memory-model.md): parameters,
-gradients and optimizer state are exact; the errors of the other terms are stated there.
-The per-core limit defaults to 24 GiB (one LNC=2 Trainium2 core: 96 GiB HBM per chip, 4 cores).
+Per-rank memory is the sum of six terms (parameters, gradients, optimizer state, gathered blocks, gradient
+buffers, activations), each at its own peak; the formulas and their measured errors are in docs/memory-model.md.
 """
 from __future__ import annotations
 
@@ -49,7 +19,6 @@ from common.device import GIB
 from common.errors import UserError
 from common.results import versions, write_results
 
-TRN2_LNC2_CORE_GIB = 24.0
 REDUCE_BYTES = 4  # FSDP reduces gradients in float32 (training.mixed_precision_reduce)
 
 
@@ -59,10 +28,8 @@ def _bytes(dtype: str) -> int:
 
 def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes: int, full_ac: bool,
                         loss_chunks: int = 1) -> dict:
-    """Activation bytes per rank for one micro-batch (formula in the module docstring). `shape` is
-    an HF config.json dict (hidden_size, num_hidden_layers, num_attention_heads, vocab_size,
-    intermediate_size, and for MoE num_experts_per_tok, moe_intermediate_size). `loss_chunks`: the
-    chunks of torchtitan's ChunkedLossWrapper (1: the whole logits at once)."""
+    """Activation bytes per rank for one micro-batch (docs/memory-model.md) of the model an HF config.json dict
+    describes. `loss_chunks`: the chunks of torchtitan's ChunkedLossWrapper (1: the whole logits at once)."""
     c, tokens = compute_bytes, batch * seq_len
     d, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     heads = shape["num_attention_heads"]
@@ -84,8 +51,7 @@ def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes:
 
 
 def _units(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> tuple[list[int], list[int]]:
-    """Parameter counts of FSDP's units after the plan was applied: (units outside the transformer
-    blocks, block units). A unit counts each of its parameters at full size, as FSDP gathers it."""
+    """Parameter counts of FSDP's units (outside the blocks, blocks), each parameter at full size as gathered."""
     from torch.distributed.fsdp import FSDPModule
 
     block_ids = {id(b) for b in blocks}
@@ -118,11 +84,9 @@ def _loss_chunks(tc) -> int:
 
 def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_params: float | None,
             label: str) -> dict:
-    """Build `tc`'s model on meta, shard it for `world_size` ranks with torchtitan's plan, and size
-    one rank. `shape` is the model's config.json (for the activation estimate and weight tying).
-    Call in a process without a process group (it creates and destroys a fake one). One plan per
-    world size and process: torchtitan 0.3.0's spmd_types path refuses a second one in the same
-    process (a mesh from the first is found again)."""
+    """Build `tc`'s model on meta, shard it for `world_size` ranks with torchtitan's plan, and size one rank.
+    `shape`: the model's config.json. Call without a process group (a fake one is made and destroyed), once per
+    process: torchtitan 0.3.0's spmd_types path refuses a second plan in the same process."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -175,7 +139,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
                 "activations": act["total"]}
     total = sum(per_rank.values())
     limit = int(per_core_gib * GIB)
-    result = {
+    return {
         "label": label, "world_size": world_size, "parameters": n_params,
         "published_parameters": published_params,
         "parameters_vs_published": (n_params / published_params - 1) if published_params else None,
@@ -185,7 +149,6 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
         "per_core_limit_bytes": limit, "fits": total <= limit,
         "overflow": [] if total <= limit else _overflow(per_rank, limit),
     }
-    return result
 
 
 def _overflow(per_rank: dict, limit: int) -> list[str]:
@@ -207,8 +170,8 @@ def format_table(r: dict) -> str:
 
 
 def finish(r: dict, *, out_dir, results: dict, per_core_gib: float) -> dict:
-    """Print the table, write results.json with the `dry_run` section, then fail (exit 2) when the
-    size is off the published one or the plan does not fit, naming what overflows."""
+    """Print the table and write results.json, then fail (exit 2) when the size is off the published one or the
+    plan does not fit, naming what overflows."""
     print(format_table(r))
     write_results(out_dir, {**results, "versions": versions(), "dry_run": r})
     check_published(r)
@@ -226,7 +189,6 @@ def check_published(r: dict, tolerance: float = 0.01) -> None:
                         f"{r['published_parameters'] / 1e9:.1f} B")
 
 
-
 def parameter_estimate(shape: dict) -> int:
     """Parameters of a (dense or MoE) Qwen3 config.json, from its numbers alone (no model built)."""
     d, layers, vocab, heads = (shape[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size",
@@ -241,10 +203,9 @@ def parameter_estimate(shape: dict) -> int:
 
 def check_fits(shape: dict, *, local_batch: int, seq_len: int, dtype: str, world_size: int, device_type: str,
                per_core_gib: float) -> None:
-    """Before anything is launched or allocated: refuse a run whose per-rank memory cannot fit even at
-    its lower bound (sharded float32 weights, gradients and AdamW state, and the activations with every
-    block checkpointed) in what one rank has: the CPU's available memory shared by the ranks on this
-    host, a GPU's memory, or --per_core_gib on Trainium. `--dry_run` gives the full table."""
+    """Before anything is launched: refuse a run whose per-rank memory cannot fit even at its lower bound
+    (sharded float32 weights, gradients and AdamW state; activations with every block checkpointed) in what one
+    rank has: its share of the CPU's available memory, a GPU's memory, or --per_core_gib on Trainium."""
     try:
         state = parameter_estimate(shape) * 16 // world_size
         acts = activation_estimate(shape, batch=local_batch, seq_len=seq_len, compute_bytes=_bytes(dtype),

@@ -140,66 +140,60 @@ def _settings_differences(built_config, ckpt_dir) -> dict:
     return {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
 
 
-def load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is_main: bool,
-               pass_positions: bool = False) -> dict:
-    """Before the first step: the model as torchtitan built and loaded it against transformers'
-    `from_pretrained` of the same folder (float32, in a fresh process on the host CPU), on a fixed
-    input, and the settings the built model uses against its config.json. Catches a
-    model that trains but is not the checkpoint: weights not loaded, config values read wrong or
-    replaced by defaults. `built_config`: the built model's settings (a config.json dict or a
-    transformers config).
-    Every rank gets the verdict; a failure is one UserError naming what differs."""
-    import torch
-    from safetensors.torch import save_file
-
-    tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
-    check = None
-    if is_main:  # the reference runs in a fresh process: the Transformers backend patches transformers' classes
-        with tempfile.TemporaryDirectory() as tmp:
-            reference = Path(tmp) / "load_reference.safetensors"
-            save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
-            read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
-        diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
-        differing = _settings_differences(built_config, ckpt_dir)
-        check = {"max_abs_logit_diff": diff, "tolerance": tol, "config_differences": differing,
-                 "passed": diff <= tol and not differing, **({"error": read_back["error"]} if "error" in read_back else {})}
-    if torch.distributed.is_initialized():
-        box = [check]
-        torch.distributed.broadcast_object_list(box, src=0)
-        check = box[0]
-    if not check["passed"]:
-        named = [f"{k}: trained model {a}, config.json {b}" for k, (a, b) in check["config_differences"].items()]
-        if not check["max_abs_logit_diff"] <= check["tolerance"]:
-            named.insert(0, check.get("error") or f"max abs logit diff {check['max_abs_logit_diff']:.3g} > {check['tolerance']:g}")
-        raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
-                        + "; ".join(named) + "); pass --no-load_check to train anyway")
-    if is_main:
-        print(f"[load check] max abs logit diff {check['max_abs_logit_diff']:.3g} (tolerance {check['tolerance']:g}), "
-              "settings agree: the built model is the checkpoint", flush=True)
-    return check
-
-
-def attach_load_check(trainer, ckpt_dir, tokenizer_dir, **kwargs) -> dict:
-    """Compare the built model's settings with config.json now, before torchtitan loads anything
-    (a wrong head_dim or theta fails here with its name, not in the loader), then run `load_check`
-    once torchtitan has loaded the checkpoint (in `trainer.train()`), right before the first step of
-    a fresh run; a resumed run holds trained weights and is not checked.
-    Returns the dict the check's result is written into (empty when it did not run)."""
-    differing = _settings_differences(kwargs["built_config"], ckpt_dir)
+def attach_load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is_main: bool,
+                      pass_positions: bool = False) -> dict:
+    """Check that the model torchtitan builds is the checkpoint: its settings (`built_config`, a config.json dict
+    or a transformers config) against the folder's config.json now, before anything loads (a wrong head_dim or
+    theta is named here, not in the loader); then, right before the first step of a fresh run (a resumed run
+    holds trained weights), its logits against transformers' `from_pretrained` of the folder (float32, in a fresh
+    process: the Transformers backend patches transformers' classes). Catches weights not loaded and config
+    values read wrong or replaced by defaults. Returns the dict the logit check's result is written into; a
+    failure is one UserError on every rank."""
+    differing = _settings_differences(built_config, ckpt_dir)
     if differing:
-        raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
-                        + "; ".join(f"{k}: trained model {a}, config.json {b}" for k, (a, b) in differing.items())
-                        + "); pass --no-load_check to train anyway")
+        _fail(ckpt_dir, [f"{k}: trained model {a}, config.json {b}" for k, (a, b) in differing.items()])
     original, result = trainer.train_step, {}
 
     def first_step(*args, **kw):
         trainer.train_step = original
         if trainer.step == 1:
-            result.update(load_check(trainer, ckpt_dir, tokenizer_dir, **kwargs))
+            result.update(_logit_check(trainer, ckpt_dir, tokenizer_dir, dtype, is_main, pass_positions))
         return original(*args, **kw)
 
     trainer.train_step = first_step
     return result
+
+
+def _fail(ckpt_dir, named: list[str]):
+    raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
+                    + "; ".join(named) + "); pass --no-load_check to train anyway")
+
+
+def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
+    check = None
+    if is_main:
+        with tempfile.TemporaryDirectory() as tmp:
+            reference = Path(tmp) / "load_reference.safetensors"
+            save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
+            read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
+        diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
+        check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
+                 **({"error": read_back["error"]} if "error" in read_back else {})}
+    if torch.distributed.is_initialized():
+        box = [check]
+        torch.distributed.broadcast_object_list(box, src=0)
+        check = box[0]
+    if not check["passed"]:
+        _fail(ckpt_dir, [check.get("error") or f"max abs logit diff {check['max_abs_logit_diff']:.3g} > "
+                                               f"{check['tolerance']:g}"])
+    if is_main:
+        print(f"[load check] max abs logit diff {check['max_abs_logit_diff']:.3g} (tolerance {check['tolerance']:g}), "
+              "settings agree: the built model is the checkpoint", flush=True)
+    return check
 
 
 def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokenizer_dir: Path,

@@ -3,10 +3,8 @@
     python -m common.preflight                  # this machine's stack (trn2 where torch-neuronx is installed, else cpu)
     python -m common.preflight --target trn2    # the Trainium stack: the first command on a trn2 box
 
-Prints one table (requirement, found, verdict) and exits 0, or exits 2 with one `error:` line naming each missing
-piece. A version other than the tested one is a warning (WARN); a missing module or symbol, or a keyword our calls
-pass that the installed function does not take, is an error. Nothing here starts a process group or the Neuron
-runtime (importing torch_neuronx registers the device; the runtime starts at the first device tensor), so a wrong
+Prints one table (requirement, found, verdict) and exits 0, or 2 with one `error:` line naming each missing piece
+(a version other than the tested one is only a warning). No process group or Neuron runtime is started, so a wrong
 torchtitan fails in seconds. With --device neuron the scripts run the same check first: `require_stack("trn2")`.
 """
 from __future__ import annotations
@@ -26,8 +24,7 @@ from pathlib import Path
 
 from common.errors import UserError
 
-# The stacks the scripts were tested with. CPU: the `==` pins of requirements.txt. trn2: the guide's stack
-# (requirements-trn2.txt); the Neuron runtime, driver and collectives are reported where present.
+# The tested stacks. CPU: the `==` pins of requirements.txt. trn2: the guide's (requirements-trn2.txt).
 TRN2_PINS = {"torch": "2.14.0", "torch-neuronx": "2.14.3", "transformers": "5.16.0",
              "torchtitan-neuron": "0.2.2+neuron.1"}  # torchtitan-neuron: its release-2.33 branch
 TRN2_PYTHON = (3, 12)
@@ -35,9 +32,8 @@ TRN2_INFO = ("neuronx-cc", "nki", "nki-library")  # reported, not pinned by the 
 NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
-# Every external symbol the scripts use: "module:name name ...", and the keyword names their calls pass (() = none
-# checked; keywords go with a one-name row). A dotted name is read attribute by attribute; "f()" is called without
-# arguments, as the scripts call a registry builder. The Neuron rows are the documented APIs common/kernels/ calls.
+# Every external symbol the scripts use, "module:name name ...", and the keywords their calls pass (with a one-name
+# row). A dotted name is read attribute by attribute; "f()" is called, as the scripts call a registry builder.
 ANY, TRN2 = ("cpu", "trn2"), ("trn2",)
 SYMBOLS = [
     (ANY, "torchtitan.config:override", ("target", "fqns", "exact", "description")),
@@ -109,7 +105,7 @@ def _versions(target: str) -> list[tuple[str, str, str]]:
 
 
 def _system_version(pkg: str) -> str | None:
-    """An OS package's version (the Neuron runtime, collectives and driver come as deb or rpm packages)."""
+    """An OS package's version (the Neuron runtime, collectives and driver are deb or rpm packages)."""
     cmd = (["dpkg-query", "-W", "-f=${Version}", pkg] if shutil.which("dpkg-query") else
            ["rpm", "-q", "--qf", "%{VERSION}", pkg] if shutil.which("rpm") else None)
     if cmd is None:
@@ -150,8 +146,8 @@ def _resolve(obj, name: str):
 
 
 def _parameters(obj) -> dict | None:
-    """The parameters of a function, class or nki.jit kernel (which keeps the function as `.func`; some releases
-    also keep its signature as `.sign`, which torch_neuronx.wrap_nki reads); None when it takes **kwargs."""
+    """The parameters of a function, class or nki.jit kernel (the function is its `.func`; some releases keep the
+    signature as `.sign`, which torch_neuronx.wrap_nki reads); None when it takes **kwargs."""
     sig = getattr(obj, "sign", None)
     if not isinstance(sig, inspect.Signature):
         sig = inspect.signature(getattr(obj, "func", obj))
@@ -232,8 +228,8 @@ def wants_neuron(requested_device: str) -> bool:
 
 
 def require_stack(target: str = "trn2") -> list[tuple[str, str, str]]:
-    """The check a script runs before its process group starts: a UserError naming every missing piece, one
-    `[preflight]` line otherwise (warnings named). Returns the table's rows."""
+    """The check a script runs before its process group starts: a UserError naming every missing piece, else one
+    `[preflight]` line (warnings named). Returns the table's rows."""
     rows = check(target)
     missing = problems(rows)
     if missing:

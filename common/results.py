@@ -42,6 +42,9 @@ def atomic_path(path: str | os.PathLike):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
         yield Path(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

@@ -1,12 +1,13 @@
-"""common/kernels/moe_op.py: the grouped-expert op against a per-expert loop written here, outputs and
-gradients (hidden states, router, expert weights) in float32 within 1e-5, experts without tokens
-included; op registration (opcheck); the routing tables of the Trainium branch, built on CPU."""
+"""common/kernels/moe_op.py: the grouped-expert op against the per-expert loop (plain autograd, the baseline
+bench/bench_moe.py times), outputs and gradients (hidden states, router, expert weights) in float32 within 1e-5,
+experts without tokens included; op registration (opcheck); the routing tables of the Trainium branch, on CPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.bench_moe import per_expert_loop
 from common.errors import UserError
 from common.kernels.moe_nki import block_to_expert, check_nki_shapes, num_blocks, token_slots
 from common.kernels.moe_op import grouped_experts
@@ -29,15 +30,6 @@ def _route(x, gate, top_k, unused):
     return scores / scores.sum(-1, keepdim=True), ids
 
 
-def _per_expert_loop(x, scores, ids, w1, w2, w3):
-    out = torch.zeros_like(x)
-    for e in range(w1.shape[0]):
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = F.silu(x[tok] @ w1[e].t()) * (x[tok] @ w3[e].t())
-        out = out.index_add(0, tok, (h @ w2[e].t()) * scores[tok, slot, None])
-    return out
-
-
 def _run(experts_fn, m, top_k, unused):
     leaves = {k: m[k].clone().requires_grad_() for k in ("x", "gate", "w1", "w2", "w3")}
     scores, ids = _route(leaves["x"], leaves["gate"], top_k, unused)
@@ -50,7 +42,7 @@ def _run(experts_fn, m, top_k, unused):
 def test_matches_per_expert_loop(E, top_k, unused):
     m = _model(E=E, seed=E + top_k)
     ours = _run(lambda *a: grouped_experts(*a, compute_dtype=torch.float32)[0], m, top_k, unused)
-    ref = _run(_per_expert_loop, m, top_k, unused)
+    ref = _run(per_expert_loop, m, top_k, unused)
     assert not torch.isin(torch.tensor(unused, dtype=torch.long), ref[2]).any()  # really left without tokens
     assert (ours[0] - ref[0]).abs().max().item() <= TOL
     for name in ("x", "gate", "w1", "w2", "w3"):
