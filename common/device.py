@@ -96,14 +96,6 @@ def _cpu_device_module() -> SimpleNamespace:
                                                        peak_memory_bytes("cpu")))
 
 
-def synchronize(device_type: str) -> None:
-    """Wait for queued device work, so that a wall time covers it."""
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "neuron":  # only reached after setup() found torch-neuronx
-        torch.neuron.synchronize()
-
-
 def peak_memory_bytes(device_type: str) -> int:
     """Peak device memory of this process. CPU has no device memory: the peak resident set size."""
     if device_type == "cuda":

@@ -108,15 +108,6 @@ def force_sum_reduction_on_gloo(model_spec) -> None:
     model_spec.parallelize_fn = parallelize
 
 
-def apply_device_settings(cfg: Trainer.Config, dev: DeviceInfo, *, attn_backend: str, seed: int) -> list[str]:
-    """The settings that depend on the device, set in one place and returned for the log."""
-    notes = apply_trainer_settings(cfg, dev, seed=seed)
-    changed = use_attention_backend(cfg.model_spec.model, attn_backend)
-    if changed:
-        notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
-    return notes
-
-
 def apply_trainer_settings(cfg: Trainer.Config, dev: DeviceInfo, *, seed: int) -> list[str]:
     """The device settings that do not depend on the model family (torchtitan's own models or the
     Transformers backend): CUDA graphs, gloo reductions, seed, determinism, one log line a step."""

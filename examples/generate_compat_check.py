@@ -271,7 +271,7 @@ def generate_on_device(job: dict) -> dict:
     with torch.no_grad():
         out = model.generate(**inputs.to(dev.device), **({"cache_implementation": "static"} if static else {}),
                              **greedy)
-    device.synchronize(dev.device_type)
+    measure.synchronize(dev.device_type)
     end = time.perf_counter()
     tokens = out.sequences[0, prompt_len:].tolist()
     report = {"tokens": tokens, "text": tok.decode(tokens, skip_special_tokens=True), "wall_s": end - start,

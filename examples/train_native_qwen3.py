@@ -192,7 +192,10 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     export.apply_checkpoint_settings(tc, steps=cfg.steps, every=cfg.checkpoint_every, export=cfg.export,
                                     initial_hf=ckpt, dtype=cfg.dtype)
 
-    notes = torchtitan_fixes.apply_device_settings(tc, dev, attn_backend=cfg.attn_backend, seed=cfg.seed)
+    notes = torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
+    changed = torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend)
+    if changed:
+        notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
     return tc, notes
 
 

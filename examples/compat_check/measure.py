@@ -55,3 +55,13 @@ def nonfinite_logits(logits) -> str | None:
         if not bool(torch.isfinite(x).all()):
             return f"non-finite logits (NaN or Inf) at new token {step}"
     return None
+
+
+def synchronize(device_type: str) -> None:
+    """Wait for queued device work, so that a wall time covers it."""
+    import torch
+
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    elif device_type == "neuron":  # only reached after setup() found torch-neuronx
+        torch.neuron.synchronize()
