@@ -51,6 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from common.checkpoint import TOKENIZER_FILES
 from common.errors import UserError
 from tools import tiny_qwen_vl
 from common.paths import CACHE_DIR, FOLDERS, MANIFEST, asset_dir, prepare_hint as _prepare_hint, verify_dir
@@ -88,7 +89,6 @@ QWEN_PLAIN_ADDED_TOKENS = (
 QWEN_ADDED_TOKEN_IDS = {
     token: QWEN_FIRST_ADDED_ID + i for i, token in enumerate(QWEN_SPECIAL_TOKENS + QWEN_PLAIN_ADDED_TOKENS)
 }
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json")
 # The im_start/im_end chat format, without Qwen3's tool and thinking logic (not needed here).
 QWEN_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -564,8 +564,9 @@ def _build_seeded_model(out: Path, config_cls: str, model_cls: str, config: dict
         torch.manual_seed(seed)
         getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).save_pretrained(out)
         source = asset_dir("tokenizer")
-        for name in TOKENIZER_FILES:
-            shutil.copy2(source / name, out / name)
+        for name in TOKENIZER_FILES:  # the ones the tokenizer asset has
+            if (source / name).is_file():
+                shutil.copy2(source / name, out / name)
     return {
         "kind": "generated",
         "seed": seed,

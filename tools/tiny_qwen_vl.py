@@ -41,7 +41,6 @@ PHOTO_PACKAGE = "scikit-image==0.26.0"
 PHOTO_MEMBER = "skimage/data/chelsea.png"  # the file inside the wheel (or the sdist)
 PHOTO_SHA256 = "596aa1e7cb875eb79f437e310381d26b338a81c2da23439704a73c4651e8c4bb"
 PHOTO_FILE = "photograph.png"  # its name in the asset folder (the compatibility check's default image)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 VISION_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                  "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
