@@ -18,8 +18,10 @@ sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages 
 
 
 def script_env() -> dict:
+    # One torch thread per script process (as torchrun gives each worker): two test workers share the 2 cores
+    # of CI, and a second thread per process only waits for a busy core.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
