@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import logging
 import math
+import os
 import sys
 import tempfile
 import types
@@ -112,14 +114,12 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        _exit_interrupted()
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if isinstance(e, (SystemExit, GeneratorExit)):
             raise
         if _behind(e, lambda x: isinstance(x, KeyboardInterrupt)):  # Ctrl-C inside a checkpoint save
-            print("error: interrupted", file=sys.stderr)
-            return 130
+            _exit_interrupted()
         full = _behind(e, lambda x: isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
         if full is None:
             raise
@@ -127,6 +127,16 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
               file=sys.stderr)
         return 2
     return 0
+
+
+def _exit_interrupted() -> typing.NoReturn:
+    """Ctrl-C: one line and exit 130, at once. Interrupted during a checkpoint save, the process can still hold
+    torch's C++ threads, and the interpreter's normal exit then aborts ('terminate called without an active
+    exception', SIGABRT) after the line."""
+    print("error: interrupted", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def _behind(e: BaseException, match) -> BaseException | None:
