@@ -192,12 +192,14 @@ def expected_tensors(hf_config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-def validate_hf_checkpoint(ckpt_dir: str | os.PathLike, architectures: tuple[str, ...]) -> dict:
-    """Everything that can be checked before a load: config, architecture, files, index, keys,
-    shapes, finite values. Returns the HF config. Raises one UserError naming every problem found."""
-    hf_config = read_hf_config(ckpt_dir)
+def validate_hf_checkpoint(ckpt_dir: str | os.PathLike, architectures: tuple[str, ...], *,
+                           hf_config: dict | None = None, found: dict | None = None) -> dict:
+    """Everything that can be checked before a load: config, architecture, files, index, keys, shapes, finite
+    values. Returns the HF config; one UserError names every problem found. `hf_config`, `found`: config.json
+    and `checkpoint_tensors` of the folder, when the caller has read them already."""
+    hf_config = read_hf_config(ckpt_dir) if hf_config is None else hf_config
     require_architecture(hf_config, architectures, ckpt_dir)
-    found = checkpoint_tensors(ckpt_dir)
+    found = checkpoint_tensors(ckpt_dir) if found is None else dict(found)
     expected = expected_tensors(hf_config)
     # A tied checkpoint may still carry lm_head.weight (transformers writes it sometimes).
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" in found:

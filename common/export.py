@@ -322,9 +322,9 @@ def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict
     missing = [n for n in ("config.json", "tokenizer.json")[:2 if files else 1] if not (export_dir / n).is_file()]
     if missing:
         raise UserError(f"{export_dir} lacks {', '.join(missing)}")
-    stored = set(checkpoint_tensors(export_dir))
+    config, stored = read_hf_config(export_dir), checkpoint_tensors(export_dir)
     if files:  # an export: keys, shapes and finite values against its own config.json, tensors named
-        validate_hf_checkpoint(export_dir, tuple(read_hf_config(export_dir).get("architectures") or ()))
+        validate_hf_checkpoint(export_dir, tuple(config.get("architectures") or ()), hf_config=config, found=stored)
     ref = load_file(str(reference))
     model, info = AutoModelForCausalLM.from_pretrained(
         export_dir, dtype=torch.float32, output_loading_info=True)
@@ -340,7 +340,7 @@ def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict
         "tied_lm_head": bool(tied),
         "lm_head_in_file": "lm_head.weight" in stored,
         "max_abs_logit_diff": float((logits - ref["logits"].float()).abs().max()),
-        **version_check(read_hf_config(export_dir).get("qwen3_recipes_versions")),
+        **version_check(config.get("qwen3_recipes_versions")),
     }
 
 
