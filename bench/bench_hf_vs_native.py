@@ -35,12 +35,14 @@ COMPARED_WITH = "torchtitan's native Qwen3 on the same model, weights, data and 
 class Config(cb.TrainingBench):
     out_dir: str = field(default="runs/bench/hf_vs_native",
                          metadata={"help": "results.json, logs/, timings/ go here"})
+    steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)"})
+    repeats: int = field(default=3, metadata={"help": "processes of each path, alternating"})
     extra_args: str = field(default="", metadata={"help": "flags added to both training commands"})
 
 
 def default() -> Config:
     """The CPU presets as they are (batch 2 x 128 tokens), 8 steps, 3 alternating repeats."""
-    return replace(Config(), steps=8, repeats=3)
+    return Config()
 
 
 def tiny() -> Config:

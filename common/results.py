@@ -11,7 +11,7 @@ import json
 import math
 import os
 import platform
-import tempfile
+import uuid
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -39,13 +39,10 @@ def atomic_path(path: str | os.PathLike):
     onto `path` (readers see the old file or the new one, never half of one), else removed. Every writer uses it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as open() gives
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
-        yield Path(tmp)
+        yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

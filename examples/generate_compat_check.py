@@ -320,8 +320,7 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
            "trust_remote_code": cfg.trust_remote_code}
     if vision:
         job["image"] = str(image_file(cfg))
-        with open(job["image"], "rb") as f:
-            row["image"] = f"{job['image']} (sha256 {hashlib.file_digest(f, 'sha256').hexdigest()})"
+        row["image"] = f"{job['image']} (sha256 {hashlib.sha256(Path(job['image']).read_bytes()).hexdigest()})"
     try:
         rep = processes.run_ranks(worker, job, job["cores"], job["timeout_s"])
     except (TimeoutError, RuntimeError) as e:

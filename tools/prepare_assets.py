@@ -564,8 +564,8 @@ def _build_seeded_model(out: Path, config_cls: str, model_cls: str, config: dict
         torch.manual_seed(seed)
         getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config)).save_pretrained(out)
         source = asset_dir("tokenizer")
-        for name in TOKENIZER_FILES:  # the ones the tokenizer asset has
-            if (source / name).is_file():
+        for name in TOKENIZER_FILES:  # the ones the tokenizer asset has, never over the model's own files
+            if (source / name).is_file() and not (out / name).exists():
                 shutil.copy2(source / name, out / name)
     return {
         "kind": "generated",
