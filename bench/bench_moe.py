@@ -214,14 +214,12 @@ def main(cfg: Config) -> dict:
     if at16 is not None:
         table += (f"\nloop / op {at16:.2f} at 16 experts; loop / matmuls-alone bound {bound16:.2f} "
                   f"({COMPARED_WITH})")
-    results = {"config": cfg, "baseline": "per-expert loop (float32, plain autograd) and torchtitan's stock "
-                                          "RoutedExperts (bfloat16 torch._grouped_mm), same weights and routing",
-               "compared_with": f"loop_over_op, loop_over_matmuls: {COMPARED_WITH}; stock_over_op: torchtitan's "
-                                "stock RoutedExperts in bfloat16 = 1.00",
-               "method": cb.call_timing_method(cfg, threads),
-               "rows": rows, "at_16_experts": at_16}
-    cb.write(out_dir, "moe", results, table)
-    return results
+    return cb.write_call_bench(
+        out_dir, "moe", cfg, threads, table, rows=rows, at_16_experts=at_16,
+        baseline="per-expert loop (float32, plain autograd) and torchtitan's stock RoutedExperts (bfloat16 "
+                 "torch._grouped_mm), same weights and routing",
+        compared_with=f"loop_over_op, loop_over_matmuls: {COMPARED_WITH}; stock_over_op: torchtitan's stock "
+                      "RoutedExperts in bfloat16 = 1.00")
 
 
 if __name__ == "__main__":

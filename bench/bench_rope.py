@@ -183,14 +183,12 @@ def main(cfg: Config) -> dict:
         table += (f"\nCosSinRoPE / op, float32, lowest over the shapes: {lowest['cossin_over_op_float32']:.2f}; "
                   f"in the first layer of a forward (rows computed): "
                   f"{lowest['cossin_over_op_first_layer_float32']:.2f} ({COMPARED_WITH})")
-    results = {"config": cfg, "baseline": "torchtitan CosSinRoPE and transformers apply_rotary_pos_emb, same inputs, "
-                                          "forward + backward, alternating rounds",
-               "compared_with": f"cossin_over_op: {COMPARED_WITH}; hf_over_op: transformers' "
-                                "apply_rotary_pos_emb on the same inputs = 1.00",
-               "method": cb.call_timing_method(cfg, threads),
-               "rows": rows, "lowest": lowest}
-    cb.write(out_dir, "rope", results, table)
-    return results
+    return cb.write_call_bench(
+        out_dir, "rope", cfg, threads, table, rows=rows, lowest=lowest,
+        baseline="torchtitan CosSinRoPE and transformers apply_rotary_pos_emb, same inputs, forward + backward, "
+                 "alternating rounds",
+        compared_with=f"cossin_over_op: {COMPARED_WITH}; hf_over_op: transformers' apply_rotary_pos_emb on the "
+                      "same inputs = 1.00")
 
 
 if __name__ == "__main__":

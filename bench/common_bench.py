@@ -148,10 +148,15 @@ class TrainingBench:
             raise UserError("--steps must be at least 3 (step 1 is warm-up) and --repeats positive")
 
 
-def call_timing_method(cfg, threads: int) -> dict:
-    """How a microbenchmark (bench_moe, bench_rope) timed its calls, for results.json."""
-    return {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup,
-            "calls_per_sample": cfg.iters, "statistic": "median over rounds of the median call time"}
+def write_call_bench(out_dir: Path, name: str, cfg, threads: int, table: str, *, baseline: str,
+                     compared_with: str, **figures) -> dict:
+    """results.json and the table of a benchmark that times calls (bench_moe, bench_rope); returns the results."""
+    results = {"config": cfg, "baseline": baseline, "compared_with": compared_with,
+               "method": {"torch_threads": threads, "repeats": cfg.repeats, "warmup_rounds": cfg.warmup,
+                          "calls_per_sample": cfg.iters, "statistic": "median over rounds of the median call time"},
+               **figures}
+    write(out_dir, name, results, table)
+    return results
 
 
 def set_threads(threads: int) -> int:
