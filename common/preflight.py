@@ -32,49 +32,62 @@ TRN2_INFO = ("neuronx-cc", "nki", "nki-library")  # reported, not pinned by the 
 NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
-# Every external symbol the scripts use, "module:name name ...", and the keywords their calls pass (with a one-name
-# row). A dotted name is read attribute by attribute; "f()" is called, as the scripts call a registry builder.
-ANY, TRN2 = ("cpu", "trn2"), ("trn2",)
-SYMBOLS = [
-    (ANY, "torchtitan.config:override", ("target", "fqns", "exact", "description")),
-    (ANY, "torchtitan.config:derive apply_overrides", ()),
-    (ANY, "torchtitan.config.override:OverrideConfig", ("imports",)),
-    (ANY, "torchtitan.trainer:Trainer.Config", ()),
-    (ANY, "torchtitan.components.optimizer:default_adamw", ("lr",)),
-    (ANY, "torchtitan.distributed:ParallelDims", ()),
-    (ANY, "torchtitan.distributed.activation_checkpoint:FullAC", ()),
-    (ANY, "torchtitan.models.common:Embedding Linear", ()),
-    (ANY, "torchtitan.models.common.rope:CosSinRoPE _yarn_inv_freq", ()),
-    (ANY, "torchtitan.models.common.moe:RoutedExperts", ()),
-    (ANY, "torchtitan.models.common.attention:FlexAttention VarlenAttention VarlenMetadata", ()),
-    (ANY, "torchtitan.models.common.nn_modules:RMSNorm", ()),
-    (ANY, "torchtitan.models.common.config_utils:decoder_vocab_size", ()),
-    (ANY, "torchtitan.models.qwen3:model_registry _build_qwen3_layers _build_qwen3_moe_layers", ()),
-    (ANY, "torchtitan.models.qwen3.model:Qwen3Model", ()),
-    (ANY, "torchtitan.models.qwen3.config_registry:qwen3_32b().model_spec qwen3_30b_a3b().model_spec", ()),
-    (ANY, "torchtitan.experiments.transformers_modeling_backend:model_registry", ()),
-    (ANY, "torchtitan.experiments.transformers_modeling_backend.config_registry:transformers_modeling_backend_full",
-     ()),
-    (ANY, "torchtitan.tools.logging:init_logger", ()),
-    (ANY, "transformers:AutoConfig AutoModelForCausalLM AutoTokenizer Qwen3Config Qwen3ForCausalLM "
-          "Qwen3MoeForCausalLM", ()),
-    (ANY, "transformers.models.qwen3.modeling_qwen3:Qwen3RotaryEmbedding apply_rotary_pos_emb", ()),
-    (ANY, "transformers.modeling_rope_utils:ROPE_INIT_FUNCTIONS", ()),
-    (ANY, "transformers.distributed:DistributedConfig", ("tp_size", "enable_expert_parallel")),
-    (TRN2, "torch_neuronx:wrap_nki", ()),
-    (TRN2, "nki:jit", ()),
-    (TRN2, "nki.language:bfloat16", ()),
-    (TRN2, "nkilib.core.embeddings.rope_hf:rope_hf", ("q", "k", "q_out", "k_out", "rope_cache", "backward")),
-    (TRN2, "nkilib.experimental.moe.forward.bwmm_shard_on_H:blockwise_mm_baseline_shard_hidden",
-     ("hidden_states", "expert_affinities_masked", "gate_up_proj_weight", "down_proj_weight", "block_size",
-      "token_position_to_id", "block_to_expert", "gate_up_activations_T", "down_activations", "compute_dtype",
-      "is_tensor_update_accumulating", "expert_affinities_scaling_mode")),
-    (TRN2, "nkilib.experimental.moe.bwd.blockwise_mm_backward:blockwise_mm_bwd",
-     ("hidden_states", "expert_affinities_masked", "gate_up_proj_weight", "down_proj_weight",
-      "gate_up_proj_act_checkpoint_T", "down_proj_act_checkpoint", "token_position_to_id", "block_to_expert",
-      "output_hidden_states_grad", "block_size", "compute_dtype", "is_tensor_update_accumulating")),
-    (TRN2, "nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE", ()),
-]
+# Every external symbol the scripts use, a line each: "module:name name ...", then after "|" the keywords their calls
+# pass (with one name; an indented line continues the keywords). A dotted name is read attribute by attribute; "f()"
+# is called, as the scripts call a registry builder. The Trainium lines are the documented APIs common/kernels/ calls.
+CPU_AND_TRN2 = """
+torchtitan.config:override | target fqns exact description
+torchtitan.config:derive apply_overrides
+torchtitan.config.override:OverrideConfig | imports
+torchtitan.trainer:Trainer.Config
+torchtitan.components.optimizer:default_adamw | lr
+torchtitan.distributed:ParallelDims
+torchtitan.distributed.activation_checkpoint:FullAC
+torchtitan.models.common:Embedding Linear
+torchtitan.models.common.rope:CosSinRoPE _yarn_inv_freq
+torchtitan.models.common.moe:RoutedExperts
+torchtitan.models.common.attention:FlexAttention VarlenAttention VarlenMetadata
+torchtitan.models.common.nn_modules:RMSNorm
+torchtitan.models.common.config_utils:decoder_vocab_size
+torchtitan.models.qwen3:model_registry _build_qwen3_layers _build_qwen3_moe_layers
+torchtitan.models.qwen3.model:Qwen3Model
+torchtitan.models.qwen3.config_registry:qwen3_32b().model_spec qwen3_30b_a3b().model_spec
+torchtitan.experiments.transformers_modeling_backend:model_registry
+torchtitan.experiments.transformers_modeling_backend.config_registry:transformers_modeling_backend_full
+torchtitan.tools.logging:init_logger
+transformers:AutoConfig AutoModelForCausalLM AutoTokenizer Qwen3Config Qwen3ForCausalLM Qwen3MoeForCausalLM
+transformers.models.qwen3.modeling_qwen3:Qwen3RotaryEmbedding apply_rotary_pos_emb
+transformers.modeling_rope_utils:ROPE_INIT_FUNCTIONS
+transformers.distributed:DistributedConfig | tp_size enable_expert_parallel
+"""
+TRN2_ONLY = """
+torch_neuronx:wrap_nki
+nki:jit
+nki.language:bfloat16
+nkilib.core.embeddings.rope_hf:rope_hf | q k q_out k_out rope_cache backward
+nkilib.experimental.moe.forward.bwmm_shard_on_H:blockwise_mm_baseline_shard_hidden | hidden_states
+    expert_affinities_masked gate_up_proj_weight down_proj_weight block_size token_position_to_id block_to_expert
+    gate_up_activations_T down_activations compute_dtype is_tensor_update_accumulating expert_affinities_scaling_mode
+nkilib.experimental.moe.bwd.blockwise_mm_backward:blockwise_mm_bwd | hidden_states expert_affinities_masked
+    gate_up_proj_weight down_proj_weight gate_up_proj_act_checkpoint_T down_proj_act_checkpoint token_position_to_id
+    block_to_expert output_hidden_states_grad block_size compute_dtype is_tensor_update_accumulating
+nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE
+"""
+
+
+def _symbol_rows(text: str, targets: tuple[str, ...]) -> list[tuple[tuple[str, ...], str, tuple[str, ...]]]:
+    """(targets, "module:names", keywords) for each line of a table above."""
+    rows = []
+    for line in text.strip().splitlines():
+        if line.startswith(" "):  # more keywords of the row above
+            rows[-1] = (targets, rows[-1][1], rows[-1][2] + tuple(line.split()))
+        else:
+            spec, _, keywords = line.partition("|")
+            rows.append((targets, spec.strip(), tuple(keywords.split())))
+    return rows
+
+
+SYMBOLS = _symbol_rows(CPU_AND_TRN2, ("cpu", "trn2")) + _symbol_rows(TRN2_ONLY, ("trn2",))
 OK, WARN, ERROR, INFO = "ok", "WARN", "ERROR", "info"
 
 
