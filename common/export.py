@@ -69,14 +69,21 @@ def make_owned_dir(folder: Path) -> Path:
 
 
 def clear_stale_checkpoints(out_dir: Path, every: int, is_main: bool) -> None:
-    """Without --checkpoint_every every run starts fresh: a save left in OUT_DIR/checkpoint (the
-    previous run's final one) would otherwise be resumed from. Only a folder a run made (its marker)
-    is removed. Call on every rank before a barrier."""
+    """Without --checkpoint_every every run starts fresh: a save left in OUT_DIR/checkpoint (the previous run's
+    final one) would otherwise be resumed from. With it, a run resumes only from a whole distributed checkpoint
+    (its .metadata is written last): a step folder without one is a save cut short, or the model-only HF save of a
+    run killed before its export was completed, which torchtitan would load (it has an index) and fail on or
+    resume without optimizer state; it is removed. Only a folder a run made (its marker) is touched. Call on
+    every rank before a barrier."""
     step_dir = Path(out_dir) / "checkpoint"
     if is_main:
         check_replaceable(out_dir, ("checkpoint",))
         if not every and step_dir.exists():
             shutil.rmtree(step_dir)
+        for partial in sorted(step_dir.glob("step-*")) if every else ():
+            if partial.is_dir() and not (partial / ".metadata").is_file():
+                print(f"[checkpoint] {partial} is not a whole checkpoint (a save cut short): removed", flush=True)
+                shutil.rmtree(partial)
         make_owned_dir(step_dir)
 
 

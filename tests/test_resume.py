@@ -34,6 +34,22 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, prepared_asset
     assert max(abs(a - b) for a, b in zip(resumed["history"]["losses"], straight["losses"])) <= 1e-5
 
 
+def test_rerun_never_resumes_from_a_model_only_or_partial_save(tmp_path, prepared_assets):
+    """Without --export the last save stays in OUT_DIR/checkpoint as torchtitan's model-only HF save (an index,
+    no .metadata), as it does when a run is killed before its export was completed. The same command again
+    resumes from the last whole checkpoint, not from that save, and trains the last steps again."""
+    run = ("--steps", "4", "--checkpoint_every", "2", "--no-export", "--seed", "3", "--out_dir", str(tmp_path))
+    run_example(SCRIPT, *run)
+    first = read_results(tmp_path)
+    last = tmp_path / "checkpoint" / "step-4"
+    assert (last / "model.safetensors.index.json").is_file() and not (last / ".metadata").exists()
+    proc = run_example(SCRIPT, *run)
+    again = read_results(tmp_path)
+    assert "step-4 is not a whole checkpoint" in proc.stdout
+    assert again["resumed_from_step"] == 2 and again["steps"] == [3, 4], again["steps"]
+    assert max(abs(a - b) for a, b in zip(again["losses"], first["losses"][2:])) <= 1e-5
+
+
 _EXPORT_LOOP = r"""
 import shutil, sys
 from pathlib import Path
