@@ -316,7 +316,8 @@ def seeded_qwen3(folder: Path, overrides: dict) -> Path:
 
     from common import checkpoint, paths
 
-    base = {k: v for k, v in checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3")).items()
+    tiny = paths.asset_dir("tiny_qwen3")  # checked against its manifest once
+    base = {k: v for k, v in checkpoint.read_hf_config(tiny).items()
             if k not in ("layer_types", "transformers_version")}  # layer_types: one per layer of the tiny model
     if (folder / "model.safetensors").is_file() and all(checkpoint.read_hf_config(folder).get(k) == v
                                                         for k, v in overrides.items()):
@@ -326,8 +327,8 @@ def seeded_qwen3(folder: Path, overrides: dict) -> Path:
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**base, **overrides})).save_pretrained(tmp)
     for name in checkpoint.TOKENIZER_FILES:  # the ones the tiny model's folder has (some are optional)
-        if (paths.asset_dir("tiny_qwen3") / name).is_file():
-            shutil.copy2(paths.asset_dir("tiny_qwen3") / name, tmp / name)
+        if (tiny / name).is_file():
+            shutil.copy2(tiny / name, tmp / name)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder

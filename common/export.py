@@ -80,7 +80,7 @@ def clear_stale_checkpoints(out_dir: Path, every: int, is_main: bool) -> None:
         check_replaceable(out_dir, ("checkpoint",))
         if not every and step_dir.exists():
             shutil.rmtree(step_dir)
-        for partial in sorted(step_dir.glob("step-*")) if every else ():
+        for partial in sorted(step_dir.glob("step-*")):  # none left without --checkpoint_every
             if partial.is_dir() and not (partial / ".metadata").is_file():
                 print(f"[checkpoint] {partial} is not a whole checkpoint (a save cut short): removed", flush=True)
                 shutil.rmtree(partial)

@@ -25,6 +25,11 @@ def prepare_hint(name: str, force: bool = False) -> str:
     return f"`python -m tools.prepare_assets prepare --only {name}{' --force' if force else ''}`"
 
 
+def asset_files(folder: Path) -> list[str]:
+    """The files of an asset folder, relative to it, its manifest left out."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)
+
+
 def verify_dir(folder: Path) -> dict:
     """Check an asset folder against its manifest.json (every listed file there with its recorded size, no
     unlisted file) and return the manifest; a UserError names the first bad file. `python -m
@@ -37,8 +42,7 @@ def verify_dir(folder: Path) -> dict:
         raise UserError(f"{folder / MANIFEST} is missing or unreadable ({e}): the folder is not a finished asset; "
                         "run `make setup`") from None
     fix = f"rebuild it with {prepare_hint(manifest.get('asset', 'NAME'), force=True)}"
-    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST}
-    unlisted = sorted(found - set(files))
+    unlisted = sorted(set(asset_files(folder)) - set(files))
     if unlisted:
         raise UserError(f"{folder / unlisted[0]} is not in {MANIFEST} (a stray or leftover file): remove it or {fix}")
     for rel, record in files.items():

@@ -54,7 +54,8 @@ from typing import Any
 from common.checkpoint import TOKENIZER_FILES
 from common.errors import UserError
 from tools import tiny_qwen_vl
-from common.paths import CACHE_DIR, FOLDERS, MANIFEST, asset_dir, prepare_hint as _prepare_hint, verify_dir
+from common.paths import (CACHE_DIR, FOLDERS, MANIFEST, asset_dir, asset_files as _asset_files,
+                          prepare_hint as _prepare_hint, verify_dir)
 
 # torch, transformers, tokenizers, tiktoken and rdata are imported inside the functions that build and check,
 # so that importing this module for a path, or running `path`/`verify`, stays instant.
@@ -803,10 +804,6 @@ def verify_deep(folder: Path) -> dict:
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _asset_files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)
 
 
 def _expect(condition: bool, what: str, folder: Path) -> None:
