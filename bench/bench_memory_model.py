@@ -5,7 +5,8 @@ Each size is a dense Qwen3 with the real 151,936-token vocabulary (the tiny Qwen
 seeded random HF folder of a larger shape), trained with `--hf_checkpoint`. For each size and world size:
   - estimated: `examples/train_native_qwen3.py --dry_run --dry_run_ranks N` for the same flags (its
     `dry_run` function; above one rank in a process of its own);
-  - measured on rank 0, over one training step after a warm-up step, on torchtitan's Trainer built by
+  - measured on rank 0, over training steps after a warm-up step (each figure the median of
+    --measured_steps steps), on torchtitan's Trainer built by
     the example's own `build_trainer_config` (FSDP over gloo, full activation checkpointing, chunked
     loss, `--dtype`):
       parameters, gradients, optimizer state: bytes of the local shards (numel x element size): exact;
@@ -72,6 +73,8 @@ class Config:
     local_batch_size: int = field(default=4, metadata={"help": "sequences per rank"})
     seq_len: int = field(default=256, metadata={"help": "tokens per sequence (a multiple of 8: the chunked loss)"})
     threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
+    measured_steps: int = field(default=3, metadata={
+        "help": "steps measured after the warm-up step; each term's figure is its median over them"})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "compute dtype (FSDP mixed precision), as the example's --dtype"})
     measure_here: bool = field(default=False, metadata={
@@ -80,6 +83,8 @@ class Config:
     def validate(self) -> None:
         if self.local_batch_size <= 0 or self.seq_len <= 0 or self.seq_len % 8:
             raise UserError("--local_batch_size must be positive and --seq_len a positive multiple of 8")
+        if self.measured_steps <= 0:
+            raise UserError(f"--measured_steps must be positive, got {self.measured_steps}")
 
 
 def default() -> Config:
@@ -120,7 +125,8 @@ def main(cfg: Config) -> dict:
     for n in ranks:
         # One launch for every size at one rank; one per size above (the same limit as the dry run's).
         for group in [sizes] if n == 1 else [[s] for s in above]:
-            args = ["--measure_here", "--out_dir", str(out_dir), "--sizes", ",".join(group), *common]
+            args = ["--measure_here", "--out_dir", str(out_dir), "--sizes", ",".join(group),
+                    "--measured_steps", str(cfg.measured_steps), *common]
             measured[n].update(_launch(Path(__file__).resolve(), args, n, out_dir, tag="_".join(group),
                                        threads=cfg.threads))
     for (s, n), (proc, folder) in dry.items():
@@ -242,7 +248,7 @@ def measure_all(cfg: Config) -> dict:
         for size, ecfg in configs.items():
             folder = Path(ecfg.hf_checkpoint)
             t0 = time.perf_counter()
-            out[size] = measure_one(example, ecfg, dev, out_dir / "work" / f"{size}_{world}_ranks")
+            out[size] = measure_one(example, ecfg, dev, out_dir / "work" / f"{size}_{world}_ranks", cfg.measured_steps)
             if size in estimates:
                 out[size]["estimated"] = estimates[size]
             out[size]["tied"] = bool(checkpoint.read_hf_config(folder).get("tie_word_embeddings"))
@@ -256,8 +262,13 @@ def measure_all(cfg: Config) -> dict:
         device.teardown()
 
 
-def measure_one(example, ecfg, dev, run_dir: Path) -> dict:
-    """Build the example's trainer for `ecfg`, run a warm-up step, then measure one step (this rank)."""
+def measure_one(example, ecfg, dev, run_dir: Path, steps: int) -> dict:
+    """Build the example's trainer for `ecfg`, run a warm-up step, then measure `steps` steps (this rank).
+    Each allocator term is its median over the measured steps: on gloo a step now and then keeps one
+    more all-gather buffer alive a little longer (thread timing); every step's figures stay in
+    `measured_only.per_step`."""
+    import statistics
+
     import torch
     from torch.distributed.tensor import DTensor
     from common import export
@@ -278,44 +289,51 @@ def measure_one(example, ecfg, dev, run_dir: Path) -> dict:
     batch = next(iter(trainer.dataloader))
     trainer.step = 1  # warm-up step: creates the optimizer state and FSDP's lazy state
     trainer.train_step(trainer.batch_generator([batch]))
-    trainer.optimizers.zero_grad(set_to_none=True)  # what train_step does first; freed before the window
-    gc.collect()
     params = sum(local_bytes(p) for p in model.parameters())
     optimizer = sum(local_bytes(v) for opt in trainer.optimizers.optimizers for st in opt.state.values()
                     for v in st.values() if torch.is_tensor(v))
-    tracker = AllocationTracker(model)
     step, loss_fn = trainer.forward_backward_step, trainer.loss_fn
+    summaries = []
+    for n in range(steps):
+        trainer.optimizers.zero_grad(set_to_none=True)  # what train_step does first; freed before the window
+        gc.collect()
+        tracker = AllocationTracker(model)
 
-    def tracked_step(**kwargs):
-        with tracker:
-            return step(**kwargs)
+        def tracked_step(**kwargs):
+            with tracker:
+                return step(**kwargs)
 
-    def marked_loss(*args, **kwargs):  # the chunked loss runs lm_head forward and backward chunk by chunk
-        tracker.phase("loss")
+        def marked_loss(*args, **kwargs):  # the chunked loss runs lm_head forward and backward chunk by chunk
+            tracker.phase("loss")
+            try:
+                return loss_fn(*args, **kwargs)
+            finally:
+                tracker.phase("decoder_backward")
+
+        trainer.forward_backward_step, trainer.loss_fn = tracked_step, marked_loss
+        trainer.step = 2 + n
         try:
-            return loss_fn(*args, **kwargs)
+            trainer.train_step(trainer.batch_generator([batch]))
         finally:
-            tracker.phase("decoder_backward")
-
-    trainer.forward_backward_step, trainer.loss_fn = tracked_step, marked_loss
-    trainer.step = 2
-    try:
-        trainer.train_step(trainer.batch_generator([batch]))
-    finally:
-        trainer.forward_backward_step, trainer.loss_fn = step, loss_fn
+            trainer.forward_backward_step, trainer.loss_fn = step, loss_fn
+        summaries.append(tracker.summary())
     grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    t = tracker.summary()
     trainer.close()
     del trainer, model
+    per_step = [{"gathered_blocks": t["peak_by_tag"]["gathered"],
+                 # every byte of gradient memory at its peak beyond the gradients kept after the step
+                 "gradient_buffers": t["peak_by_tag"]["all_gradients"] - grads,
+                 "activations": t["peak_by_tag"]["other"], "peak": t["peak_total"]} for t in summaries]
+    median = {k: int(statistics.median(s[k] for s in per_step)) for k in per_step[0]}
+    # the detail (phases, what was live at the peak) of the step whose peak is the median one
+    t = summaries[sorted(range(steps), key=lambda i: per_step[i]["peak"])[(steps - 1) // 2]]
     return {
         "measured": {"parameters": params, "gradients": grads, "optimizer_state": optimizer,
-                     "gathered_blocks": t["peak_by_tag"]["gathered"],
-                     # every byte of gradient memory at its peak beyond the gradients kept after the step
-                     "gradient_buffers": t["peak_by_tag"]["all_gradients"] - grads,
-                     "activations": t["peak_by_tag"]["other"], "total": params + optimizer + t["peak_total"]},
+                     "gathered_blocks": median["gathered_blocks"], "gradient_buffers": median["gradient_buffers"],
+                     "activations": median["activations"], "total": params + optimizer + median["peak"]},
         "measured_only": {"gradient_buffers_peak": t["peak_by_tag"]["grad"], "at_peak": t["at_peak"],
                           "phases": t["phases"], "largest": t["largest_activations_at_phase_peak"],
-                          "allocations": t["allocations"]},
+                          "allocations": t["allocations"], "per_step": per_step},
         "phase_of_peak": t["phase_of_peak"],
     }
 
