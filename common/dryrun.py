@@ -96,7 +96,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
 
     if world_size <= 0:
         raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
-    from common.device import check_batch_split
+    from common.launcher import check_batch_split
 
     lbs = tc.training.local_batch_size
     check_batch_split(tc.training.global_batch_size, lbs, world_size)

@@ -1,6 +1,7 @@
 # Copy with this file (all it imports from the repository):
 #   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
-#   common/checkpoint.py common/export.py common/torchtitan_fixes.py common/dryrun.py common/preflight.py
+#   common/losses.py common/launcher.py common/checkpoint.py common/export.py common/torchtitan_fixes.py
+#   common/dryrun.py common/preflight.py
 #   examples/hf_backend/ (the whole folder: __init__.py, fixes.py)
 """Train the model transformers' `AutoModelForCausalLM` builds, with torchtitan's Transformers
 modeling backend: public weights in, HF safetensors out.
@@ -42,10 +43,11 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, dryrun, export, paths  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, launcher, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
-from common.results import LossRecorder, atomic_write_text, finish_run, read_reference_losses, versions  # noqa: E402
+from common.losses import LossRecorder, finish_run, read_reference_losses  # noqa: E402
+from common.results import atomic_write_text, versions  # noqa: E402
 
 
 @dataclass
@@ -170,7 +172,7 @@ def preflight(cfg: Config) -> dict:
     if cfg.seq_len > positions:
         raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {positions} positions")
     dryrun.check_fits(found["hf_config"], local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
-                      world_size=device.planned_world_size(cfg.nproc_per_node), device_type=device_type,
+                      world_size=launcher.planned_world_size(cfg.nproc_per_node), device_type=device_type,
                       per_core_gib=cfg.per_core_gib)
     found["checkpoint"] = checkpoint.check_tokenizer(ckpt, ": the HF folder must carry its tokenizer")
     return found
@@ -250,14 +252,15 @@ def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={"--hf_checkpoint": cfg.hf_checkpoint}).resolve()
     if cfg.dry_run:
         return dry_run(cfg, out_dir)
-    device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
+    world_size = launcher.planned_world_size(cfg.nproc_per_node)
+    launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     export.check_replaceable(out_dir)
-    launch = cfg.nproc_per_node > 1 and not device.under_launcher()
+    launch = cfg.nproc_per_node > 1 and not launcher.under_launcher()
     if launch:  # before the inputs' sizing, which shares this host's memory among the processes
-        device.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
+        launcher.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
     found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
     if launch:
-        raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
+        raise SystemExit(launcher.self_launch(cfg.nproc_per_node, sys.argv))
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         return train(cfg, dev, out_dir, found)

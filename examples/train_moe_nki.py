@@ -1,6 +1,7 @@
 # Copy with this file (all it imports from the repository):
 #   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
-#   common/checkpoint.py common/export.py common/torchtitan_fixes.py common/dryrun.py common/preflight.py
+#   common/losses.py common/launcher.py common/checkpoint.py common/export.py common/torchtitan_fixes.py
+#   common/dryrun.py common/preflight.py
 #   common/kernels/ (the whole folder: the RoPE and grouped-expert ops, their NKI branches, registry entries)
 """Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
 
@@ -44,10 +45,11 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, dryrun, export, paths  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, launcher, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
-from common.results import LossRecorder, finish_run, read_reference_losses, versions  # noqa: E402
+from common.losses import LossRecorder, finish_run, read_reference_losses  # noqa: E402
+from common.results import versions  # noqa: E402
 
 # Qwen3-30B-A3B as published (config.json of Qwen/Qwen3-30B-A3B): the shape every preset cuts from.
 QWEN3_30B_A3B = {
@@ -195,7 +197,7 @@ def preflight(cfg: Config) -> dict:
         raise UserError(f"--seq_len {cfg.seq_len} is more than the model's "
                         f"{shape['max_position_embeddings']} positions")
     dryrun.check_fits(shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
-                      world_size=device.planned_world_size(cfg.nproc_per_node), device_type=device_type,
+                      world_size=launcher.planned_world_size(cfg.nproc_per_node), device_type=device_type,
                       per_core_gib=cfg.per_core_gib)
     return found
 
@@ -287,14 +289,15 @@ def main(cfg: Config) -> dict:
                                                      "--hf_assets": cfg.hf_assets}).resolve()
     if cfg.dry_run:
         return dry_run(cfg, out_dir)
-    device.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, device.planned_world_size(cfg.nproc_per_node))
+    world_size = launcher.planned_world_size(cfg.nproc_per_node)
+    launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     export.check_replaceable(out_dir)
-    launch = cfg.nproc_per_node > 1 and not device.under_launcher()
+    launch = cfg.nproc_per_node > 1 and not launcher.under_launcher()
     if launch:  # before the inputs' sizing, which shares this host's memory among the processes
-        device.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
+        launcher.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
     found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
     if launch:
-        raise SystemExit(device.self_launch(cfg.nproc_per_node, sys.argv))
+        raise SystemExit(launcher.self_launch(cfg.nproc_per_node, sys.argv))
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         return train(cfg, dev, out_dir, found)

@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from conftest import ROOT, read_results
 from common import checkpoint, device, export, paths
 from common.errors import UserError
-from common.results import finish_run, versions
+from common.losses import finish_run
+from common.results import versions
 
 device.route_torchtitan_device("cpu")  # before any torchtitan import (it binds its device at import)
 
@@ -84,7 +85,7 @@ def run_here(script: str, *args: str) -> tuple[int, str]:
 
 
 def run_error(check: dict, out_dir: Path) -> str:
-    """The error line a training run ends with for this export check (common.results.finish_run)."""
+    """The error line a training run ends with for this export check (common.losses.finish_run)."""
     with pytest.raises(UserError) as e:
         finish_run({"export_check": check}, {"steps": [], "losses": []}, compare_with=None, tolerance=1.0,
                    out_dir=out_dir, title="bug replay", is_main=True)

@@ -1,0 +1,196 @@
+"""A training run's loss curve and its closing results: the losses torchtitan's MetricsProcessor logs
+(`LossRecorder`, never scraped from log lines), losses.jsonl across resumes, loss.png, the comparison
+with reference losses (`--compare_losses`) and `finish_run` (results.json, the error line of a failed
+check).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.errors import UserError
+from common.results import atomic_path, atomic_write_text, write_results
+
+
+def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
+                steps: list[int] | None = None) -> Path | None:
+    """A PNG of loss per step (`steps`: their numbers, default 1..N), written atomically.
+    Returns None when there is nothing to plot."""
+    if not losses:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps or range(1, len(losses) + 1), losses, marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return path
+
+
+def read_reference_losses(path: str | os.PathLike) -> list[float]:
+    """Losses from a reference file: a results.json or a golden file (both hold `losses`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        losses = [float(x) for x in data["losses"]]
+    except FileNotFoundError:
+        raise UserError(f"--compare_losses: no file {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--compare_losses: {path} is not a JSON file with a 'losses' list ({e})") from None
+    if not losses:
+        raise UserError(f"--compare_losses: {path} holds no losses")
+    if not all(math.isfinite(x) for x in losses):
+        raise UserError(f"--compare_losses: {path} holds NaN or infinite losses: it cannot be a reference")
+    return losses
+
+
+def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: float,
+                   steps: list[int] | None = None) -> dict:
+    """Per-step differences between a run's losses and a reference file's first N losses, so a user
+    on trn2 or CUDA sees at step N whether the hardware reproduces the reference. `steps` numbers
+    the losses (from 1; a resumed run starts later); the reference's loss i is step i."""
+    reference = read_reference_losses(path)
+    numbered = list(zip(steps or range(1, len(losses) + 1), losses))
+    pairs = [(s, loss) for s, loss in numbered if 1 <= s <= len(reference)]
+    n = len(pairs)
+    per_step = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
+                for s, loss in pairs]
+    worst = max((r["abs_diff"] for r in per_step), default=float("nan"))
+    first = next((r["step"] for r in per_step if not r["abs_diff"] <= tolerance), None)  # NaN differs
+    return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
+            "first_differing_step": first, "passed": n > 0 and first is None, "per_step": per_step}
+
+
+def format_loss_comparison(c: dict) -> str:
+    rows = [f"[compare] {c['steps_compared']} steps against {c['reference']} (tolerance {c['tolerance']:g})"]
+    rows += [f"    step {s['step']:3d}  loss {s['loss']:.6f}  reference {s['reference']:.6f}  diff {s['abs_diff']:.2e}"
+             for s in c["per_step"]]
+    rows.append(f"[compare] max abs diff {c['max_abs_diff']:.2e}: "
+                + ("reproduces the reference" if c["passed"] else
+                   f"DIFFERS from the reference from step {c['first_differing_step']}"))
+    return "\n".join(rows)
+
+
+def finish_run(results: dict, history: dict, *, compare_with: str | None, tolerance: float, out_dir: Path,
+               title: str, is_main: bool) -> Path | None:
+    """A training run's last steps: the loss comparison (`--compare_losses`) over the whole curve,
+    then on rank 0 loss.png and results.json (atomic). Returns the results.json path on rank 0."""
+    if compare_with:
+        results["loss_comparison"] = compare_losses(history["losses"], compare_with, tolerance, steps=history["steps"])
+        if is_main:
+            print(format_loss_comparison(results["loss_comparison"]), flush=True)
+    if not is_main:
+        return None
+    plot_losses(Path(out_dir) / "loss.png", history["losses"], title, steps=history["steps"])
+    path = write_results(out_dir, results)
+    failed = []
+    if results.get("export_check") and not results["export_check"].get("passed"):
+        failed.append(f"export check failed ({_export_failure(results['export_check'])}): hf_export was left as it "
+                      f"was, the rejected export is in {Path(out_dir) / 'hf_export.rejected'}")
+    comparison = results.get("loss_comparison")
+    if comparison and not comparison["passed"]:
+        failed.append(f"losses differ from {comparison['reference']} from step {comparison['first_differing_step']} "
+                      f"(max abs diff {comparison['max_abs_diff']:.3g}, tolerance {comparison['tolerance']:g})")
+    if failed:
+        raise UserError("; and ".join(failed) + f" (details in {path})")
+    return path
+
+
+def _export_failure(check: dict) -> str:
+    """What failed in an export check, in a few words."""
+    if check.get("error"):
+        return check["error"]
+    parts = [f"{k.replace('_', ' ')} {check[k]}" for k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+             if check.get(k)]
+    if check.get("tied_lm_head") != check.get("tied_expected"):
+        parts.append(f"lm_head tied: {check.get('tied_lm_head')}, expected {check.get('tied_expected')}")
+    if not check.get("max_abs_logit_diff", 0.0) <= check.get("tolerance", math.inf):
+        parts.append(f"max abs logit diff {check['max_abs_logit_diff']:.3g} > tolerance {check['tolerance']:g}")
+    return "; ".join(parts) or "see export_check.json"
+
+
+@dataclass
+class LossRecorder:
+    """Records what torchtitan's MetricsProcessor logs each step (loss, grad norm, tokens seen,
+    wall time), so results.json holds numbers, never scraped log lines."""
+
+    steps: list[int] = field(default_factory=list)  # starts after the resumed step when resuming
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    tokens_seen: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+    progress: Path | None = None  # rank 0: OUT_DIR/losses.jsonl, one line a step, kept across resumes
+
+    def attach(self, trainer) -> None:
+        mp = trainer.metrics_processor
+        original = mp.log
+
+        def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            if not math.isfinite(float(global_avg_loss)):  # every rank sees the same reduced loss
+                raise UserError(f"the loss at step {step} is {float(global_avg_loss)}: training diverged or its "
+                                "weights or data are broken; nothing after this step is trained")
+            self.steps.append(int(step))
+            self.losses.append(float(global_avg_loss))
+            self.grad_norms.append(float(grad_norm))
+            self.tokens_seen.append(int((extra_metrics or {}).get("n_tokens_seen", 0)))
+            self.times.append(time.perf_counter())
+            if self.progress is not None:
+                self._append_progress(int(step), float(global_avg_loss))
+            return original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+        mp.log = log
+        self.times.append(time.perf_counter())  # t0: training starts after attach
+
+    def _append_progress(self, step: int, loss: float) -> None:
+        """Append one line; on a run's first step keep only the earlier steps of the run it resumes
+        (a fresh run starts the file anew), so the file is the whole loss curve across kills."""
+        if len(self.steps) == 1:
+            kept = [r for r in read_progress(self.progress) if r["step"] < step]
+            atomic_write_text(self.progress, "".join(json.dumps(r) + "\n" for r in kept))
+        with open(self.progress, "a") as f:  # a kill can cut the last line; read_progress skips it
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+
+    def history(self) -> dict:
+        """Steps and losses of the whole run, resumed parts included (rank 0, with `progress`)."""
+        rows = read_progress(self.progress) if self.progress is not None else []
+        rows = rows or [{"step": s, "loss": l} for s, l in zip(self.steps, self.losses)]
+        return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows]}
+
+    def tokens_per_s(self) -> float:
+        """Global tokens per second, leaving out step 1 (warm-up, compilation) when there are more."""
+        if len(self.losses) >= 2:
+            dt = self.times[-1] - self.times[1]
+            dn = self.tokens_seen[-1] - self.tokens_seen[0]
+        elif self.losses:
+            dt, dn = self.times[1] - self.times[0], self.tokens_seen[0]
+        else:
+            return math.nan
+        return dn / dt if dt > 0 else math.nan
+
+
+def read_progress(path: Path) -> list[dict]:
+    """The rows of a losses.jsonl; a last line cut by a kill is skipped."""
+    rows = []
+    if path is not None and Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), float):
+                rows.append(row)
+    return rows
