@@ -4,6 +4,7 @@ and the self-launch under torchrun (`--nproc_per_node N` without torchrun) with 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from common.device import GIB
@@ -54,7 +55,6 @@ def self_launch(nproc_per_node: int, argv: list[str]) -> int:
     """Re-run this script under torchrun with `nproc_per_node` workers on this host; returns its exit code.
     The workers run in a process group of their own: SIGINT, SIGTERM or SIGHUP sent to this process alone (a
     scheduler's kill, `kill -INT PID`) stops every one of them, so nothing outlives the command."""
-    import signal
     import subprocess
     import threading
 
@@ -87,6 +87,19 @@ def self_launch(nproc_per_node: int, argv: list[str]) -> int:
 
 
 def _killpg(pid: int, sig: int) -> None:
+    """`sig` to torchrun's process group; a SIGKILL also to its workers: torchrun starts each worker in a session
+    of its own and passes SIGTERM on to them, but it cannot pass on its own SIGKILL."""
+    import psutil
+
+    try:
+        workers = psutil.Process(pid).children(recursive=True) if sig == signal.SIGKILL else []
+    except psutil.NoSuchProcess:
+        workers = []
+    for worker in workers:
+        try:
+            worker.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
     try:
         os.killpg(pid, sig)
     except ProcessLookupError:

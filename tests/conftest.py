@@ -1,15 +1,16 @@
 """Shared helpers: run an example as a subprocess (the real CLI) and read its results.json."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, tor
     ends first or `what` does not happen within `timeout` seconds."""
     proc = subprocess.Popen(example_command(script, *args, torchrun=torchrun), cwd=ROOT, env=script_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # its own process group: the kill reaches every rank
+                            start_new_session=True)  # apart from pytest: a stray signal stays with the run
     deadline = time.monotonic() + timeout
     try:
         while not ready():
@@ -61,11 +62,27 @@ def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, tor
             assert time.monotonic() < deadline, f"no {what} in time"
             time.sleep(0.1)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_tree(proc)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every process below it, and wait until they are gone. A signal to the process group
+    is not enough: torchrun starts each worker in a session of its own, so its workers would outlive it and
+    finish the run. Each process is stopped before the kill, so none starts another between listing and kill."""
+    procs: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(proc.pid)
+        while new := [p for p in (root, *root.children(recursive=True)) if p.pid not in procs]:
+            for p in new:
+                procs[p.pid] = p
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.suspend()
+    for p in procs.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs([p for pid, p in procs.items() if pid != proc.pid], timeout=60)
+    assert not alive, f"still running after SIGKILL: {alive}"
 
 
 def kill_after_checkpoint(script: str, *args: str, out_dir: Path, step: int, torchrun: int = 0) -> None:
