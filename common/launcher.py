@@ -53,8 +53,8 @@ def check_nproc(nproc_per_node: int, device_type: str, oversubscribe: bool = Fal
 
 def self_launch(nproc_per_node: int, argv: list[str]) -> int:
     """Re-run this script under torchrun with `nproc_per_node` workers on this host; returns its exit code.
-    The workers run in a process group of their own: SIGINT, SIGTERM or SIGHUP sent to this process alone (a
-    scheduler's kill, `kill -INT PID`) stops every one of them, so nothing outlives the command."""
+    torchrun runs in a process group of its own, each worker in a session of its own: SIGINT, SIGTERM or SIGHUP sent
+    to this process alone (a scheduler's kill, `kill -INT PID`) stops every one of them, so nothing outlives it."""
     import subprocess
     import threading
 
