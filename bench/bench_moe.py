@@ -6,13 +6,13 @@ tokens of width `--dim`, expert hidden size `--hidden`, `--top_k` experts per to
 scores and choices are fixed inputs (scores are leaves with requires_grad, so every candidate also
 produces their gradient); each call runs the forward and one backward with a fixed output gradient.
 Candidates, all with the same weights:
-  - `op_fp32`: common/moe_op.py `grouped_experts`, float32 matmuls (the CPU preset's setting);
+  - `op_fp32`: common/kernels/moe_op.py `grouped_experts`, float32 matmuls (the CPU preset's setting);
   - `loop_fp32`: a per-expert loop in plain PyTorch autograd (select each expert's tokens, SwiGLU,
     weighted index_add; the loop tests/test_moe_op.py checks the op against), float32;
   - `matmuls_fp32`: only the nine grouped matmuls of a SwiGLU forward + backward on rows already
     grouped by expert (no routing, gathers or activations): the floor for any implementation, so
     `loop_over_matmuls` bounds what `loop_over_op` can reach on this machine;
-  - `op_bf16`: `OpRoutedExperts` (common/moe_module.py, the module training swaps in), bfloat16 matmuls;
+  - `op_bf16`: `OpRoutedExperts` (common/kernels/moe_module.py, the module training swaps in), bfloat16 matmuls;
   - `stock_bf16`: torchtitan's stock `RoutedExperts` (token dispatcher, `GroupedExperts` on
     `torch._grouped_mm` in bfloat16, combine), built from the same config the training script uses.
 Ratios > 1 mean the op is faster: `loop_over_op` (float32), `stock_over_op` (bfloat16). Each sample

@@ -3,7 +3,7 @@
 
 What is timed, per call: q and k (leaves, requires_grad) rotated, then one backward with fixed
 output gradients. Candidates:
-  - `op`: NKIRoPE (common/rope_module.py), the module training uses, running the
+  - `op`: NKIRoPE (common/kernels/rope_module.py), the module training uses, running the
     `qwen3_recipes::rope_fwd`/`rope_bwd` custom ops (on CPU, their PyTorch path);
   - `op_first_layer`: the same, with the rows for per-token positions computed in the call, as
     in the first layer of a forward (`op` reuses them, as layers 2..N do: the same positions

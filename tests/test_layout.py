@@ -48,3 +48,31 @@ def test_example_lines_are_at_most_120_characters():
     long = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "examples").rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 120]
     assert long == []
+
+
+WORDS = ("README.md", "docs", "examples", "common", "bench", "tests", "tools")
+TEXT_SUFFIXES = {".md", ".py", ".sh"}
+
+
+def repository_texts():
+    for name in WORDS:
+        path = ROOT / name
+        for p in sorted([path] if path.is_file() else path.rglob("*")):
+            if p.suffix in TEXT_SUFFIXES and "__pycache__" not in p.parts:
+                yield p
+
+
+def test_named_repository_files_exist():
+    """A path into the repository named in its text (README, docs, docstrings, comments) is a file that exists."""
+    pattern = re.compile(r"(?<![\w/.])((?:examples|common|tools|bench|tests|docs)/[\w/.-]+\.(?:py|md|sh|txt))")
+    missing = sorted({f"{p.relative_to(ROOT)}: {m}" for p in repository_texts() for m in pattern.findall(p.read_text())
+                      if not (ROOT / m).exists() and m != "examples/X.py"})  # X: a placeholder for any example
+    assert missing == []
+
+
+def test_text_speaks_of_the_project_only():
+    """No development history in the repository's words, and no paths outside it."""
+    pattern = re.compile(r"session [0-9]|issue [0-9]|STYLE [0-9]|\.\./shared", re.IGNORECASE)
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in repository_texts()
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []

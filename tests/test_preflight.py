@@ -37,7 +37,7 @@ def _error_line(proc) -> str:
 
 
 def _shadow_torchtitan(root, config_init: str, override_py: str | None = None):
-    """A torchtitan with just enough to be imported and routed: tools/utils.py and a config package."""
+    """A torchtitan with just enough to be imported and routed: torchtitan/tools/utils.py and a config package."""
     files = {"torchtitan/__init__.py": "", "torchtitan/tools/__init__.py": "",
              "torchtitan/tools/utils.py": "device_type, device_module = 'cpu', None\n",
              "torchtitan/config/__init__.py": config_init}

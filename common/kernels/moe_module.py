@@ -1,5 +1,5 @@
 """OpRoutedExperts: torchtitan's RoutedExperts running the grouped-expert custom op
-(common/moe_op.py), swapped in through torchtitan's override registry.
+(common/kernels/moe_op.py), swapped in through torchtitan's override registry.
 
     trainer_config.override.imports = [("common.kernels.moe_module.grouped_experts_op", {"compute_dtype": "bfloat16"})]
 
