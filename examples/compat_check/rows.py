@@ -43,7 +43,7 @@ EXTRA_COLUMNS = (
 COLUMNS = PUBLIC_COLUMNS + EXTRA_COLUMNS
 # A row's task. Files in the public schema have no `task` column: their rows read as text-generation.
 TASKS = ("text-generation", "image-text-to-text", "train")
-RESULTS = ("PASS", "FAIL", "EXCLUDED")  # FAIL with `error` set: the run crashed, timed out or was non-finite
+# A row's result: PASS, FAIL (with `error` set where the run crashed, timed out or was non-finite) or EXCLUDED.
 VERSION_COLUMNS = ("neuronx_cc", "library_version", "transformers", "accelerate", "torch_neuronx",
                    "torch", "nki", "python", "neuron_driver")
 FLOAT_COLUMNS = ("tp", "wall_s", "hbm_peak_gb", "hbm_capacity_gb", "compile_s", "train_tokens_per_s",
