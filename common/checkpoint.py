@@ -7,7 +7,6 @@ A folder on its own:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -15,7 +14,7 @@ import struct
 import sys
 from pathlib import Path
 
-from common.errors import UserError
+from common.errors import ArgumentParser, UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
@@ -337,7 +336,7 @@ def hf_config_from_qwen3(model_config, *, dtype: str = "float32") -> dict:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Check an HF checkpoint folder before loading it.")
+    p = ArgumentParser(description="Check an HF checkpoint folder before loading it.")
     p.add_argument("cmd", choices=["validate"])
     p.add_argument("ckpt_dir", type=Path)
     p.add_argument("--arch", default="Qwen3ForCausalLM")

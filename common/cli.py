@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from common.errors import UserError
+from common.errors import ArgumentParser, UserError
 
 
 def _is_union(tp) -> bool:
@@ -52,17 +52,11 @@ def _parse_optional(conv: Callable) -> Callable:
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one `error:` line, not argparse's usage block
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: str,
                  default_preset: str) -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(  # refuses shortened flags; a bad flag is one `error:` line
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags actually given override the preset
-        allow_abbrev=False,  # a mistyped or shortened flag is an error, not a guess
     )
     parser.add_argument("--preset", default=default_preset, choices=sorted(presets),
                         help=f"named preset the flags below start from (default: {default_preset}). "

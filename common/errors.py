@@ -1,6 +1,20 @@
-"""One error type for bad input: the scripts print its message on one line and exit 2, no traceback."""
+"""Bad input, shown the same way everywhere: one `error:` line on stderr and exit code 2, no traceback."""
 from __future__ import annotations
+
+import argparse
 
 
 class UserError(Exception):
     """A problem the user can fix (a path, a flag, a checkpoint). The message names the problem and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that refuses shortened flags (`--step` is not a guess at `--steps`) and reports a bad
+    command line as one `error:` line instead of the usage block."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")

@@ -8,7 +8,6 @@ The verifier on its own:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from common import results
 from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
-from common.errors import UserError
+from common.errors import ArgumentParser, UserError
 
 
 def apply_checkpoint_settings(cfg, *, steps: int, every: int, export: bool,
@@ -371,7 +370,7 @@ def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Re-read an HF export and compare its logits with a reference.")
+    p = ArgumentParser(description="Re-read an HF export and compare its logits with a reference.")
     p.add_argument("cmd", choices=["verify"])
     p.add_argument("export_dir", type=Path)
     p.add_argument("--reference", type=Path, required=True,

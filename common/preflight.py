@@ -22,13 +22,13 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from common.errors import UserError
+from common.errors import ArgumentParser, UserError
 
-# The tested stacks. CPU: the `==` pins of requirements.txt. trn2: the guide's (requirements-trn2.txt).
+# The tested stacks. CPU: the `==` pins of requirements.txt. trn2: the AWS guide's (requirements-trn2.txt).
 TRN2_PINS = {"torch": "2.14.0", "torch-neuronx": "2.14.3", "transformers": "5.16.0",
              "torchtitan-neuron": "0.2.2+neuron.1"}  # torchtitan-neuron: its release-2.33 branch
 TRN2_PYTHON = (3, 12)
-TRN2_INFO = ("neuronx-cc", "nki", "nki-library")  # reported, not pinned by the guide
+TRN2_INFO = ("neuronx-cc", "nki", "nki-library")  # reported, not pinned by the AWS guide
 NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
@@ -255,7 +255,7 @@ def require_stack(target: str = "trn2") -> list[tuple[str, str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", choices=("cpu", "trn2"),
                         default="trn2" if importlib.util.find_spec("torch_neuronx") else "cpu",
                         help="stack to check (default: trn2 where torch-neuronx is installed, else cpu)")

@@ -224,6 +224,26 @@ def test_argparse_errors_are_one_line(tmp_path):
         "error: unrecognized arguments: --stepz 3 (see --help)"]
 
 
+def _entry_points():
+    from common import checkpoint, export, preflight
+    from compat_check import lookup
+    return {"lookup": (lookup.lookup_main, ["runs", "--nam", "qwen"], "--nam"),
+            "common.export": (export._main, ["verify", "e", "--reference", "r", "--out", "o", "--weights"], "--weights"),
+            "common.checkpoint": (checkpoint._main, ["validate", "c", "--ar", "X"], "--ar"),
+            "common.preflight": (preflight.main, ["--targ", "cpu"], "--targ")}
+
+
+@pytest.mark.parametrize("name", ["lookup", "common.export", "common.checkpoint", "common.preflight"])
+def test_every_command_line_refuses_shortened_flags(name, capsys):
+    """argparse would take `--nam` for `--name`; every entry point refuses it in one `error:` line."""
+    main, argv, flag = _entry_points()[name]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: unrecognized arguments: ") and flag in err[0], err
+
+
 def _dataset(tmp, name, content: bytes | None):
     folder = tmp / name
     folder.mkdir()

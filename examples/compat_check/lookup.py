@@ -9,14 +9,13 @@ A file that cannot be read is reported on one line and skipped; the others are s
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from common.errors import UserError
+from common.errors import ArgumentParser, UserError
 from compat_check import page
 from compat_check.rows import TASKS, read_table
 
@@ -107,7 +106,7 @@ def summary_line(df) -> str:
 
 
 def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected: tuple[str, ...] = ()) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog, description="Search compatibility results: ours (runs/...) and files in the public schema.")
     p.add_argument("sources", nargs="+", help="Parquet files or folders holding them")
     p.add_argument("--name", help="case-insensitive substring of model_id")
