@@ -79,7 +79,7 @@ def run_check(cfg: Config, model: str, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cb.ROOT, env=cb.training_env(), capture_output=True, text=True, timeout=3600)
     process_s = time.perf_counter() - t0
-    (out_dir / f"{Path(model).name}.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+    cb.save_log(out_dir / f"{Path(model).name}.log", proc)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
     (path,) = json.loads((out_dir / "results.json").read_text())["files"]

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
-from common import cli  # noqa: E402
+from common import cli, results  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 SCRIPT = cb.ROOT / "examples" / "generate_compat_check.py"
@@ -199,7 +199,8 @@ def main(cfg: Config) -> dict:
     try:
         figures = measure(browser, page, cfg.repeats)
         browser.find_elements("css selector", "#rows button.model")[-1].click()  # the screenshot shows a row open
-        browser.save_screenshot(str(out_dir / "page.png"))
+        with results.atomic_path(out_dir / "page.png") as tmp:
+            tmp.write_bytes(browser.get_screenshot_as_png())
     finally:
         browser.quit()
     rows = [{"what": what, "ms": figures[key], "over_budget": cb.ratio(figures[key], BUDGET_MS)}

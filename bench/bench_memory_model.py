@@ -216,8 +216,7 @@ def _launch(script: Path, args: list[str], nproc: int, out_dir: Path, tag: str, 
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cb.ROOT, env=cb.training_env(threads), capture_output=True, text=True,
                           timeout=1800)
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (out_dir / "logs" / f"measure_{tag}_{nproc}_ranks.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+    cb.save_log(out_dir / "logs" / f"measure_{tag}_{nproc}_ranks.log", proc)
     if proc.returncode != 0 or not target.is_file():
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
                            f"\n--- stderr\n{proc.stderr[-5000:]}")

@@ -27,10 +27,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common.errors import UserError  # noqa: E402
-from common.results import versions, write_results  # noqa: E402
+from common.results import atomic_write_text, replace_dir, versions, write_results  # noqa: E402
+
+
+def save_log(path: Path, proc: subprocess.CompletedProcess) -> None:
+    """A finished subprocess's stdout and stderr, in one file written atomically."""
+    atomic_write_text(path, proc.stdout + "\n--- stderr\n" + proc.stderr)
 
 
 # ------------------------------------------------------------------------------ alternating repeats
+
 def alternate(candidates: dict[str, Callable[[], float]], *, repeats: int, warmup: int = 1,
               log: Callable[[str], None] | None = print) -> dict[str, list[float]]:
     """Call every candidate once per round, `warmup` + `repeats` rounds, the order reversed every
@@ -214,7 +220,7 @@ def run_training(mode: str, script: str, args: list[str], timing_file: Path, *, 
     wall = time.perf_counter() - t0
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        (log_dir / f"{timing_file.stem}.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+        save_log(log_dir / f"{timing_file.stem}.log", proc)
     if proc.returncode != 0 or not timing_file.exists():
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
                            f"\n--- stderr\n{proc.stderr[-5000:]}")
@@ -329,6 +335,5 @@ def seeded_qwen3(folder: Path, overrides: dict) -> Path:
     for name in checkpoint.TOKENIZER_FILES:  # the ones the tiny model's folder has (some are optional)
         if (tiny / name).is_file():
             shutil.copy2(tiny / name, tmp / name)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    replace_dir(tmp, folder)
     return folder

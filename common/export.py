@@ -1,7 +1,11 @@
-"""HF export at the end of a training run: torchtitan's checkpointer settings, the reference
-logits of the trained model, completing torchtitan's HF save (it writes only safetensors + index)
-into a folder transformers opens as is, and a verification that re-reads it with transformers in
-a separate process.
+"""Checkpoints in and out of a training run, around torchtitan's checkpointer:
+
+- its settings and OUT_DIR's folders (which ones a run owns and may replace, stale saves cleared);
+- the load check: an HF checkpoint a run starts from is compared, logits against transformers,
+  with what torchtitan loaded (attach_load_check);
+- the HF export at the end: the reference logits of the trained model, completing torchtitan's HF
+  save (it writes only safetensors + index) into a folder transformers opens as is, and a
+  verification that re-reads it with transformers in a separate process.
 
 The verifier on its own:
     python -m common.export verify EXPORT_DIR --reference REF.safetensors --out check.json
@@ -278,13 +282,7 @@ def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer
         shutil.rmtree(rejected, ignore_errors=True)
         os.replace(tmp, rejected)
         return None
-    old = export_dir.with_name(f".{export_dir.name}.old")
-    if export_dir.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(export_dir, old)
-    os.replace(tmp, export_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    results.replace_dir(tmp, export_dir)
     return export_dir
 
 

@@ -157,7 +157,8 @@ class LossRecorder:
 
     def _append_progress(self, step: int, loss: float) -> None:
         """Append one line; on a run's first step keep only the earlier steps of the run it resumes
-        (a fresh run starts the file anew), so the file is the whole loss curve across kills."""
+        (a fresh run starts the file anew), so the file is the whole loss curve across kills. The one
+        writer here that appends instead of writing atomically: a step's line must not cost a rewrite."""
         if len(self.steps) == 1:
             kept = [r for r in read_progress(self.progress) if r["step"] < step]
             atomic_write_text(self.progress, "".join(json.dumps(r) + "\n" for r in kept))

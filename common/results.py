@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -46,6 +47,19 @@ def atomic_path(path: str | os.PathLike):
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Move the finished folder `tmp` onto `dest` beside it. A folder cannot be renamed over a non-empty
+    one, so the old `dest` is renamed aside first and removed last: a kill leaves the old folder or the
+    new one (or, between the two renames, the old one under a hidden name), never a mix of the two."""
+    tmp, dest = Path(tmp), Path(dest)
+    old = dest.with_name(f".{dest.name}.old.tmp")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_results(out_dir: str | os.PathLike, results: dict) -> Path:

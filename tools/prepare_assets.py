@@ -51,6 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from common import results
 from common.checkpoint import TOKENIZER_FILES
 from common.errors import UserError
 from tools import tiny_qwen_vl
@@ -709,14 +710,7 @@ def _build(asset: Asset, folder: Path) -> None:
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp made it private; the finished asset is an ordinary readable folder
-        if folder.exists():
-            # A directory cannot be renamed over a non-empty one: move the old one aside first.
-            old = folder.with_name(f".{folder.name}.old.tmp")
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(folder)
+        results.replace_dir(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     total = sum(f["size"] for f in files.values())

@@ -10,6 +10,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from common.results import atomic_write_text  # noqa: E402
+
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 res = json.loads(src.read_text())
 cfg = res["config"]
@@ -17,5 +20,5 @@ golden = {"script": res["script"], "preset": cfg["preset"], "steps": len(res["lo
           "losses": res["losses"][:10], "device": res.get("device"), "world_size": res.get("world_size"),
           "versions": res["versions"],
           "note": "float32 on a 2-core x86 CPU; deterministic there (run-to-run difference 0.0)"}
-dst.write_text(json.dumps(golden, indent=2) + "\n")
+atomic_write_text(dst, json.dumps(golden, indent=2) + "\n")
 print(f"wrote {dst}: {golden['losses']}")
