@@ -209,7 +209,7 @@ def experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype):
 
     from common.kernels.rope_op import launch_nki  # the one launch path of the NKI kernels (NKI_LAUNCH there)
 
-    E, I, H = w1.shape
+    _, I, H = w1.shape
     lnc = check_nki_shapes(H, I, compute_dtype)
     constants = dict(compute_dtype=nl.bfloat16, expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE)
     return run_forward(launch_nki(blockwise_mm_baseline_shard_hidden, lnc), constants, x, scores, expert_ids,
@@ -223,7 +223,7 @@ def experts_bwd_nki(grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, 
 
     from common.kernels.rope_op import launch_nki
 
-    E, I, H = w1.shape
+    _, I, H = w1.shape
     lnc = check_nki_shapes(H, I, compute_dtype)
     return run_backward(launch_nki(blockwise_mm_bwd, lnc), dict(compute_dtype=nl.bfloat16), grad_out, x, scores,
                         expert_ids, w1, w2, w3, slots, counts, gate_up_act, unused, down_act, compute_dtype)

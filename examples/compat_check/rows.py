@@ -22,7 +22,7 @@ from pathlib import Path
 from common.errors import UserError
 from common.results import atomic_path
 
-# In the order the public dataset lists them.
+# In the order the public dataset lists them. The names are the dataset's: hbm_*_gb hold GiB (2**30 bytes).
 PUBLIC_COLUMNS = (
     "model_id", "library", "tp", "runner", "result", "notes", "error", "exclusion", "wall_s",
     "hbm_peak_gb", "hbm_capacity_gb", "cpu_match", "english", "neuronx_cc", "library_version",
@@ -129,7 +129,7 @@ def _bool(v) -> bool | None:
 def task_of(value) -> str:
     """A row's task; rows without one (public files, older files) are text generation."""
     value = _text(value)
-    if not value or value == "generate":  # "generate": the name older files of ours used
+    if not value or value == "generate":  # "generate": an earlier name of the task in this schema
         return "text-generation"
     return value
 
