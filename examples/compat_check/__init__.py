@@ -7,4 +7,5 @@ measure.py  what a run measures besides tokens: compile time and cache, non-fini
 processes.py  a time-limited process that leaves nothing behind (its whole tree is killed)
 lookup.py   the `lookup` subcommand: search, filter, print a table or a row's run_py, write the page
 page.py     the static HTML lookup page (one self-contained file, data embedded, shown as text)
+training.py  `--task train`: a few steps of examples/train_hf_backend.py per model, its loss and export check
 """
