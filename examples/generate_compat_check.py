@@ -34,7 +34,7 @@ all from `make setup`; `--task auto` picks each model's task from its config):
     python examples/generate_compat_check.py lookup runs/compat --name qwen3 [--task image-text-to-text]
     python examples/generate_compat_check.py lookup runs/compat --name smollm2 --run_py   # print a row's script
     python examples/generate_compat_check.py lookup runs/compat --html runs/compat/page.html  # the lookup page
-One trn2.48xlarge (Neuron DLAMI with the guide's stack; models from the Hub):
+One trn2.48xlarge (Neuron DLAMI with the AWS guide's stack; models from the Hub):
     python examples/generate_compat_check.py --preset trn2_selected --out_dir runs/compat_trn2
 
 Expected (offline, --no_compile, busy 2-core CPU, about 2.5 minutes): four rows, all PASS with cpu_match true

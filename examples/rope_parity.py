@@ -26,7 +26,7 @@ This script checks, with seeded inputs:
     python examples/rope_parity.py --preset trn2        # one trn2 device (the stack preflight runs first)
 
 Tolerances on the PyTorch path (CPU, CUDA). float32: 1e-6 absolute (the math is the same, so 0.0 is
-expected; the guide saw 0.0). bfloat16 against CosSinRoPE: the same 1e-6 (both compute in float32 and
+expected; the AWS guide saw 0.0). bfloat16 against CosSinRoPE: the same 1e-6 (both compute in float32 and
 round once). bfloat16 against transformers: transformers rounds cos and sin to bfloat16 and rounds each
 product and the sum, about 5 roundings of at most 2^-9 relative each where ours rounds once; each output
 element must be within 6 * 2^-9 * (|x_i| + |x_pair(i)|), the two inputs it mixes.

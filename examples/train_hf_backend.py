@@ -6,7 +6,7 @@
 """Train the model transformers' `AutoModelForCausalLM` builds, with torchtitan's Transformers
 modeling backend: public weights in, HF safetensors out.
 
-The first path of the Trainium guide: torchtitan's `transformers_modeling_backend_full` builder
+The first path of the AWS guide: torchtitan's `transformers_modeling_backend_full` builder
 with `hf_model` pointing at a downloaded HF folder (Qwen/Qwen3-4B-Instruct-2507), 10 steps on
 c4_test, local batch 1, data parallel over every rank, the initial weights loaded from the HF
 files, HF safetensors exported at the end and re-read by transformers. `--init random` trains the
@@ -26,7 +26,7 @@ One trn2.48xlarge (64 logical NeuronCores at LNC=2, one process each):
 where C4_TEST is a torchtitan checkout's tests/assets/c4_test (--init random: the same run from
 scratch). Several nodes: torchrun --nnodes N --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:29500 ...
 
-Expected (2-core CPU): smollm2 first-step loss about 4 pretrained vs about 11 random (the guide
+Expected (2-core CPU): smollm2 first-step loss about 4 pretrained vs about 11 random (the AWS guide
 saw 6.54 vs 12.43 on Qwen3-4B), about a minute a run; tiny: loss falls from about 11.94 to about
 11.23 over 10 steps, the same losses as train_native_qwen3.py from the same checkpoint, and the
 export re-read by transformers has no missing or unexpected keys, a tied lm_head (not stored, as
@@ -123,13 +123,13 @@ def tiny() -> Config:
 
 def smollm2() -> Config:
     """CPU: the real pretrained SmolLM2-135M-Instruct (Llama architecture) from set-up, float32,
-    local batch 1 as in the guide, 64 tokens a sequence (about 3.3 s a step on 2 cores)."""
+    local batch 1 as in the AWS guide, 64 tokens a sequence (about 3.3 s a step on 2 cores)."""
     return replace(Config(), hf_checkpoint=str(paths.asset_dir("smollm2", check=False)), lr=3e-4, local_batch_size=1,
                    seq_len=64)
 
 
 def qwen3_4b_instruct() -> Config:
-    """trn2.48xlarge as in the guide: Qwen3-4B-Instruct-2507 from the HF files, c4_test, local batch 1 on every rank."""
+    """trn2.48xlarge as in the AWS guide: Qwen3-4B-Instruct-2507 from the HF files, c4_test, local batch 1 a rank."""
     return replace(Config(), hf_checkpoint="assets/hf/Qwen3-4B-Instruct-2507", device="neuron", dtype="bfloat16",
                    local_batch_size=1, seq_len=2048, lr=8e-4, dataset="c4_test")
 

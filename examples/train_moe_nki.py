@@ -5,7 +5,7 @@
 #   common/kernels/ (the whole folder: the RoPE and grouped-expert ops, their NKI branches, registry entries)
 """Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
 
-The third path of the Trainium guide: Qwen3-30B-A3B cut to 4 layers and 64 experts (top_k 4) so
+The third path of the AWS guide: Qwen3-30B-A3B cut to 4 layers and 64 experts (top_k 4) so
 it fits one trn2 instance, data parallel over all ranks, tensor parallel 1, no expert parallel,
 eager. Three modules are swapped through torchtitan's own override registry (one log line each):
   - routed experts -> `OpRoutedExperts` (common/kernels/moe_module.py): one custom op groups the tokens by
@@ -22,7 +22,8 @@ the real 151,936-token vocabulary and Qwen3 tokenizer, offline English):
     python examples/train_moe_nki.py --stock --out_dir runs/moe_stock              # torchtitan's own MoE and RoPE
 
 One trn2.48xlarge (64 logical NeuronCores at LNC=2):
-    torchrun --nproc_per_node 64 examples/train_moe_nki.py --preset qwen3_30b_a3b_reduced
+    torchrun --nproc_per_node 64 examples/train_moe_nki.py --preset qwen3_30b_a3b_reduced \
+        --dataset_path /path/to/torchtitan/tests/assets/c4_test
 
 Routing and the HF export: torchtitan's load-balancing bias (`expert_bias`) steers routing but is
 not part of the HF format, so an export of a model trained with it routes differently. The presets
@@ -152,7 +153,7 @@ def tiny() -> Config:
 
 
 def qwen3_30b_a3b_reduced() -> Config:
-    """trn2.48xlarge as in the guide: Qwen3-30B-A3B dimensions, 4 layers, 64 experts, top_k 4, DP over all ranks."""
+    """trn2.48xlarge as in the AWS guide: Qwen3-30B-A3B dimensions, 4 layers, 64 experts, top_k 4, DP over all ranks."""
     return replace(Config(), model="qwen3_30b_a3b", num_layers=4, num_experts=64, top_k=4, device="neuron",
                    dtype="bfloat16", expert_dtype="bfloat16", local_batch_size=1, seq_len=4096, lr=8e-4,
                    dataset="c4_test", hf_assets="assets/hf/Qwen3-30B-A3B")

@@ -4,7 +4,7 @@
 #   common/dryrun.py common/preflight.py
 """Train torchtitan's own Qwen3, chosen through `config.model_spec`, and export HF safetensors.
 
-The second path of the Trainium guide: start from torchtitan's `qwen3_32b` builder (torchtitan
+The second path of the AWS guide: start from torchtitan's `qwen3_32b` builder (torchtitan
 0.3.0 has no general 4B builder), switch `model_spec` to the 4B flavor, set the global batch to
 64, train 10 steps on c4_test, export HF safetensors, and re-read the export with transformers.
 The builder's name does not mean a 32B model is trained: the spec decides the model.
@@ -16,7 +16,8 @@ real Qwen3 tokenizer and offline English text, all prepared by `make setup`):
     python examples/train_native_qwen3.py --nproc_per_node 2 --out_dir runs/native2    # same, self-launched
 
 One trn2.48xlarge (64 logical NeuronCores at LNC=2, one process each):
-    torchrun --nproc_per_node 64 examples/train_native_qwen3.py --preset qwen3_4b --device neuron
+    torchrun --nproc_per_node 64 examples/train_native_qwen3.py --preset qwen3_4b \
+        --dataset_path /path/to/torchtitan/tests/assets/c4_test
 Several nodes: torchrun --nnodes N --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:29500 ...
 
 Start from an HF checkpoint (any dense Qwen3; the model shape comes from its config.json):
@@ -115,7 +116,7 @@ def tiny() -> Config:
 
 
 def qwen3_4b() -> Config:
-    """trn2.48xlarge as in the guide: Qwen3-4B spec on the qwen3_32b builder, 64 ranks, global batch 64, c4_test."""
+    """trn2.48xlarge as in the AWS guide: Qwen3-4B spec on the qwen3_32b builder, 64 ranks, global batch 64, c4_test."""
     return replace(Config(), flavor="4B", device="neuron", dtype="bfloat16", local_batch_size=1,
                    global_batch_size=64, seq_len=4096, lr=8e-4, warmup_steps=2,
                    dataset="c4_test", hf_assets="assets/hf/Qwen3-4B-Instruct-2507")

@@ -3,7 +3,7 @@ checked here independently of the scripts' own export check:
   - tied dense: the tiny Qwen3 preset of train_native_qwen3.py (embedding and lm_head shared);
   - odd dense: a seeded transformers Qwen3 with head_dim (24) != hidden / heads (16), one KV head,
     untied embeddings, RoPE theta 5e5 and RMSNorm eps 1e-5, trained with --hf_checkpoint;
-  - reduced MoE: train_moe_nki.py at the guide's reduced routing (4 layers, 64 experts, top-4) with a
+  - reduced MoE: train_moe_nki.py at the AWS guide's reduced routing (4 layers, 64 experts, top-4) with a
     small hidden size.
 For each: the safetensors headers (no zero-length or empty entry, offsets inside the file), the index
 (covers every stored key, names only files that exist, and every file is named), config.json and the

@@ -1,4 +1,4 @@
-"""MoE parity with transformers, at the guide's reduced routing (64 experts, top-4, 4 layers) with a
+"""MoE parity with transformers, at the AWS guide's reduced routing (64 experts, top-4, 4 layers) with a
 small hidden size: transformers' own `Qwen3MoeSparseMoeBlock` (its eager per-expert loop) is the
 reference, given the same weights as
   - the grouped-expert op alone (common/kernels/moe_op.py), fed the reference's routing, and

@@ -10,7 +10,7 @@ What they show:
   its step-5 checkpoint and resumed, lowers the loss and repeats the golden losses; the export
   re-read by transformers has no missing or unexpected keys, the tied lm_head is tied (and not
   stored), the logits agree within 1e-4.
-- test_pretrained_smollm2_beats_random: the guide's headline, offline and as plain `python`: the
+- test_pretrained_smollm2_beats_random: the AWS guide's headline, offline and as plain `python`: the
   real pretrained SmolLM2-135M-Instruct starts below 0.6 x the first-step loss of the same
   model from a random init.
 - test_same_losses_as_native_under_torchrun: two paths, one model: the tiny Qwen3 HF checkpoint,
