@@ -37,7 +37,7 @@ all from `make setup`; `--task auto` picks each model's task from its config):
 One trn2.48xlarge (Neuron DLAMI with the AWS guide's stack; models from the Hub):
     python examples/generate_compat_check.py --preset trn2_selected --out_dir runs/compat_trn2
 
-Expected (offline, --no_compile, busy 2-core CPU, about 2.5 minutes): four rows, all PASS with cpu_match true
+Expected (offline, --no_compile, idle 2-core CPU, about 1 minute): four rows, all PASS with cpu_match true
 on 1 core (tiny-qwen-vl as image-text-to-text); the judge, run on single-core rows too in this preset, calls
 SmolLM2's text English and not the random tiny models'. Compiling with inductor on CPU costs 1.5-3 minutes per
 model the first time (tiny Qwen3-VL: 170 s of a 180 s wall time), seconds from inductor's cache.
