@@ -211,11 +211,11 @@ def main(cfg: Config) -> dict:
                                    ("over_budget", f"ms / {BUDGET_MS:.0f} ms", ".3f")])
     table += (f"\n{f'{n:,} generated rows' if n else 'the given page'}; {page.stat().st_size / 1e6:.1f} MB; "
               f"console errors: {len(figures['console_errors'])}; screenshot {out_dir / 'page.png'}")
-    results = {"config": cfg, "rows": rows, "page": str(page), "page_bytes": page.stat().st_size,
+    out = {"config": cfg, "rows": rows, "page": str(page), "page_bytes": page.stat().st_size,
                "generated_rows": n, "baseline": f"{BUDGET_MS:.0f} ms (a lookup page should open and filter within it)",
                "screenshot": str(out_dir / "page.png"), **figures}
-    cb.write(out_dir, "compat_page", results, table)
-    return results
+    cb.write(out_dir, "compat_page", out, table)
+    return out
 
 
 if __name__ == "__main__":

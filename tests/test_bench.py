@@ -130,3 +130,13 @@ def test_bench_compat_check(tmp_path):
     for key in ("load_s", "generation_s", "reference_s", "judging_s", "script_wall_s"):
         assert finite(row[key]), (key, row[key])
     assert row["compile_s"] == 0.0 and row["cpu_match"] is True
+
+
+def test_bench_compat_page(tmp_path):
+    """The lookup page in headless Chromium (installed by set-up): 500 generated rows, its timings and a
+    screenshot with a row open."""
+    r = run_bench("bench_compat_page.py", tmp_path)
+    assert r["generated_rows"] == 500 and r["console_errors"] == []
+    assert [row["what"].split()[0] for row in r["rows"]] == ["open", "search", "filter"]
+    assert all(finite(row["ms"]) and row["ms"] >= 0 for row in r["rows"])
+    assert (tmp_path / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
