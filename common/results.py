@@ -58,7 +58,12 @@ def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():
         os.replace(dest, old)
-    os.replace(tmp, dest)
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        if old.exists():
+            os.replace(old, dest)  # the old folder back in its place
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

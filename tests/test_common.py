@@ -18,7 +18,7 @@ from torchtitan.models.common.attention import (  # noqa: E402
 from common import checkpoint, cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.torchtitan_fixes import SDPADocumentAttention  # noqa: E402
-from common.results import write_results  # noqa: E402
+from common.results import replace_dir, write_results  # noqa: E402
 
 
 def test_document_mask_matches_torchtitan_mask_mods():
@@ -85,6 +85,18 @@ def test_atomic_write_leaves_no_temp(tmp_path):
     write_results(tmp_path, {"a": 2})
     assert json.loads(target.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_replace_dir_swaps_whole_folders_and_keeps_the_old_one_on_failure(tmp_path):
+    dest, new = tmp_path / "export", tmp_path / ".export.tmp"
+    for folder, text in ((dest, "old"), (new, "new")):
+        folder.mkdir()
+        (folder / "weights").write_text(text)
+    replace_dir(new, dest)
+    assert (dest / "weights").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["export"]
+    with pytest.raises(OSError):
+        replace_dir(tmp_path / "never_built", dest)  # the second rename fails
+    assert (dest / "weights").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["export"]
 
 
 def test_out_dir_not_writable(tmp_path):

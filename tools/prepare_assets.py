@@ -53,7 +53,7 @@ from typing import Any
 
 from common import results
 from common.checkpoint import TOKENIZER_FILES
-from common.errors import UserError
+from common.errors import ArgumentParser, UserError
 from tools import tiny_qwen_vl
 from common.paths import (CACHE_DIR, FOLDERS, MANIFEST, asset_dir, asset_files as _asset_files,
                           prepare_hint as _prepare_hint, verify_dir)
@@ -853,7 +853,7 @@ def _names(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(  # refuses shortened flags; subcommands inherit it
         prog="python -m tools.prepare_assets",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
