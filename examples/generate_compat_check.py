@@ -29,8 +29,8 @@ CPU (preset `offline`: tiny Qwen3, tiny Qwen3-MoE, SmolLM2-135M-Instruct, a tiny
 all from `make setup`; `--task auto` picks each model's task from its config):
     python examples/generate_compat_check.py --no_compile --out_dir runs/compat
     python examples/generate_compat_check.py --task train --out_dir runs/compat          # training rows
-    python examples/generate_compat_check.py --models smollm2-135m-instruct --cores 3 --no_compile \\
-        --out_dir runs/compat_tp               # a sharded run: 3 gloo processes, judged for English
+    python examples/generate_compat_check.py --models smollm2-135m-instruct --core_memory_gib 0.3 --no_compile \\
+        --out_dir runs/compat_tp               # sharded: 2 cores of 0.3 GiB -> 3 gloo processes, judged for English
     python examples/generate_compat_check.py lookup runs/compat --name qwen3 [--task image-text-to-text]
     python examples/generate_compat_check.py lookup runs/compat --name smollm2 --run_py   # print a row's script
     python examples/generate_compat_check.py lookup runs/compat --html runs/compat/page.html  # the lookup page

@@ -2,7 +2,7 @@
 #   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
 #   common/checkpoint.py common/torchtitan_fixes.py common/preflight.py
 #   common/kernels/__init__.py common/kernels/rope_op.py common/kernels/rope_module.py
-"""The guide's kernel example: a custom RoPE kernel in torchtitan's Qwen3, checked against PyTorch.
+"""The AWS guide's kernel example: a custom RoPE kernel in torchtitan's Qwen3, checked against PyTorch.
 
 The rotary embedding runs as a torch.library op with its own backward op (common/kernels/rope_op.py):
 the wrapper turns torchtitan's [batch, seq, heads, head_dim] into the kernel's [batch, heads, seq,

@@ -179,7 +179,7 @@ def preflight(cfg: Config) -> dict:
 
 
 def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict):
-    """The guide's recipe: torchtitan's transformers_modeling_backend_full builder, `hf_model`
+    """The AWS guide's recipe: torchtitan's transformers_modeling_backend_full builder, `hf_model`
     pointing at the HF folder, the initial weights loaded from its safetensors."""
     # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
     from torchtitan.components.optimizer import default_adamw

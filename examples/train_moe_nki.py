@@ -218,7 +218,7 @@ def replacement_imports(cfg: Config, dev: device.DeviceInfo) -> list:
 
 
 def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict):
-    """The guide's recipe: torchtitan's qwen3_30b_a3b builder, the model cut, replacements registered."""
+    """The AWS guide's recipe: torchtitan's qwen3_30b_a3b builder, the model cut, replacements registered."""
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b

@@ -154,7 +154,7 @@ def preflight(cfg: Config) -> dict:
 
 
 def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict):
-    """The guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
+    """The AWS guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
     # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
     from torchtitan.models.qwen3 import model_registry
     from torchtitan.models.qwen3.config_registry import qwen3_32b
