@@ -4,8 +4,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,10 +41,54 @@ def example_command(script: str, *args: str, torchrun: int = 0) -> list[str]:
     return [sys.executable, path, *args]
 
 
+class _Prefork:
+    """The client of tests/prefork.py: one server per test process, started on first use."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "prefork.py")], cwd=ROOT, env=script_env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"tests/prefork.py did not start (exit {self.proc.wait()})")
+
+    def run(self, cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        with self.lock, tempfile.TemporaryDirectory(prefix="prefork_") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"argv": cmd[1:], "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
+                       "timeout": timeout}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+            if not reply:
+                raise RuntimeError(f"tests/prefork.py ended (exit {self.proc.wait()}) while running {cmd}")
+            reply = json.loads(reply)
+            stdout = out.read_text(errors="replace") if out.exists() else ""
+            stderr = err.read_text(errors="replace") if err.exists() else ""
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, reply["rc"], stdout, stderr)
+
+
+_prefork: _Prefork | None = None
+
+
+def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` for a `python SCRIPT ...` or
+    `python -m MODULE ...` command, served by tests/prefork.py: the same script in a process of its
+    own, without the seconds of imports. Commands a test signals or kills start with Popen instead."""
+    global _prefork
+    assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
+    if _prefork is None or _prefork.proc.poll() is not None:
+        _prefork = _Prefork()
+    return _prefork.run(cmd, Path(cwd), script_env() if env is None else env, timeout)
+
+
 def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,
                 check: bool = True) -> subprocess.CompletedProcess:
     cmd = example_command(script, *args, torchrun=torchrun)
-    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_python(cmd, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
@@ -106,6 +153,47 @@ def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None
     assert len(errors) == 1, proc.stderr[-4000:]
     for needle in needles:
         assert needle in errors[0], errors[0]
+
+
+# Training runs that several test files read, each run once per test session (`shared_run`).
+GOLDEN_DIR = ROOT / "tests" / "assets" / "golden_losses"
+GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other instruction sets may move it
+# The arguments both training paths get when their losses are compared (the tiny preset's defaults, spelled out).
+SAME_RUN = ("--dtype", "float32", "--seq_len", "128", "--local_batch_size", "2", "--warmup_steps", "2",
+            "--lr", "3e-3", "--seed", "0")
+SHARED_RUNS = {  # name: (script, arguments, torchrun processes)
+    # the tiny preset, 10 steps, exported, its losses compared with the golden ones
+    "native_tiny": ("train_native_qwen3.py", ("--preset", "tiny", "--steps", "10", "--compare_losses",
+                                              str(GOLDEN_DIR / "train_native_qwen3.tiny.json"),
+                                              "--loss_tolerance", str(GOLDEN_TOL)), 0),
+    # the tiny Qwen3 from its HF folder over 2 processes (FSDP over gloo), 3 steps, exported
+    "native_tiny_2_ranks": ("train_native_qwen3.py", ("--hf_checkpoint", "{tiny_qwen3}", "--steps", "3", *SAME_RUN), 2),
+}
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, prepared_assets) -> Callable[[str], tuple[Path, dict]]:
+    """shared_run(name) -> (out_dir, results) of one of SHARED_RUNS. The first test process that asks
+    runs it; another that asks meanwhile waits for it (pytest-xdist runs test files in two processes,
+    and their session root folder is shared). Tests only read the folder."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "shared_runs"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str) -> tuple[Path, dict]:
+        script, args, torchrun = SHARED_RUNS[name]
+        args = [a.format(tiny_qwen3=prepared_assets["tiny_qwen3"]) for a in args]
+        out, done = root / name, root / f"{name}.done"
+        with FileLock(str(root / f"{name}.lock")):
+            if not done.exists():
+                shutil.rmtree(out, ignore_errors=True)
+                run_example(script, *args, "--out_dir", str(out), torchrun=torchrun)
+                done.write_text(" ".join(args))
+        return out, read_results(out)
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, script_env
+from conftest import ROOT, run_python
 
 
 def run_bench(script: str, out_dir, *args: str, timeout: int = 900) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / script), "--preset", "tiny", "--out_dir", str(out_dir), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_python(cmd, timeout=timeout)
     assert proc.returncode == 0, \
         f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads((out_dir / "results.json").read_text())
@@ -57,7 +56,7 @@ def test_timed_train_takes_the_rotary_fix_as_a_flag():
     it belongs to the stock mode (in ours the example applies its own fixes)."""
     cmd = [sys.executable, str(ROOT / "bench" / "timed_train.py"), "--mode", "ours", "--fix_hf_rotary",
            "--timing_file", "unused.json", str(ROOT / "examples" / "train_hf_backend.py")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, timeout=300)
     assert proc.returncode == 2 and "--fix_hf_rotary is for --mode stock" in proc.stderr
     sys.path.insert(0, str(ROOT))
     from bench import bench_train_overhead as overhead

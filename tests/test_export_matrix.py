@@ -1,6 +1,7 @@
 """The HF export of every model family the scripts train, each trained 2 steps through the real CLI,
 checked here independently of the scripts' own export check:
-  - tied dense: the tiny Qwen3 preset of train_native_qwen3.py (embedding and lm_head shared);
+  - tied dense: the tiny Qwen3 preset of train_native_qwen3.py (embedding and lm_head shared; the
+    10-step run the script's own tests read, conftest.SHARED_RUNS);
   - odd dense: a seeded transformers Qwen3 with head_dim (24) != hidden / heads (16), one KV head,
     untied embeddings, RoPE theta 5e5 and RMSNorm eps 1e-5, trained with --hf_checkpoint;
   - reduced MoE: train_moe_nki.py at the AWS guide's reduced routing (4 layers, 64 experts, top-4) with a
@@ -15,15 +16,15 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, read_results, run_example, script_env
+from conftest import ROOT, read_results, run_example, run_python, script_env
 
 TOL = 1e-5  # float32 on both sides
+NAMES = ("tied_dense", "odd_dense", "reduced_moe")
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 ODD = {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 24, "num_key_value_heads": 1,
        "intermediate_size": 96, "num_hidden_layers": 2, "rope_theta": 5e5, "rms_norm_eps": 1e-5,
@@ -46,29 +47,29 @@ def _save_odd_qwen3(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory, prepared_assets):
-    """Three 2-step training runs through the scripts' CLIs, then one fresh process that re-reads
-    the three exports with transformers."""
+def exports(tmp_path_factory, prepared_assets, shared_run):
+    """Training runs through the scripts' CLIs (the tied one shared, two of 2 steps), then one fresh
+    process that re-reads the three exports with transformers."""
     root = tmp_path_factory.mktemp("export_matrix")
     src = root / "odd_src"
     _save_odd_qwen3(src)
     runs = {
-        "tied_dense": ("train_native_qwen3.py", "--preset", "tiny"),
         "odd_dense": ("train_native_qwen3.py", "--hf_checkpoint", str(src)),
         "reduced_moe": ("train_moe_nki.py", "--preset", "tiny", "--num_layers", "4", "--num_experts", "64",
                         "--top_k", "4"),
     }
-    results = {}
+    folders, results = {}, {}
+    folders["tied_dense"], results["tied_dense"] = shared_run("native_tiny")
     for name, (script, *args) in runs.items():
-        run_example(script, *args, "--steps", "2", "--out_dir", str(root / name))
-        results[name] = read_results(root / name)
+        folders[name] = root / name
+        run_example(script, *args, "--steps", "2", "--out_dir", str(folders[name]))
+        results[name] = read_results(folders[name])
     reread = root / "reread.json"
-    cmd = [sys.executable, str(Path(__file__)), str(reread), str(src),
-           *[str(root / name) for name in runs]]
+    cmd = [sys.executable, str(Path(__file__)), str(reread), str(src), *[f"{name}={folders[name]}" for name in NAMES]]
     env = {**script_env(), "OMP_NUM_THREADS": "1"}  # a second thread only spins on a shared 2-core machine
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return root, results, json.loads(reread.read_text())
+    return folders, results, json.loads(reread.read_text())
 
 
 def _header(path: Path) -> dict:
@@ -80,10 +81,10 @@ def _header(path: Path) -> dict:
     return {"entries": header, "data_bytes": len(raw) - 8 - n}
 
 
-@pytest.mark.parametrize("name", ["tied_dense", "odd_dense", "reduced_moe"])
+@pytest.mark.parametrize("name", NAMES)
 def test_safetensors_headers_and_index(exports, name):
-    root, _results, _reread = exports
-    folder = root / name / "hf_export"
+    folders, _results, _reread = exports
+    folder = folders[name] / "hf_export"
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     assert files, f"no safetensors in {folder}"
     sizes = {"F32": 4, "BF16": 2, "F16": 2}
@@ -114,10 +115,10 @@ def test_safetensors_headers_and_index(exports, name):
         assert set(weight_map.values()) == set(files)  # names only existing files, and all of them
 
 
-@pytest.mark.parametrize("name", ["tied_dense", "odd_dense", "reduced_moe"])
+@pytest.mark.parametrize("name", NAMES)
 def test_config_tokenizer_and_logits(exports, name):
-    root, results, reread = exports
-    folder = root / name / "hf_export"
+    folders, results, reread = exports
+    folder = folders[name] / "hf_export"
     assert results[name]["export_check"]["passed"] is True, results[name]["export_check"]
     for f in ("config.json", *TOKENIZER):
         assert (folder / f).is_file() and (folder / f).stat().st_size > 0, f
@@ -128,7 +129,7 @@ def test_config_tokenizer_and_logits(exports, name):
 
 
 def test_tied_export_is_tied(exports):
-    _root, _results, reread = exports
+    _folders, _results, reread = exports
     assert reread["tied_dense"]["tied"] is True and reread["tied_dense"]["lm_head_in_file"] is False
     assert reread["odd_dense"]["tied"] is False and reread["odd_dense"]["lm_head_in_file"] is True
 
@@ -137,8 +138,8 @@ def test_odd_shape_survives_the_round_trip(exports):
     """Every non-default setting of the odd model is in the exported config.json, the weights moved
     in training, and the comparison can fail: the same export read with the default RoPE theta
     gives logits far outside the tolerance."""
-    root, _results, reread = exports
-    cfg = json.loads((root / "odd_dense" / "hf_export" / "config.json").read_text())
+    folders, _results, reread = exports
+    cfg = json.loads((folders["odd_dense"] / "hf_export" / "config.json").read_text())
     for key in ("hidden_size", "num_attention_heads", "head_dim", "num_key_value_heads", "intermediate_size",
                 "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings"):
         assert cfg[key] == ODD[key], key
@@ -149,8 +150,8 @@ def test_odd_shape_survives_the_round_trip(exports):
 
 
 def test_moe_export_routing_shape(exports):
-    root, results, reread = exports
-    cfg = json.loads((root / "reduced_moe" / "hf_export" / "config.json").read_text())
+    folders, results, reread = exports
+    cfg = json.loads((folders["reduced_moe"] / "hf_export" / "config.json").read_text())
     assert (cfg["architectures"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]) == \
         (["Qwen3MoeForCausalLM"], 64, 4, 4)
     assert reread["reduced_moe"]["architecture"] == "Qwen3MoeForCausalLM"
@@ -189,8 +190,9 @@ def _reread(export_dir: Path, source: Path | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":  # python tests/test_export_matrix.py OUT.json ODD_SOURCE RUN_DIR...
+if __name__ == "__main__":  # python tests/test_export_matrix.py OUT.json ODD_SOURCE NAME=RUN_DIR...
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    out_json, odd_source, *run_dirs = (Path(a) for a in sys.argv[1:])
-    checks = {d.name: _reread(d / "hf_export", odd_source if d.name == "odd_dense" else None) for d in run_dirs}
+    out_json, odd_source = Path(sys.argv[1]), Path(sys.argv[2])
+    run_dirs = {name: Path(d) for name, d in (a.split("=", 1) for a in sys.argv[3:])}
+    checks = {name: _reread(d / "hf_export", odd_source if name == "odd_dense" else None) for name, d in run_dirs.items()}
     out_json.write_text(json.dumps(checks, indent=1))

@@ -27,7 +27,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, assert_clean_error, kill_after_checkpoint, read_results, run_example
+from conftest import (GOLDEN_DIR, GOLDEN_TOL, SAME_RUN, assert_clean_error, kill_after_checkpoint, read_results,
+                      run_example)
 
 from common import device
 
@@ -100,13 +101,7 @@ def test_rotary_check_compares_with_the_config():
 
 
 # --------------------------------------------------------------------------- the script
-# The arguments both training paths get in the comparison (and the tiny preset's defaults, spelled out).
-SAME_RUN = ("--dtype", "float32", "--seq_len", "128", "--local_batch_size", "2", "--warmup_steps", "2",
-            "--lr", "3e-3", "--seed", "0")
-
-
-GOLDEN = ROOT / "tests" / "assets" / "golden_losses" / "train_hf_backend.tiny.json"  # 2 ranks
-GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other instruction sets may move it
+GOLDEN = GOLDEN_DIR / "train_hf_backend.tiny.json"  # 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -196,14 +191,14 @@ def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
     assert first["pretrained"] < 0.6 * first["random"], first
 
 
-def test_same_losses_as_native_under_torchrun(tmp_path, tiny_run, prepared_assets):
-    # The same tiny Qwen3 HF checkpoint, data, seed and schedule through torchtitan's own Qwen3.
-    # Losses 1-3 depend only on the first two updates, both inside the 2-step warm-up, so the
-    # 10-step run of this script is compared with a 3-step run of the native one.
-    run_example("train_native_qwen3.py", "--hf_checkpoint", str(prepared_assets["tiny_qwen3"]), "--steps", "3",
-                *SAME_RUN, "--no-export", "--out_dir", str(tmp_path), torchrun=2)
-    native, hf = read_results(tmp_path)["losses"], tiny_run[1]["history"]["losses"][:3]
-    assert read_results(tmp_path)["world_size"] == 2 and len(native) == 3
+def test_same_losses_as_native_under_torchrun(tiny_run, shared_run):
+    # The same tiny Qwen3 HF checkpoint, data, seed and schedule through torchtitan's own Qwen3
+    # (conftest.SHARED_RUNS: SAME_RUN under torchrun with 2 processes). Losses 1-3 depend only on the
+    # first two updates, both inside the 2-step warm-up, so the 10-step run of this script is compared
+    # with a 3-step run of the native one.
+    _, native_res = shared_run("native_tiny_2_ranks")
+    native, hf = native_res["losses"], tiny_run[1]["history"]["losses"][:3]
+    assert native_res["world_size"] == 2 and len(native) == 3
     assert max(abs(a - b) for a, b in zip(hf, native)) <= 1e-4, (hf, native)
     assert hf[-1] < hf[0]  # it trained: the comparison is not of three equal numbers
 

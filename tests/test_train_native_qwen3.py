@@ -7,19 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, assert_clean_error, read_results, run_example
+from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, read_results, run_example
 
 SCRIPT = "train_native_qwen3.py"
-GOLDEN = ROOT / "tests" / "assets" / "golden_losses" / "train_native_qwen3.tiny.json"
-GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other instruction sets may move it
+GOLDEN = GOLDEN_DIR / "train_native_qwen3.tiny.json"
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, prepared_assets):
-    out = tmp_path_factory.mktemp("native_tiny")
-    run_example(SCRIPT, "--preset", "tiny", "--steps", "10", "--out_dir", str(out),
-                "--compare_losses", str(GOLDEN), "--loss_tolerance", str(GOLDEN_TOL))
-    return out, read_results(out)
+def tiny_run(shared_run):
+    """`--preset tiny --steps 10 --compare_losses GOLDEN` (conftest.SHARED_RUNS; the export matrix reads it too)."""
+    return shared_run("native_tiny")
 
 
 def test_tiny_lowers_loss_and_exports(tiny_run):
@@ -42,10 +39,12 @@ def test_tiny_lowers_loss_and_exports(tiny_run):
     assert (exported / "tokenizer.json").is_file()
 
 
-def test_torchrun_two_ranks_fsdp_over_gloo(tmp_path, prepared_assets):
-    run_example(SCRIPT, "--steps", "3", "--out_dir", str(tmp_path), torchrun=2)
-    res = read_results(tmp_path)
+def test_torchrun_two_ranks_fsdp_over_gloo(shared_run):
+    """The tiny Qwen3 from its HF folder under torchrun with 2 processes (conftest.SHARED_RUNS; the
+    HF-backend tests compare their losses with it): loaded, trained and exported from FSDP shards."""
+    _, res = shared_run("native_tiny_2_ranks")
     assert res["world_size"] == 2 and len(res["losses"]) == 3
+    assert res["load_check"]["passed"] is True, res["load_check"]
     assert res["export_check"]["passed"] is True, res["export_check"]
 
 

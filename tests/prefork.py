@@ -1,0 +1,158 @@
+"""A pre-forking runner for the tests' command lines: one process imports the heavy stack (torch,
+torchtitan, transformers, datasets, ...) once, then forks a child per command, which runs the
+script (or `-m` module) as `python` would run it as `__main__`, with the command's argv, working
+folder and environment, its stdout and stderr in files, and the script's own exit code.
+
+Every command that starts a Python process spends 5 to 10 s of a 2-core CPU importing the stack
+before its first line runs; the test suite starts about two hundred of them. A forked child
+starts with those modules imported and nothing else: the repository is not on its path and none
+of its modules are loaded (the script imports `common/` itself, as it does under `python`), no
+torch state has been touched (no op has run, no thread pool, no process group), and the child is
+a process of its own, so `os._exit`, signals, fds and its own subprocesses behave as they do in a
+fresh interpreter. Commands whose process identity matters to a test (a signal sent to them, a
+kill of their process tree) still start with `subprocess.Popen`.
+
+Protocol: one JSON request per line on stdin ({"argv", "cwd", "env", "stdout", "stderr",
+"timeout"}), one JSON reply per line on the original stdout ({"rc", "timed_out"}). Requests are
+served one at a time, as a test runs its commands."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+# What the examples import, less torchtitan: torchtitan picks its device when it is first imported,
+# and the examples route it to theirs before that (common/device.py), so each child imports it.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "torch.distributed.tensor", "numpy", "safetensors.torch", "transformers",
+           "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+           "transformers.models.llama.modeling_llama", "datasets", "tokenizers", "pyarrow", "pyarrow.parquet",
+           "pandas", "matplotlib", "matplotlib.pyplot", "psutil")
+
+
+def _preload() -> None:
+    import importlib
+    import threading
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a module this stack lacks is imported by the script, or fails there
+            print(f"prefork: {name} not preloaded: {exc!r}", file=sys.stderr, flush=True)
+    if any(name.startswith("torchtitan") for name in sys.modules):
+        raise SystemExit("prefork: a preloaded module imported torchtitan")
+    # Forking is only safe while this process has one thread (a lock held by another thread would
+    # stay held in every child).
+    if threading.active_count() != 1:
+        raise SystemExit(f"prefork: {threading.active_count()} threads after the imports; refusing to fork")
+
+
+def _run_child(req: dict, proto_fds: tuple[int, int]) -> None:
+    """In the forked child: become `python ARGV...` and exit as it would. Never returns."""
+    import atexit
+    import runpy
+    import threading
+
+    code = 1
+    try:
+        os.setpgrp()  # its own process group: a timeout kills the command and everything it started
+        for fd in proto_fds:
+            os.close(fd)
+        for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        argv = req["argv"]
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    finally:
+        # What the interpreter does at exit: wait for non-daemon threads, run atexit, flush.
+        try:
+            threading._shutdown()  # noqa: SLF001 (the interpreter's own exit step)
+            atexit._run_exitfuncs()  # noqa: SLF001
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code & 0xFF if code >= 0 else 1)
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the child's process group and every process below the child (torchrun starts each
+    worker in a session of its own)."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    for p in below:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def serve() -> None:
+    proto_in = os.dup(0)
+    proto_out = os.dup(1)
+    os.dup2(2, 1)  # anything printed here goes to stderr, never into the replies
+    _preload()
+    reader = os.fdopen(proto_in, "r")
+    writer = os.fdopen(proto_out, "w")
+    writer.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    writer.flush()
+    for line in reader:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _run_child(req, (proto_in, proto_out))
+        deadline = time.monotonic() + req["timeout"]
+        timed_out = False
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                _kill_group(pid)
+                _, status = os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+        writer.write(json.dumps({"rc": os.waitstatus_to_exitcode(status), "timed_out": timed_out}) + "\n")
+        writer.flush()
+
+
+if __name__ == "__main__":
+    serve()
