@@ -263,9 +263,9 @@ def measure_all(cfg: Config) -> dict:
 
 def measure_one(example, ecfg, dev, run_dir: Path, steps: int) -> dict:
     """Build the example's trainer for `ecfg`, run a warm-up step, then measure `steps` steps (this rank).
-    Each allocator term is its median over the measured steps: on gloo a step now and then keeps one
-    more all-gather buffer alive a little longer (thread timing); every step's figures stay in
-    `measured_only.per_step`."""
+    Each allocator term is its median over the measured steps; every step's figures stay in
+    `measured_only.per_step`. A gathered buffer counts until FSDP lets go of it (AllocationTracker.summary):
+    gloo's worker thread may free it later, the later the busier the machine."""
     import statistics
 
     import torch
@@ -332,7 +332,8 @@ def measure_one(example, ecfg, dev, run_dir: Path, steps: int) -> dict:
                      "activations": median["activations"], "total": params + optimizer + median["peak"]},
         "measured_only": {"gradient_buffers_peak": t["peak_by_tag"]["grad"], "at_peak": t["at_peak"],
                           "phases": t["phases"], "largest": t["largest_activations_at_phase_peak"],
-                          "allocations": t["allocations"], "per_step": per_step},
+                          "allocations": t["allocations"], "per_step": per_step,
+                          "gathered_freed_after_fsdp_let_go": [t["gathered_freed_after_fsdp_let_go"] for t in summaries]},
         "phase_of_peak": t["phase_of_peak"],
     }
 
@@ -474,6 +475,8 @@ class AllocationTracker:
         allocs: list[dict] = []
         replay: list[tuple[str, object]] = []  # ("+", index) / ("-", index) / ("phase", name)
         live: dict[int, int] = {}
+        dropped: set[int] = set()  # gathered buffers FSDP let go of, their allocator free not seen yet
+        freed_late = 0
         in_grad, in_gather, phase = 0, 0, "forward"
         for _t, kind, payload in events:
             if kind == "mark":
@@ -493,6 +496,15 @@ class AllocationTracker:
                     for ptr in ptrs:
                         if ptr in live and (what != "grad" or allocs[live[ptr]]["tag"] == "other"):
                             allocs[live[ptr]]["tag"] = what
+                            allocs[live[ptr]]["held_by_fsdp"] = what == "gathered"
+                    if what == "gathered":
+                        # A gathered buffer FSDP held at an earlier marker and holds no longer is free from
+                        # here on: FSDP dropped it, and only gloo's worker thread may still hold it (its
+                        # async work keeps the all-gather's output until that thread runs, later on a busy
+                        # machine). Its own free then comes later or never, and is ignored.
+                        for ptr in [q for q, i in live.items() if allocs[i].get("held_by_fsdp") and q not in ptrs]:
+                            replay.append(("-", live.pop(ptr)))
+                            dropped.add(ptr)
                 continue
             ptr, size, ops = payload
             if size > 0:
@@ -502,6 +514,10 @@ class AllocationTracker:
                 allocs.append({"size": size, "tag": tag, "ops": ops})
             elif ptr in live:
                 replay.append(("-", live.pop(ptr)))
+                dropped.discard(ptr)
+            elif ptr in dropped:  # freed after FSDP had dropped it and a later marker had passed
+                dropped.discard(ptr)
+                freed_late += 1
         tags = ("gathered", "sharded_grad", "grad", "other")
         totals = dict.fromkeys(tags, 0)
         phases: dict[str, dict[str, int]] = {}
@@ -530,7 +546,8 @@ class AllocationTracker:
                 peak_total, at_peak, phase_of_peak = sum(totals.values()), dict(totals), phase
         return {"peak_total": peak_total, "at_peak": at_peak, "phase_of_peak": phase_of_peak,
                 "peak_by_tag": {t: max(p.get(t, 0) for p in phases.values()) for t in (*tags, "all_gradients")},
-                "phases": phases, "largest_activations_at_phase_peak": largest, "allocations": len(allocs)}
+                "phases": phases, "largest_activations_at_phase_peak": largest, "allocations": len(allocs),
+                "gathered_freed_after_fsdp_let_go": freed_late}
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ term's own peak, at or above the measured peak of the step."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, script_env
+from conftest import ROOT, run_python
 
 EXACT_TERMS = ("parameters", "gradients", "optimizer_state")
 BANDS = {"gathered_blocks": (0.9, 1.1), "activations": (0.85, 1.15), "activations_loss": (0.75, 1.25),
@@ -30,7 +29,7 @@ BANDS = {"gathered_blocks": (0.9, 1.1), "activations": (0.85, 1.15), "activation
 def rows(tmp_path_factory, prepared_assets):
     out = tmp_path_factory.mktemp("memory_model")
     cmd = [sys.executable, str(ROOT / "bench" / "bench_memory_model.py"), "--preset", "tiny", "--out_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=900)
+    proc = run_python(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "results.json").read_text())["rows"]
 
@@ -61,3 +60,38 @@ def test_sharding_halves_the_state_and_the_plan_is_read(rows):
     assert abs(two / one - 0.5) < 0.01
     tied, untied = by[("tiny", 1)]["gathered_blocks"]["measured"], by[("tiny_untied", 1)]["gathered_blocks"]["measured"]
     assert 1.9 < tied / untied < 2.1
+
+
+def test_a_gathered_buffer_freed_late_by_gloo_is_not_counted_past_fsdps_release():
+    """On a busy machine gloo's worker thread can free an all-gather output after the next all-gather
+    has allocated its own (the thread runs late); FSDP had let go of it before. The tracker counts a
+    gathered buffer until FSDP lets go of it, so the measured peak is what FSDP holds, however late the
+    free comes. Replayed here on the tracker's own event handling: A, B, C are all-gather outputs of one
+    size; FSDP holds A, then A and B, then only B (A's group has been copied out), then B and C; A's
+    allocator free comes after C's allocation."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_memory_model import AllocationTracker
+
+    tracker = AllocationTracker(torch.nn.Module())
+    marks, events = [], []
+
+    def mark(kind, ptrs=(), name=""):
+        marks.append((kind, set(ptrs), name))
+        events.append((len(events), "mark", len(marks) - 1))
+
+    def alloc(ptr, size):
+        events.append((len(events), "alloc", (ptr, size, "all_gather")))
+
+    mark("phase", name="forward")
+    for ptr, held in ((1, {1}), (2, {1, 2})):
+        mark("gather_begin"), alloc(ptr, 100), mark("gather_end"), mark("gathered", held)
+    mark("gathered", {2})  # FSDP let go of A
+    mark("gather_begin"), alloc(3, 100), mark("gather_end"), mark("gathered", {2, 3})
+    alloc(1, -100)  # A's free, from gloo's thread, late
+    alloc(2, -100), alloc(3, -100)
+    tracker.marks, tracker._events = marks, lambda: events
+    summary = tracker.summary()
+    assert summary["peak_by_tag"]["gathered"] == 200  # two buffers, as FSDP holds them; 300 if A counted to its free
+    assert summary["gathered_freed_after_fsdp_let_go"] == 1
