@@ -13,7 +13,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, script_env
+from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, run_python, script_env
 
 SCRIPT = "train_native_qwen3.py"
 SHORT = ("--steps", "2", "--local_batch_size", "1", "--seq_len", "64")
@@ -33,8 +33,7 @@ def test_nonfinite_weights_are_never_ok(prepared_assets, tmp_path):
     tensors = load_file(str(bad / "model.safetensors"))
     tensors["model.norm.weight"][3] = math.nan
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    proc = subprocess.run([sys.executable, "-m", "common.checkpoint", "validate", str(bad)], cwd=ROOT,
-                          env=script_env(), capture_output=True, text=True)
+    proc = run_python([sys.executable, "-m", "common.checkpoint", "validate", str(bad)])
     assert_clean_error(proc, "NaN or Inf in [model.norm.weight]")
     assert "ok" not in proc.stdout
     proc = run_example(SCRIPT, "--hf_checkpoint", str(bad), "--out_dir", str(tmp_path / "o"), check=False)
@@ -46,8 +45,7 @@ def test_index_naming_keys_no_shard_holds_is_refused(prepared_assets, tmp_path):
     keys = list(load_file(str(bad / "model.safetensors")))
     index = {"metadata": {}, "weight_map": {**{k: "model.safetensors" for k in keys}, "model.extra.weight": "model.safetensors"}}
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    proc = subprocess.run([sys.executable, "-m", "common.checkpoint", "validate", str(bad)], cwd=ROOT,
-                          env=script_env(), capture_output=True, text=True)
+    proc = run_python([sys.executable, "-m", "common.checkpoint", "validate", str(bad)])
     assert_clean_error(proc, "does not match its shards", "model.extra.weight")
 
 
@@ -154,13 +152,16 @@ def test_ctrl_c_during_a_checkpoint_save_is_one_line(prepared_assets, tmp_path):
     proc = subprocess.Popen(example_command(SCRIPT, *SHORT[2:], "--steps", "40", "--checkpoint_every", "1",
                                             "--no-export", "--out_dir", str(out)),
                             cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
+    deadline, sent = time.monotonic() + 300, None
     while proc.poll() is None and time.monotonic() < deadline:
         steps = list((out / "checkpoint").glob("step-*")) if (out / "checkpoint").is_dir() else []
-        if any(not (s / ".metadata").exists() for s in steps):  # a save in progress
+        if saving := [s.name for s in steps if not (s / ".metadata").exists()]:  # a save in progress (~0.5 s each)
             proc.send_signal(signal.SIGINT)
+            sent = saving
             break
         time.sleep(0.005)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    saved = sorted(p.name for p in (out / "checkpoint").glob("*"))
+    assert sent, f"no save in progress seen; exit {proc.returncode}, saved: {saved}"
+    assert proc.returncode == 130 and "Traceback" not in err, (sent, err[-3000:])
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == ["error: interrupted"]
