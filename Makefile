@@ -39,11 +39,13 @@ browser:
 demo: setup
 	$(PYTHON) examples/train_native_qwen3.py --preset tiny --steps 10 --out_dir runs/demo_native_qwen3
 
-# Two pytest workers, one test file each at a time (module fixtures run once): most tests run
-# training processes whose imports and set-up use one core. -rs prints why a test was skipped
-# (the Trainium-only tests, on a machine without a NeuronCore); --durations lists the slowest tests.
+# Three pytest workers on two cores, one test file each at a time (module fixtures run once): most
+# tests wait on training processes (their own sleeps, collectives, file writes), and a third worker
+# fills those waits. -rs prints why a test was skipped (the Trainium-only tests, on a machine without
+# a NeuronCore); the run ends with the ten slowest tests and pytest's closing line, which gives the
+# total wall time. How the suite stays short and load-independent: docs/testing.md.
 test: setup
-	$(PYTHON) -m pytest -q -rs --durations=15 -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -q -rs --durations=10 -n 3 --dist loadfile tests
 
 clean-runs:
 	rm -rf runs
