@@ -24,11 +24,13 @@ from pathlib import Path
 
 from common.errors import ArgumentParser, UserError
 
-# The tested stacks. CPU: the `==` pins of requirements.txt. trn2: the AWS guide's (requirements-trn2.txt).
-TRN2_PINS = {"torch": "2.14.0", "torch-neuronx": "2.14.3", "transformers": "5.16.0",
-             "torchtitan-neuron": "0.2.2+neuron.1"}  # torchtitan-neuron: its release-2.33 branch
+# The tested stacks, as version specifiers. CPU: the `==` pins of requirements.txt. trn2: the AWS guide's, the
+# Neuron 2.33.0 release's own versions (requirements-trn2.txt; tests/test_preflight.py checks both against the
+# release's table). TorchNeuron is published as the family 2.14.3.0.*, which `==2.14.3` does not match.
+TRN2_PINS = {"torch": "==2.14.0", "torch-neuronx": "==2.14.3.0.*", "neuronx-cc": "==2.28.7631.0", "nki": "==0.7.0",
+             "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.1"}  # torchtitan-neuron: release-2.33
 TRN2_PYTHON = (3, 12)
-TRN2_INFO = ("neuronx-cc", "nki", "nki-library")  # reported, not pinned by the AWS guide
+TRN2_INFO = ("nki-library",)  # reported: the public index has only a placeholder (the kernels: nkilib, neuronx-cc's)
 NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
@@ -101,7 +103,19 @@ def _version(dist: str) -> str | None:
 def _cpu_pins() -> dict[str, str]:
     req = Path(__file__).resolve().parent.parent / "requirements.txt"
     lines = req.read_text().splitlines() if req.is_file() else []
-    return dict(line.split("#")[0].strip().split("==", 1) for line in lines if "==" in line.split("#")[0])
+    pins = (line.split("#")[0].strip().split("==", 1) for line in lines if "==" in line.split("#")[0])
+    return {dist.strip(): f"=={version.strip()}" for dist, version in pins}
+
+
+def admits(spec: str, version: str | None) -> bool:
+    """Whether an installed `version` satisfies the version specifier `spec` (PEP 440, as pip reads it)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is not None and SpecifierSet(spec).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
 
 
 def _versions(target: str) -> list[tuple[str, str, str]]:
@@ -110,7 +124,7 @@ def _versions(target: str) -> list[tuple[str, str, str]]:
              WARN if target == "trn2" and sys.version_info[:2] < TRN2_PYTHON else OK)]
     for dist, want in (TRN2_PINS if target == "trn2" else _cpu_pins()).items():
         have = _version(dist) or (_version("torchtitan") if dist == "torchtitan-neuron" else None)
-        rows.append((f"{dist}=={want}", have or "not installed", OK if have == want else WARN))
+        rows.append((f"{dist}{want}", have or "not installed", OK if admits(want, have) else WARN))
     if target == "trn2":
         rows += [(dist, _version(dist) or "not installed", INFO) for dist in TRN2_INFO]
         rows += [(pkg, _system_version(pkg) or "not found", INFO) for pkg in NEURON_SYSTEM]

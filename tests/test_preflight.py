@@ -6,6 +6,7 @@ subprocess); nothing stands in for the Neuron stack.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -126,3 +127,42 @@ def test_signatures_of_jit_kernels_are_read_from_the_wrapped_function():
     assert list(preflight._parameters(Wrapped(kernel))) == ["q", "k", "q_out", "k_out", "cos", "sin",
                                                              "rope_cache", "backward"]
     assert preflight._parameters(lambda **kw: None) is None
+
+
+RELEASE = json.loads((ROOT / "tests" / "assets" / "neuron-2.33.0.json").read_text())
+
+
+def _next_minor(version: str) -> str:
+    from packaging.version import Version
+
+    v = Version(version)
+    return f"{v.major}.{v.minor + 1}.0"
+
+
+def _trn2_requirements() -> dict[str, str]:
+    from packaging.requirements import Requirement
+
+    reqs = {}
+    for line in (ROOT / "requirements-trn2.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("-"):
+            req = Requirement(line)
+            reqs[req.name] = str(req.specifier)
+    return reqs
+
+
+@pytest.mark.parametrize("source", ["requirements-trn2.txt", "preflight"])
+def test_trn2_pins_admit_the_233_release_and_refuse_the_next_minor(source):
+    """Every Neuron package pip installs is pinned, and each pin admits the Neuron 2.33.0 release's own version
+    string (TorchNeuron's 2.14.3.0 family: a build number may follow) and refuses the next minor version."""
+    pins = _trn2_requirements() if source == "requirements-trn2.txt" else preflight.TRN2_PINS
+    if source == "requirements-trn2.txt":  # torchtitan-neuron installs from a clone of its release branch
+        assert "torchtitan-neuron" not in pins and "torchtitan" not in pins
+    for dist, version in RELEASE["pip"].items():
+        if dist == "torchtitan-neuron" and source == "requirements-trn2.txt":
+            continue
+        assert dist in pins, (source, dist)
+        builds = [version, f"{version}.1234"] if dist == "torch-neuronx" else [version]
+        for build in builds:
+            assert preflight.admits(pins[dist], build), (source, dist, pins[dist], build)
+        assert not preflight.admits(pins[dist], _next_minor(version)), (source, dist, pins[dist])
