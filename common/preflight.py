@@ -5,7 +5,8 @@
 
 Prints one table (requirement, found, verdict) and exits 0, or 2 with one `error:` line naming each missing piece
 (a version other than the tested one is only a warning). No process group or Neuron runtime is started, so a wrong
-torchtitan fails in seconds. With --device neuron the scripts run the same check first: `require_stack("trn2")`.
+torchtitan fails in seconds. With --device neuron each script runs the same check first, of what it uses: `require_stack("trn2", script)`;
+the table's last column names the scripts that need each row.
 """
 from __future__ import annotations
 
@@ -35,57 +36,67 @@ NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neur
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
 # Every external symbol the scripts use, a line each: "module:name name ...", then after "|" the keywords their calls
-# pass (with one name; an indented line continues the keywords). A dotted name is read attribute by attribute; "f()"
-# is called, as the scripts call a registry builder. The Trainium lines are the documented APIs common/kernels/ calls.
+# pass (with one name; an indented line continues the keywords), then after "@" the scripts that use it (SCRIPTS; no
+# "@": all of them). A dotted name is read attribute by attribute; "f()" is called, as the scripts call a registry
+# builder. The Trainium lines are the documented APIs common/kernels/ calls; `wrap_nki` is a requirement only where
+# the kernels' launch setting uses it (common/kernels/rope_op.py: NKI_LAUNCH).
+SCRIPTS = {"native": "train_native_qwen3.py", "hf": "train_hf_backend.py", "moe": "train_moe_nki.py",
+           "rope": "rope_parity.py", "compat": "generate_compat_check.py"}
 CPU_AND_TRN2 = """
-torchtitan.config:override | target fqns exact description
-torchtitan.config:derive apply_overrides
-torchtitan.config.override:OverrideConfig | imports
-torchtitan.trainer:Trainer.Config
-torchtitan.components.optimizer:default_adamw | lr
-torchtitan.distributed:ParallelDims
-torchtitan.distributed.activation_checkpoint:FullAC
-torchtitan.models.common:Embedding Linear
-torchtitan.models.common.rope:CosSinRoPE _yarn_inv_freq
-torchtitan.models.common.moe:RoutedExperts
-torchtitan.models.common.attention:FlexAttention VarlenAttention VarlenMetadata
-torchtitan.models.common.nn_modules:RMSNorm
-torchtitan.models.common.config_utils:decoder_vocab_size
-torchtitan.models.qwen3:model_registry _build_qwen3_layers _build_qwen3_moe_layers
-torchtitan.models.qwen3.model:Qwen3Model
-torchtitan.models.qwen3.config_registry:qwen3_32b().model_spec qwen3_30b_a3b().model_spec
-torchtitan.experiments.transformers_modeling_backend:model_registry
-torchtitan.experiments.transformers_modeling_backend.config_registry:transformers_modeling_backend_full
-torchtitan.tools.logging:init_logger
+torchtitan.config:override | target fqns exact description @ native hf moe rope
+torchtitan.config:derive apply_overrides @ native hf moe rope
+torchtitan.config.override:OverrideConfig | imports @ native hf moe rope
+torchtitan.trainer:Trainer.Config @ native hf moe
+torchtitan.components.optimizer:default_adamw | lr @ native hf moe
+torchtitan.distributed:ParallelDims @ native hf moe
+torchtitan.distributed.activation_checkpoint:FullAC @ native hf moe
+torchtitan.models.common:Embedding Linear @ native hf moe rope
+torchtitan.models.common.rope:CosSinRoPE _yarn_inv_freq @ native hf moe rope
+torchtitan.models.common.moe:RoutedExperts @ moe
+torchtitan.models.common.attention:FlexAttention VarlenAttention VarlenMetadata @ native hf moe
+torchtitan.models.common.nn_modules:RMSNorm @ native moe rope
+torchtitan.models.common.config_utils:decoder_vocab_size @ native moe
+torchtitan.models.qwen3:model_registry _build_qwen3_layers _build_qwen3_moe_layers @ native moe rope
+torchtitan.models.qwen3.model:Qwen3Model @ native moe rope
+torchtitan.models.qwen3.config_registry:qwen3_32b().model_spec qwen3_30b_a3b().model_spec @ native moe
+torchtitan.experiments.transformers_modeling_backend:model_registry @ hf
+torchtitan.experiments.transformers_modeling_backend.config_registry:transformers_modeling_backend_full @ hf
+torchtitan.tools.logging:init_logger @ native hf moe rope
 transformers:AutoConfig AutoModelForCausalLM AutoTokenizer Qwen3Config Qwen3ForCausalLM Qwen3MoeForCausalLM
-transformers.models.qwen3.modeling_qwen3:Qwen3RotaryEmbedding apply_rotary_pos_emb
-transformers.modeling_rope_utils:ROPE_INIT_FUNCTIONS
-transformers.distributed:DistributedConfig | tp_size enable_expert_parallel
+transformers.models.qwen3.modeling_qwen3:Qwen3RotaryEmbedding apply_rotary_pos_emb @ rope
+transformers.modeling_rope_utils:ROPE_INIT_FUNCTIONS @ hf
+transformers.distributed:DistributedConfig | tp_size enable_expert_parallel @ compat
 """
 TRN2_ONLY = """
-torch_neuronx:wrap_nki
-nki:jit
-nki.language:bfloat16
-nkilib.core.embeddings.rope_hf:rope_hf | q k q_out k_out rope_cache backward
+torch_neuronx
+torch_neuronx:wrap_nki @ wrap_nki
+nki:jit @ moe rope
+nki.language:bfloat16 @ moe rope
+nkilib.core.embeddings.rope_hf:rope_hf | q k q_out k_out rope_cache backward @ moe rope
 nkilib.experimental.moe.forward.bwmm_shard_on_H:blockwise_mm_baseline_shard_hidden | hidden_states
     expert_affinities_masked gate_up_proj_weight down_proj_weight block_size token_position_to_id block_to_expert
     gate_up_activations_T down_activations compute_dtype is_tensor_update_accumulating expert_affinities_scaling_mode
+    @ moe
 nkilib.experimental.moe.bwd.blockwise_mm_backward:blockwise_mm_bwd | hidden_states expert_affinities_masked
     gate_up_proj_weight down_proj_weight gate_up_proj_act_checkpoint_T down_proj_act_checkpoint token_position_to_id
-    block_to_expert output_hidden_states_grad block_size compute_dtype is_tensor_update_accumulating
-nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE
+    block_to_expert output_hidden_states_grad block_size compute_dtype is_tensor_update_accumulating @ moe
+nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE @ moe
 """
+# The Neuron backends: the training scripts' process group (rope_parity.py runs one process), the compatibility
+# check's torch.compile (training runs eager) and its sharded workers' process group.
+NEURON_BACKENDS = {"dist": ("native", "hf", "moe", "compat"), "compile": ("compat",)}
 
 
-def _symbol_rows(text: str, targets: tuple[str, ...]) -> list[tuple[tuple[str, ...], str, tuple[str, ...]]]:
-    """(targets, "module:names", keywords) for each line of a table above."""
+def _symbol_rows(text: str, targets: tuple[str, ...]) -> list[tuple[tuple[str, ...], str, tuple[str, ...], tuple]]:
+    """(targets, "module:names", keywords, users) for each line of a table above."""
     rows = []
     for line in text.strip().splitlines():
+        line, _, users = line.partition("@")
         if line.startswith(" "):  # more keywords of the row above
-            rows[-1] = (targets, rows[-1][1], rows[-1][2] + tuple(line.split()))
+            rows[-1] = (targets, rows[-1][1], rows[-1][2] + tuple(line.split()), tuple(users.split()) or rows[-1][3])
         else:
             spec, _, keywords = line.partition("|")
-            rows.append((targets, spec.strip(), tuple(keywords.split())))
+            rows.append((targets, spec.strip(), tuple(keywords.split()), tuple(users.split()) or tuple(SCRIPTS)))
     return rows
 
 
@@ -194,6 +205,8 @@ def _check_symbol(spec: str, keywords: tuple[str, ...]) -> tuple[str, str, str]:
                 missing.append(name)
     except ModuleNotFoundError as e:
         top = (e.name or "").split(".")[0]
+        if e.name == top and top == "nkilib":  # the kernel's module: which one a fix must bring
+            return spec, f"not installed: {module} (nkilib, from neuronx-cc or nki-library)", ERROR
         return spec, (f"not installed: {PIP_NAME.get(top, top)}" if e.name == top else f"no module {e.name}"), ERROR
     except Exception as e:
         return spec, f"{type(e).__name__}: {e}"[:120], ERROR
@@ -211,27 +224,36 @@ def _check_symbol(spec: str, keywords: tuple[str, ...]) -> tuple[str, str, str]:
     return spec, f"takes {', '.join(keywords)}", OK
 
 
-def _neuron_backends() -> list[tuple[str, str, str]]:
+def _neuron_backends() -> list[tuple[str, str, str, tuple]]:
     if "torch_neuronx" not in sys.modules:
         return []  # torch-neuronx missing: already an error row
     import torch._dynamo
     import torch.distributed as dist
 
-    found = {"torch.distributed backend 'neuron'": "neuron" in dist.Backend.backend_list,
-             "torch.compile backend 'neuron'": "neuron" in torch._dynamo.list_backends(exclude_tags=())}
-    return [(req, "registered" if ok else "missing", OK if ok else ERROR) for req, ok in found.items()]
+    found = {"dist": ("torch.distributed backend 'neuron'", "neuron" in dist.Backend.backend_list),
+             "compile": ("torch.compile backend 'neuron'", "neuron" in torch._dynamo.list_backends(exclude_tags=()))}
+    return [(req, "registered" if ok else "missing", OK if ok else ERROR, NEURON_BACKENDS[kind])
+            for kind, (req, ok) in found.items()]
 
 
-def check(target: str) -> list[tuple[str, str, str]]:
-    """The table: (requirement, found, verdict) for every requirement of the `target` stack ("cpu" or "trn2")."""
-    rows = _versions(target) + _route(target)
-    rows += [_check_symbol(spec, kw) for targets, spec, kw in SYMBOLS if target in targets]
+def check_all(target: str) -> list[tuple[str, str, str, tuple]]:
+    """The whole table: (requirement, found, verdict, the SCRIPTS keys that need it) for the `target` stack."""
+    every = tuple(SCRIPTS)
+    rows = [(*row, every) for row in _versions(target) + _route(target)]
+    rows += [(*_check_symbol(spec, kw), users) for targets, spec, kw, users in SYMBOLS if target in targets]
     if target == "trn2":
         rows += _neuron_backends()
     where = sys.modules.get("torchtitan")
     if where is not None:  # a shadowing copy earlier on the path shows here
-        rows.append(("torchtitan imported from", str(Path(where.__file__).parent), INFO))
+        rows.append(("torchtitan imported from", str(Path(where.__file__).parent), INFO, every))
     return rows
+
+
+def check(target: str, script: str | None = None, wrap_nki: bool = False) -> list[tuple[str, str, str]]:
+    """(requirement, found, verdict) for every requirement of the `target` stack ("cpu" or "trn2"), or only for
+    what `script` (a SCRIPTS key) uses; `wrap_nki`: its kernels launch through torch_neuronx.wrap_nki."""
+    uses = set(SCRIPTS) if script is None else {script, *(["wrap_nki"] if wrap_nki else [])}
+    return [(r, f, v) for r, f, v, users in check_all(target) if uses & set(users) or script is None]
 
 
 def problems(rows) -> list[str]:
@@ -242,10 +264,14 @@ def problems(rows) -> list[str]:
         f"{r}: {f}" for r, f in errors if not f.startswith("not installed")]
 
 
-def format_table(rows) -> str:
+def format_table(rows, used_by: list[str] | None = None) -> str:
+    """The table as text; with `used_by`, a last column naming the scripts that need each row."""
     w1, w2 = min(max(len(r[0]) for r in rows), 72), min(max(len(r[1]) for r in rows), 38)
-    lines = [f"{'requirement':<{w1}}  {'found':<{w2}}  verdict", "-" * (w1 + w2 + 11)]
-    return "\n".join(lines + [f"{r:<{w1}}  {f:<{w2}}  {v}" for r, f, v in rows])
+    if used_by is None:
+        lines = [f"{'requirement':<{w1}}  {'found':<{w2}}  verdict", "-" * (w1 + w2 + 11)]
+        return "\n".join(lines + [f"{r:<{w1}}  {f:<{w2}}  {v}" for r, f, v in rows])
+    lines = [f"{'requirement':<{w1}}  {'found':<{w2}}  verdict  used by", "-" * (w1 + w2 + 28)]
+    return "\n".join(lines + [f"{r:<{w1}}  {f:<{w2}}  {v:<7}  {u}" for (r, f, v), u in zip(rows, used_by)])
 
 
 def wants_neuron(requested_device: str) -> bool:
@@ -254,10 +280,10 @@ def wants_neuron(requested_device: str) -> bool:
                                             and importlib.util.find_spec("torch_neuronx") is not None)
 
 
-def require_stack(target: str = "trn2") -> list[tuple[str, str, str]]:
-    """The check a script runs before its process group starts: a UserError naming every missing piece, else one
-    `[preflight]` line (warnings named). Returns the table's rows."""
-    rows = check(target)
+def require_stack(target: str, script: str, wrap_nki: bool = False) -> list[tuple[str, str, str]]:
+    """The check a script (a SCRIPTS key) runs before its process group starts, of what that script uses: a
+    UserError naming every missing piece, else one `[preflight]` line (warnings named). Returns the table's rows."""
+    rows = check(target, script, wrap_nki)
     missing = problems(rows)
     if missing:
         raise UserError(f"the {target} stack is not usable: {'; '.join(missing)} "
@@ -274,8 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                         default="trn2" if importlib.util.find_spec("torch_neuronx") else "cpu",
                         help="stack to check (default: trn2 where torch-neuronx is installed, else cpu)")
     target = parser.parse_args(argv).target
-    rows = check(target)
-    print(format_table(rows), flush=True)
+    full = check_all(target)
+    rows = [(r, f, v) for r, f, v, _ in full]
+    used_by = [" ".join(SCRIPTS[u] if u in SCRIPTS else "(NKI_LAUNCH wrap_nki)" for u in users)
+               if set(users) != set(SCRIPTS) else "all" for *_, users in full]
+    print(format_table(rows, used_by), flush=True)
     missing = problems(rows)
     if missing:
         print(f"error: the {target} stack is not usable: {'; '.join(missing)}", file=sys.stderr, flush=True)

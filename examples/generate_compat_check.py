@@ -383,7 +383,7 @@ def main(cfg: Config) -> dict:
     specs = model_specs(cfg.models)
     check_specs(specs)
     if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
-        preflight.require_stack("trn2")
+        preflight.require_stack("trn2", "compat")
     dev_type = device.resolve_device_type(cfg.device)
     run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
     if cfg.task == "train":  # the training script runs too: keep its source beside this one

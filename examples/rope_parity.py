@@ -314,13 +314,13 @@ def summarize(rows: list[dict], dtype: str, nki: bool) -> dict:
 
 
 def main(cfg: Config) -> dict:
-    from common.kernels.rope_op import check_kernel_rule
+    from common.kernels.rope_op import NKI_LAUNCH, check_kernel_rule
 
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     paths.asset_dir("tiny_qwen3")  # fail fast if set-up has not run
     neuron = preflight.wants_neuron(cfg.device)
     if neuron:  # the Neuron stack, before the process group and the runtime start
-        preflight.require_stack("trn2")
+        preflight.require_stack("trn2", "rope", wrap_nki=NKI_LAUNCH == "wrap_nki")
     if neuron or cfg.check_kernel_shape:  # the kernel's shape rule for every shape this run will rotate
         for shape in SHAPES:
             check_kernel_rule(cfg.seq_len or shape[2], shape[5], cfg.lnc)

@@ -149,7 +149,7 @@ PUBLISHED_PARAMS = {"qwen3_4b_instruct": 4.0e9}  # Qwen3-4B model card: 4.0 B pa
 def preflight(cfg: Config) -> dict:
     """Check every input before any process is launched or any model exists, so bad input fails fast."""
     if wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds, not an hour
-        require_stack("trn2")
+        require_stack("trn2", "hf")
     from hf_backend import fixes as hf_fixes
 
     device_type = device.resolve_device_type(cfg.device)

@@ -184,7 +184,9 @@ def preflight(cfg: Config) -> dict:
             moe_nki.check_training_shapes(seq_len=cfg.seq_len, head_dim=shape["head_dim"], hidden=shape["hidden_size"],
                                           inter=shape["moe_intermediate_size"], lnc=cfg.lnc,
                                           compute_dtype=getattr(torch, cfg.expert_dtype))
-        require_stack("trn2")
+        from common.kernels.rope_op import NKI_LAUNCH
+
+        require_stack("trn2", "moe", wrap_nki=NKI_LAUNCH == "wrap_nki")
     device_type = device.resolve_device_type(cfg.device)
     found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
     if cfg.compare_losses:

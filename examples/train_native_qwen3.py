@@ -130,7 +130,7 @@ PUBLISHED_PARAMS = {"4B": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 def preflight(cfg: Config) -> dict:
     """Check every input before any process is launched or any model exists, so bad input fails fast."""
     if wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds, not an hour
-        require_stack("trn2")
+        require_stack("trn2", "native")
     device_type = device.resolve_device_type(cfg.device)
     if cfg.attn_backend == "flex" and device_type != "cuda":
         raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")

@@ -55,7 +55,7 @@ def test_cpu_stack_passes_and_prints_the_table():
     proc = _preflight()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     header, rule, *rows = proc.stdout.splitlines()
-    assert header.split() == ["requirement", "found", "verdict"] and set(rule) == {"-"}
+    assert header.split() == ["requirement", "found", "verdict", "used", "by"] and set(rule) == {"-"}
     assert any(r.startswith("torchtitan.config:override ") and "takes target, fqns" in r for r in rows)
     assert any(r.startswith("transformers.distributed:DistributedConfig ") for r in rows)
     assert "[preflight] cpu stack: all" in proc.stdout
@@ -93,7 +93,7 @@ def test_a_shadowing_torchtitan_whose_override_lacks_a_keyword_is_named(tmp_path
 
 def test_require_stack_raises_one_user_error_naming_torch_neuronx():
     with pytest.raises(UserError, match="not installed: torch-neuronx") as e:
-        preflight.require_stack("trn2")
+        preflight.require_stack("trn2", "native")
     assert "\n" not in str(e.value)
     assert preflight.wants_neuron("neuron") and not preflight.wants_neuron("cpu")
     assert not preflight.wants_neuron("auto")  # no torch-neuronx here
@@ -102,7 +102,7 @@ def test_require_stack_raises_one_user_error_naming_torch_neuronx():
 def test_keyword_lists_are_the_ones_the_kernel_calls_pass():
     """The MoE rows list exactly the keywords common/kernels/moe_nki.py passes (its packed arguments plus the
     two constants experts_fwd_nki / experts_bwd_nki add)."""
-    listed = {spec.split(":")[1]: set(kw) for _, spec, kw in preflight.SYMBOLS}
+    listed = {spec.partition(":")[2]: set(kw) for _, spec, kw, _ in preflight.SYMBOLS}
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 64, generator=g), [torch.randn(s, generator=g) for s in ((2, 64, 64), (2, 64, 64))]
     scores, ids = torch.rand(6, 2, generator=g), torch.tensor([[0, 1]] * 6)
@@ -166,3 +166,27 @@ def test_trn2_pins_admit_the_233_release_and_refuse_the_next_minor(source):
         for build in builds:
             assert preflight.admits(pins[dist], build), (source, dist, pins[dist], build)
         assert not preflight.admits(pins[dist], _next_minor(version)), (source, dist, pins[dist])
+
+
+@pytest.mark.parametrize("script, named, not_named", [
+    ("native", [], ["nki", "blockwise", "rope_hf", "DistributedConfig"]),
+    ("hf", [], ["nki", "blockwise", "rope_hf", "DistributedConfig"]),
+    ("rope", ["nki", "nkilib.core.embeddings.rope_hf"], ["blockwise", "DistributedConfig"]),
+    ("moe", ["nki", "nkilib.core.embeddings.rope_hf", "nkilib.experimental.moe.forward.bwmm_shard_on_H",
+             "nkilib.experimental.moe.bwd.blockwise_mm_backward"], ["DistributedConfig"]),
+    ("compat", [], ["nki", "rope_hf", "blockwise"]),
+])
+def test_each_script_checks_what_it_uses(script, named, not_named):
+    """A script's preflight names what it calls and nothing else: the native and HF-backend runs and the
+    compatibility check do not need the kernels; the RoPE check needs rope_hf's module, the MoE run the MoE ones."""
+    with pytest.raises(UserError) as e:
+        preflight.require_stack("trn2", script)
+    line = str(e.value)
+    assert "not installed: torch-neuronx" in line, line
+    for name in named:
+        assert name in line, (name, line)
+    for name in not_named:
+        assert name not in line, (name, line)
+    rows = [r for r, _, _ in preflight.check("trn2", script)]
+    assert ("torch_neuronx:wrap_nki" in rows) is False  # only where the launch setting uses it
+    assert "torch_neuronx:wrap_nki" in [r for r, _, _ in preflight.check("trn2", script, wrap_nki=True)]

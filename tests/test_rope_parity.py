@@ -145,3 +145,11 @@ def test_kernel_rounding_reference(dtype):
         assert ((ours.detach().float() - ref_fwd.float()).abs() <= ulp_bound(q, 3)).all()
         assert ((y.grad.float() - ref_bwd.float()).abs() <= ulp_bound(gq, 3)).all()
         assert not torch.equal(ours.detach(), ref_fwd)
+
+
+def test_trn2_preset_without_the_stack_names_rope_hfs_module(tmp_path):
+    """On a machine without Neuron, the trn2 preset stops in its preflight with one line naming what is missing,
+    rope_hf's module included (a fix must bring that module: neuronx-cc's nkilib or nki-library's)."""
+    proc = run_example("rope_parity.py", "--preset", "trn2", "--out_dir", str(tmp_path), check=False)
+    assert_clean_error(proc, "not installed: torch-neuronx", "nkilib.core.embeddings.rope_hf")
+    assert "blockwise" not in proc.stderr

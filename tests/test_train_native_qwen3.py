@@ -105,8 +105,10 @@ def good_checkpoint(tmp_path_factory):
 
 
 def test_missing_neuron(tmp_path):
+    """The script's own preflight: torch-neuronx, and none of the kernels it never calls."""
     proc = run_example(SCRIPT, "--device", "neuron", "--out_dir", str(tmp_path), check=False)
-    assert_clean_error(proc, "torch-neuronx")
+    assert_clean_error(proc, "not installed: torch-neuronx (")
+    assert "nki" not in proc.stderr and "rope" not in proc.stderr and "moe" not in proc.stderr, proc.stderr
 
 
 def test_golden_losses(tiny_run):
