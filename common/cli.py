@@ -13,7 +13,6 @@ import errno
 import logging
 import math
 import os
-import signal
 import sys
 import tempfile
 import types
@@ -99,32 +98,12 @@ def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[st
     return cfg
 
 
-_interrupts: list[int] = []  # Ctrl-Cs received in this process
-
-
-def _on_interrupt(signum, frame) -> None:
-    """Python's own SIGINT handler, remembered: a KeyboardInterrupt raised where a library catches
-    BaseException and carries on (seen inside a checkpoint save) still ends the run (interrupted())."""
-    _interrupts.append(signum)
-    raise KeyboardInterrupt
-
-
-def interrupted() -> bool:
-    """Whether this process was sent Ctrl-C (SIGINT), even if the KeyboardInterrupt was swallowed."""
-    return bool(_interrupts)
-
-
 def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: str,
             default_preset: str, argv: list[str] | None = None) -> int:
-    """Parse, run `main(cfg)`, and turn a UserError into one line on stderr and exit code 2; Ctrl-C
-    is one line and exit 130 (_exit_interrupted), also when a library swallowed its KeyboardInterrupt."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _on_interrupt)
+    """Parse, run `main(cfg)`, and turn a UserError into one line on stderr and exit code 2."""
     try:
         cfg = parse_config(cls, presets, argv, description, default_preset)
         main(cfg)
-        if interrupted():
-            raise KeyboardInterrupt
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

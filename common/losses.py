@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import interrupted
 from common.errors import UserError
 from common.results import atomic_path, atomic_write_text, write_results
 
@@ -141,8 +140,6 @@ class LossRecorder:
         original = mp.log
 
         def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-            if interrupted():  # a Ctrl-C whose KeyboardInterrupt a library swallowed: stop at this step
-                raise KeyboardInterrupt
             if not math.isfinite(float(global_avg_loss)):  # every rank sees the same reduced loss
                 raise UserError(f"the loss at step {step} is {float(global_avg_loss)}: training diverged or its "
                                 "weights or data are broken; nothing after this step is trained")

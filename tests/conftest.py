@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,13 @@ def script_env() -> dict:
                 "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     return env
+
+
+def sigint_as_in_a_terminal() -> None:
+    """Popen's preexec_fn for a command that a test sends SIGINT: SIGINT at its default, as a command typed in a
+    terminal has it. A test run started in the background of a non-interactive shell (`make test &` in a
+    script) inherits SIGINT ignored, and so would the command: the test's Ctrl-C would then never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def example_command(script: str, *args: str, torchrun: int = 0) -> list[str]:

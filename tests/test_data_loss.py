@@ -13,7 +13,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, run_python, script_env
+from conftest import (ROOT, assert_clean_error, example_command, read_results, run_example, run_python, script_env,
+                      sigint_as_in_a_terminal)
 
 SCRIPT = "train_native_qwen3.py"
 SHORT = ("--steps", "2", "--local_batch_size", "1", "--seq_len", "64")
@@ -114,7 +115,8 @@ def test_signal_to_the_launcher_stops_every_worker(prepared_assets, tmp_path, si
     out = tmp_path / "o"
     proc = subprocess.Popen(example_command(SCRIPT, "--nproc_per_node", "2", "--steps", "200", "--no-export",
                                             "--out_dir", str(out)),
-                            cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     deadline = time.monotonic() + 300
     while not (out / "losses.jsonl").exists():  # the workers are training
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no step"
@@ -151,7 +153,8 @@ def test_ctrl_c_during_a_checkpoint_save_is_one_line(prepared_assets, tmp_path):
     out = tmp_path / "o"
     proc = subprocess.Popen(example_command(SCRIPT, *SHORT[2:], "--steps", "40", "--checkpoint_every", "1",
                                             "--no-export", "--out_dir", str(out)),
-                            cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     deadline, sent = time.monotonic() + 300, None
     while proc.poll() is None and time.monotonic() < deadline:
         steps = list((out / "checkpoint").glob("step-*")) if (out / "checkpoint").is_dir() else []
