@@ -82,6 +82,28 @@ nkilib.experimental.moe.bwd.blockwise_mm_backward:blockwise_mm_bwd | hidden_stat
     block_to_expert output_hidden_states_grad block_size compute_dtype is_tensor_update_accumulating @ moe
 nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE @ moe
 """
+# Every torchtitan config field the scripts set, by the class that holds it: "module:Class field field ... @ users".
+# A slots dataclass without the field fails at the assignment, after the preflight, so each is checked here by its
+# dataclass fields (nothing is built). A field ending in "?" is a CUDA setting, set only where it exists: its
+# absence is reported, not an error.
+CONFIG_FIELDS = """
+torchtitan.trainer:Trainer.Config hf_assets_path dump_folder model_spec optimizer loss dataloader checkpoint training
+    lr_scheduler debug metrics parallelism override compile activation_checkpoint @ native hf moe
+torchtitan.config.configs:TrainingConfig steps local_batch_size global_batch_size seq_len mixed_precision_param
+    @ native hf moe
+torchtitan.config.configs:TrainingConfig disable_cuda_graphs? @ native hf moe
+torchtitan.components.checkpointer.dcp:CheckpointManager.Config enable interval initial_load_path initial_load_in_hf
+    last_save_model_only last_save_in_hf export_dtype load_only @ native hf moe
+torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.Config warmup_steps @ native hf moe
+torchtitan.hf_datasets.text_datasets:HuggingFaceTextDataLoader.Config dataset dataset_path @ native hf moe
+torchtitan.config.configs:DebugConfig seed deterministic @ native hf moe
+torchtitan.config.configs:DebugConfig print_config @ hf
+torchtitan.components.metrics:MetricsProcessor.Config log_freq @ native hf moe
+torchtitan.components.loss:ChunkedLossWrapper.Config loss_fn @ native moe
+torchtitan.components.loss:CrossEntropyLoss.Config global_vocab_size @ native moe
+torchtitan.config.configs:ParallelismConfig tensor_parallel_degree expert_parallel_degree @ moe
+torchtitan.config.override:OverrideConfig imports @ moe
+"""
 # The Neuron backends: the training scripts' process group (rope_parity.py runs one process), the compatibility
 # check's torch.compile (training runs eager) and its sharded workers' process group.
 NEURON_BACKENDS = {"dist": ("native", "hf", "moe", "compat"), "compile": ("compat",)}
@@ -101,6 +123,8 @@ def _symbol_rows(text: str, targets: tuple[str, ...]) -> list[tuple[tuple[str, .
 
 
 SYMBOLS = _symbol_rows(CPU_AND_TRN2, ("cpu", "trn2")) + _symbol_rows(TRN2_ONLY, ("trn2",))
+FIELDS = [(spec.split()[0], tuple(spec.split()[1:]) + keywords, users)
+          for _, spec, keywords, users in _symbol_rows(CONFIG_FIELDS, ("cpu", "trn2"))]
 OK, WARN, ERROR, INFO = "ok", "WARN", "ERROR", "info"
 
 
@@ -224,6 +248,30 @@ def _check_symbol(spec: str, keywords: tuple[str, ...]) -> tuple[str, str, str]:
     return spec, f"takes {', '.join(keywords)}", OK
 
 
+def _check_fields(spec: str, fields: tuple[str, ...]) -> tuple[str, str, str]:
+    """Whether the dataclass `module:Class` has each field the scripts set (read from the class, nothing built)."""
+    import dataclasses
+
+    requirement = f"{spec} fields {' '.join(fields)}"
+    module, _, name = spec.partition(":")
+    try:
+        cls = _resolve(importlib.import_module(module), name)
+        have = {f.name for f in dataclasses.fields(cls)}
+    except ModuleNotFoundError as e:
+        return requirement, f"no module {e.name}", ERROR
+    except (AttributeError, TypeError) as e:
+        return requirement, f"{type(e).__name__}: {e}"[:120], ERROR
+    required = [f for f in fields if not f.endswith("?")]
+    missing = [f for f in required if f not in have]
+    if missing:
+        return requirement, f"missing field {', '.join(missing)} in {cls.__module__}", ERROR
+    optional = [f.removesuffix("?") for f in fields if f.endswith("?")]
+    absent = [f for f in optional if f not in have]
+    if absent:  # a CUDA setting this torchtitan does not have: the scripts leave it unset
+        return requirement, f"no field {', '.join(absent)} in {cls.__module__}: left unset", INFO
+    return requirement, "found", OK
+
+
 def _neuron_backends() -> list[tuple[str, str, str, tuple]]:
     if "torch_neuronx" not in sys.modules:
         return []  # torch-neuronx missing: already an error row
@@ -241,6 +289,7 @@ def check_all(target: str) -> list[tuple[str, str, str, tuple]]:
     every = tuple(SCRIPTS)
     rows = [(*row, every) for row in _versions(target) + _route(target)]
     rows += [(*_check_symbol(spec, kw), users) for targets, spec, kw, users in SYMBOLS if target in targets]
+    rows += [(*_check_fields(spec, fields), users) for spec, fields, users in FIELDS]
     if target == "trn2":
         rows += _neuron_backends()
     where = sys.modules.get("torchtitan")

@@ -190,3 +190,27 @@ def test_each_script_checks_what_it_uses(script, named, not_named):
     rows = [r for r, _, _ in preflight.check("trn2", script)]
     assert ("torch_neuronx:wrap_nki" in rows) is False  # only where the launch setting uses it
     assert "torch_neuronx:wrap_nki" in [r for r, _, _ in preflight.check("trn2", script, wrap_nki=True)]
+
+
+def test_a_shadowing_torchtitan_without_a_config_field_is_named_before_anything_is_built(tmp_path):
+    """A torchtitan whose TrainingConfig (a slots dataclass, as torchtitan's) lacks a field the scripts set: the
+    preflight names the field and the module that lacks it; disable_cuda_graphs, a CUDA setting, is reported and
+    left unset, the others are errors."""
+    shadow = _shadow_torchtitan(tmp_path, "def derive(*a, **k): pass\ndef apply_overrides(*a, **k): pass\n")
+    (tmp_path / "torchtitan" / "config" / "configs.py").write_text(textwrap.dedent("""
+        from dataclasses import dataclass
+
+        @dataclass(slots=True)
+        class TrainingConfig:  # no disable_cuda_graphs, no seq_len
+            steps: int = 1
+            local_batch_size: int = 1
+            global_batch_size: int = -1
+            mixed_precision_param: str = "float32"
+        """))
+    proc = _preflight("--target", "cpu", pythonpath=shadow)
+    rows = {r.split(" fields ")[1].split()[0]: r for r in proc.stdout.splitlines()
+            if r.startswith("torchtitan.config.configs:TrainingConfig fields ")}
+    assert "no field disable_cuda_graphs in torchtitan.config.configs: left unset" in rows["disable_cuda_graphs?"]
+    assert rows["disable_cuda_graphs?"].split()[-4] == "info", rows
+    assert "missing field seq_len in torchtitan.config.configs" in rows["steps"] and " ERROR " in rows["steps"]
+    assert "TrainingConfig fields steps" in _error_line(proc) and "seq_len" in _error_line(proc)
