@@ -256,7 +256,8 @@ def _check_fields(spec: str, fields: tuple[str, ...]) -> tuple[str, str, str]:
     module, _, name = spec.partition(":")
     try:
         cls = _resolve(importlib.import_module(module), name)
-        have = {f.name for f in dataclasses.fields(cls)}
+        # a dataclass's fields; another class: what its constructor takes
+        have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(_parameters(cls) or ())
     except ModuleNotFoundError as e:
         return requirement, f"no module {e.name}", ERROR
     except (AttributeError, TypeError) as e:
