@@ -6,9 +6,7 @@ Each workaround is a named function that says why it exists and when it can go.
 """
 from __future__ import annotations
 
-import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +112,7 @@ def apply_trainer_settings(cfg: Trainer.Config, dev: DeviceInfo, *, seed: int) -
     """The device settings that do not depend on the model family (torchtitan's own models or the
     Transformers backend): CUDA graphs, gloo reductions, seed, determinism, one log line a step."""
     notes = []
-    if dev.device_type != "cuda" and "disable_cuda_graphs" in {f.name for f in dataclasses.fields(cfg.training)}:
+    if dev.device_type != "cuda" and "disable_cuda_graphs" in {f.name for f in fields(cfg.training)}:
         # CUDA graphs are on by default in torchtitan 0.3.0 and exist only on CUDA. A torchtitan without the
         # field (it came in 2026-08; the preflight reports it) has no CUDA graphs to turn off.
         cfg.training.disable_cuda_graphs = True
