@@ -1,6 +1,9 @@
 """Device choice and process group (self-launch under torchrun: common/launcher.py). Every example calls `setup()` before anything imports
-torchtitan, which picks its device type once, at import. `neuron_available()` is the repository's one Neuron
-availability check: without torch-neuronx, `--device neuron` is an error and `--device auto` picks cuda or cpu.
+torchtitan, which picks its device type once, at import. `neuron_installed()` is the repository's one Neuron
+availability check (find_spec only: launchers and parents decide with it and never start the runtime): without
+torch-neuronx, `--device neuron` is an error and `--device auto` picks cuda or cpu. `neuron_runtime()` is the one
+way to torch.neuron, and only in order: the Neuron environment first (the runtime reads it when it starts), then,
+in a launched worker, its process group (the runtime must not start before init_process_group).
 """
 from __future__ import annotations
 
@@ -38,13 +41,36 @@ class DeviceInfo:
         return self.rank == 0
 
 
-def neuron_available() -> bool:
-    """True on a Trainium host with torch-neuronx installed (the repository's one availability check)."""
-    if importlib.util.find_spec("torch_neuronx") is None:
-        return False
+def neuron_installed() -> bool:
+    """True where torch-neuronx is installed; imports nothing and starts no runtime."""
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+_neuron_env_set = False  # set_neuron_env() ran in this process
+
+
+def _check_neuron_order() -> None:
+    if not _neuron_env_set:
+        raise RuntimeError("torch.neuron used before the Neuron environment was set (NEURON_LOGICAL_NC_CONFIG, "
+                           "the NEFF cache): common.device.setup() sets it first")
+    if "RANK" in os.environ and not dist.is_initialized():
+        raise RuntimeError("torch.neuron used before this worker's process group exists: the Neuron runtime must "
+                           "not start before init_process_group (common.device.setup() creates it first)")
+
+
+def neuron_runtime():
+    """torch.neuron, checked to come after the Neuron environment and, in a worker, after its process group."""
+    _check_neuron_order()
     import torch_neuronx  # noqa: F401  registers the "neuron" device (PrivateUse1, renamed)
 
-    return bool(getattr(torch, "neuron", None) and torch.neuron.is_available())
+    return torch.neuron
+
+
+def neuron_available() -> bool:
+    """True when a NeuronCore is usable here, for code that runs after setup() (the kernel ops, the device tests).
+    The order is checked first, on every machine, so that a launcher or parent calling this fails in CI too."""
+    _check_neuron_order()
+    return neuron_installed() and bool(neuron_runtime().is_available())
 
 
 def resolve_device_type(requested: str) -> str:
@@ -52,8 +78,8 @@ def resolve_device_type(requested: str) -> str:
     if requested not in DEVICE_CHOICES:
         raise UserError(f"unknown device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}")
     if requested == "auto":
-        return "neuron" if neuron_available() else "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "neuron" and not neuron_available():
+        return "neuron" if neuron_installed() else "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "neuron" and not neuron_installed():
         raise UserError("--device neuron needs a Trainium host with torch-neuronx installed "
                         "(docs/first-hour-trn2.md); this machine has none")
     if requested == "cuda" and not torch.cuda.is_available():
@@ -101,7 +127,7 @@ def peak_memory_bytes(device_type: str) -> int:
     if device_type == "cuda":
         return int(torch.cuda.max_memory_allocated())
     if device_type == "neuron":
-        return int(torch.neuron.max_memory_allocated())
+        return int(neuron_runtime().max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -121,6 +147,8 @@ def route_torchtitan_device(device_type: str) -> None:
             "torchtitan was imported before common.device.setup(); call setup() first so that "
             f"torchtitan runs on {device_type!r} rather than {tt_utils.device_type!r}"
         )
+    if device_type == "neuron":
+        import torch_neuronx  # noqa: F401  registers torch.neuron; the module object is handed over, nothing called
     tt_utils.device_type = device_type
     tt_utils.device_module = _cpu_device_module() if device_type == "cpu" else getattr(torch, device_type)
 
@@ -128,10 +156,12 @@ def route_torchtitan_device(device_type: str) -> None:
 def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
     """Neuron runtime/compiler settings from config fields, in one place (Trainium only): LNC (logical
     NeuronCore size) must match the NKI kernels' launch grid; the NEFF cache keeps compiled graphs across runs."""
+    global _neuron_env_set
     env = {"NEURON_LOGICAL_NC_CONFIG": str(lnc)}
     if neff_cache_dir:
         env["TORCH_NEURONX_NEFF_CACHE_DIR"] = neff_cache_dir
     os.environ.update(env)
+    _neuron_env_set = True
     return env
 
 
@@ -159,6 +189,9 @@ def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> Dev
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend=BACKENDS[device_type], timeout=timedelta(seconds=timeout_s))
+    if device_type == "neuron" and not neuron_runtime().is_available():  # the first runtime call: after the group
+        raise UserError("torch-neuronx is installed but sees no NeuronCore (check NEURON_RT_VISIBLE_CORES and "
+                        "`neuron-ls`; docs/first-hour-trn2.md)")
     # torchtitan's init_distributed skips everything when the group exists, including this: it runs
     # backward on the calling thread (activation-checkpoint recompute must see the process groups).
     torch.autograd.set_multithreading_enabled(False)

@@ -296,7 +296,28 @@ def check_all(target: str) -> list[tuple[str, str, str, tuple]]:
     where = sys.modules.get("torchtitan")
     if where is not None:  # a shadowing copy earlier on the path shows here
         rows.append(("torchtitan imported from", str(Path(where.__file__).parent), INFO, every))
+    if target == "trn2":
+        rows.append(("nkilib imported from", nkilib_source(), INFO, ("moe", "rope")))
     return rows
+
+
+def nkilib_source() -> str:
+    """Which nkilib `import nkilib` gets, without importing it: its folder and the distribution that installed it
+    (neuronx-cc's bundled copy, validated with that compiler; or a standalone nki-library build, which replaces it)."""
+    spec = importlib.util.find_spec("nkilib")
+    if spec is None:
+        return "not installed"
+    folder = Path(next(iter(spec.submodule_search_locations or []), spec.origin or "")).resolve()
+    owners = []
+    for dist in metadata.packages_distributions().get("nkilib", []):
+        try:
+            files = metadata.distribution(dist).files or []
+            located = metadata.distribution(dist).locate_file("")
+        except metadata.PackageNotFoundError:
+            continue
+        if any(f.parts[:1] == ("nkilib",) for f in files) and (Path(located) / "nkilib").resolve() == folder:
+            owners.append(f"{dist} {metadata.version(dist)}")
+    return f"{folder} ({', '.join(owners) or 'no installed distribution: a folder on the path'})"
 
 
 def check(target: str, script: str | None = None, wrap_nki: bool = False) -> list[tuple[str, str, str]]:

@@ -122,3 +122,72 @@ def test_spec_round_trips_through_config_json():
     back = checkpoint.hf_config_from_qwen3(checkpoint.qwen3_spec_from_hf(hf).model)
     for key, value in hf.items():
         assert back[key] == value, key
+
+
+NEURON_ORDER_PROBE = """
+import ast, os, sys
+import torch.distributed as dist
+from common import device
+
+def attempt(fn):
+    try:
+        fn()
+        return "reached"
+    except RuntimeError as e:
+        return "refused: " + str(e)
+    except ImportError as e:
+        return "import " + str(e.name)
+
+print(device.resolve_device_type("auto"))          # a launcher's or the compatibility parent's choice
+print(attempt(device.neuron_available))             # a parent asking the runtime: refused on every machine
+print(attempt(device.neuron_runtime))
+device.set_neuron_env(2, None)
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+print(attempt(device.neuron_runtime))               # the environment is set, the worker has no process group yet
+dist.init_process_group("gloo", rank=0, world_size=1)
+print(attempt(device.neuron_runtime))               # both: goes on to torch-neuronx (not installed here)
+dist.destroy_process_group()
+"""
+
+
+def test_torch_neuron_only_after_the_neuron_environment_and_the_process_group(tmp_path):
+    """The Neuron runtime reads NEURON_LOGICAL_NC_CONFIG and the NEFF cache when it starts, and must not start before
+    init_process_group: common.device.neuron_runtime(), the one way to torch.neuron, refuses out of order, on CPU as
+    on Trainium, so a launcher or parent that asked the runtime would fail the suite here. No stand-in for
+    torch-neuronx: in the right order it reaches the import of torch_neuronx, which this machine lacks."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, script_env
+
+    proc = subprocess.run([sys.executable, "-c", NEURON_ORDER_PROBE, str(device._free_port())], cwd=ROOT,
+                          env=script_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    choice, available, before_env, before_group, in_order = proc.stdout.splitlines()
+    assert choice == "cpu"
+    assert available.startswith("refused: torch.neuron used before the Neuron environment was set"), available
+    assert before_env == available
+    assert before_group.startswith("refused: torch.neuron used before this worker's process group exists")
+    assert in_order == "import torch_neuronx"
+
+
+def test_torch_neuron_is_reached_only_through_common_device():
+    """Every `torch.neuron` in the repository's Python is inside common.device.neuron_runtime(), where the order is
+    checked; a `torch.neuron.synchronize()` written anywhere else fails here."""
+    import ast
+
+    from conftest import ROOT
+
+    found = []
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        if ".git" in path.parts or "tests" in path.parts[len(ROOT.parts):][:1]:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] + [tree]:
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Attribute) and node.attr == "neuron" and isinstance(node.value, ast.Name)
+                        and node.value.id == "torch"):
+                    found.append((str(path.relative_to(ROOT)), getattr(fn, "name", "<module>"), node.lineno))
+    innermost = {(p, line): name for p, name, line in found if name != "<module>"}  # ast.walk: outer first
+    places = sorted({(p, innermost.get((p, line), "<module>")) for p, _, line in found})
+    assert places == [("common/device.py", "neuron_runtime")], places

@@ -214,3 +214,23 @@ def test_a_shadowing_torchtitan_without_a_config_field_is_named_before_anything_
     assert rows["disable_cuda_graphs?"].split()[-4] == "info", rows
     assert "missing field seq_len in torchtitan.config.configs" in rows["steps"] and " ERROR " in rows["steps"]
     assert "TrainingConfig fields steps" in _error_line(proc) and "seq_len" in _error_line(proc)
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["nki-library-build", "a-bare-folder"])
+def test_the_table_names_which_nkilib_is_imported(tmp_path, installed):
+    """`nkilib` comes from neuronx-cc (bundled) or from a standalone nki-library build that replaces it: the trn2
+    table shows the folder `import nkilib` loads and the distribution that installed it.
+    The fixture is an nkilib folder, with or without the dist-info pip writes for nki-library."""
+    (tmp_path / "nkilib").mkdir()
+    (tmp_path / "nkilib" / "__init__.py").write_text("")
+    if installed:
+        info = tmp_path / "nki_library-2.33.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nki-library\nVersion: 2.33.0\n")
+        (info / "RECORD").write_text("nkilib/__init__.py,,\nnki_library-2.33.0.dist-info/METADATA,,\n")
+        (info / "top_level.txt").write_text("nkilib\n")
+    proc = _preflight("--target", "trn2", pythonpath=str(tmp_path))
+    row = next(r for r in proc.stdout.splitlines() if r.startswith("nkilib imported from "))
+    owner = "nki-library 2.33.0" if installed else "no installed distribution: a folder on the path"
+    assert f"{tmp_path / 'nkilib'} ({owner})" in row and row.split()[-3:] == ["info", "train_moe_nki.py",
+                                                                                "rope_parity.py"], row

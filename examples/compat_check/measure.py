@@ -63,5 +63,7 @@ def synchronize(device_type: str) -> None:
 
     if device_type == "cuda":
         torch.cuda.synchronize()
-    elif device_type == "neuron":  # only reached after setup() found torch-neuronx
-        torch.neuron.synchronize()
+    elif device_type == "neuron":  # only reached after setup(): the environment and process group come first
+        from common import device
+
+        device.neuron_runtime().synchronize()
