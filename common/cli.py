@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from common.errors import ArgumentParser, UserError
+from common.errors import ArgumentParser, UserError, one_line
 
 
 def _is_union(tp) -> bool:
@@ -105,7 +105,7 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
         cfg = parse_config(cls, presets, argv, description, default_preset)
         main(cfg)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         _exit_interrupted()
@@ -117,7 +117,8 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
         full = _behind(e, lambda x: isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
         if full is None:
             raise
-        print(f"error: out of disk space writing {full.filename or 'a file'}: free space or choose another --out_dir",
+        print(f"error: out of disk space writing {one_line(str(full.filename or 'a file'))}: free space or choose "
+              "another --out_dir",
               file=sys.stderr)
         return 2
     return 0

@@ -8,6 +8,12 @@ class UserError(Exception):
     """A problem the user can fix (a path, a flag, a checkpoint). The message names the problem and the fix."""
 
 
+def one_line(text: str) -> str:
+    """`text` as one printable line: newlines, CR, ESC and other control characters (from a path, a model id, a
+    file's cell) become U+FFFD, so they cannot split an `error:` line, hide text or recolour the terminal."""
+    return "".join(ch if ch.isprintable() else "\N{REPLACEMENT CHARACTER}" for ch in text)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that refuses shortened flags (`--step` is not a guess at `--steps`) and reports a bad
     command line as one `error:` line instead of the usage block."""
@@ -17,4 +23,4 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
+        self.exit(2, f"error: {one_line(message)} (see --help)\n")

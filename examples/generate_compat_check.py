@@ -376,10 +376,49 @@ def rerun_args(cfg: Config, row: dict) -> str:
     return shlex.join(args)
 
 
+def rerun_argv(run_args: str) -> list[str] | None:
+    """A row's run_args as the argv that reruns it (the page's Reproduce command), or None: not reproducible from
+    that row. Only printable words that this script's parser takes as its flags and their values pass; a stray
+    word (a `;`-separated second command), an unknown flag, --help, a value it refuses or an unclosed quote fail."""
+    try:
+        argv = shlex.split(run_args)
+    except ValueError:  # an unclosed quote
+        return None
+    if not argv or any(not a.isprintable() or a in ("-h", "--help") for a in argv):
+        return None
+    parser = cli.build_parser(Config, PRESETS, "", default_preset="offline")
+
+    def refuse(message: str):
+        raise UserError(message)
+
+    parser.error = refuse  # a word it refuses: None, nothing printed
+    try:
+        parser.parse_args(argv)
+    except UserError:
+        return None
+    return argv
+
+
+def check_results_json(out_dir: Path, given: str) -> None:
+    """results.json is rewritten after every model: never over one that another script wrote."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return
+    try:
+        script = json.loads(path.read_text()).get("script")
+    except (OSError, ValueError, AttributeError):  # not readable, not JSON, not an object
+        script = None
+    if script != Path(__file__).name:
+        raise UserError(f"--out_dir {given} holds a results.json that this script did not write "
+                        f"({'written by ' + str(script) if script else 'not one of its files'}): choose another "
+                        "--out_dir")
+
+
 def main(cfg: Config) -> dict:
     from tqdm import tqdm
 
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    check_results_json(out_dir, cfg.out_dir)
     specs = model_specs(cfg.models)
     check_specs(specs)
     if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
@@ -392,8 +431,8 @@ def main(cfg: Config) -> dict:
     stack = rows.stack_versions()
     path = rows.results_file(out_dir, stack)
     tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
-    print(f"[config] {cli.format_config(cfg)}", flush=True)
-    print(f"[stack] {json.dumps(stack)} -> {path}", flush=True)
+    print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
+    print(lookup.printable(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
 
     judge_cache = []
 
@@ -408,11 +447,12 @@ def main(cfg: Config) -> dict:
                             "stack": stack, "files": [str(path)], "models": []}
     bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
     for spec in bar:
-        bar.set_postfix_str(spec)
+        bar.set_postfix_str(lookup.printable(spec))
         old = rows.recorded(path, spec, stack, tasks)
         if old is not None and not cfg.redo:
             summary.append({"model_id": spec, "skipped": True, "result": old["result"]})
-            tqdm.write(f"[skip] {spec}: already recorded for this stack ({old['result']}); --redo to run again")
+            tqdm.write(lookup.printable(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
+                                        "--redo to run again"))
             continue
         t0 = time.perf_counter()
         base = {"model_id": spec, "device": dev_type, "task": tasks[0]}
@@ -427,27 +467,29 @@ def main(cfg: Config) -> dict:
         row.update(stack, run_py=run_py, packages=json.dumps(rows.other_packages(row["task"])),
                    run_args=rerun_args(cfg, row), timings=json.dumps(row["timings"]) if row.get("timings") else None)
         if row.get("unavailable") and old is not None:
-            tqdm.write(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row stays")
+            tqdm.write(lookup.printable(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row "
+                                        "stays"))
         else:
             rows.write_row(path, row)
         keys = ("task", "result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb",
                 "train_losses", "exclusion", "error", "unavailable")
         summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
-        tqdm.write(f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
-                   f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
-                   f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
-                   + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
-                   + (f" excluded: {row['exclusion']}" if row.get("exclusion") else ""))
+        tqdm.write(lookup.printable(
+            f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
+            f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
+            f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
+            + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
+            + (f" excluded: {row['exclusion']}" if row.get("exclusion") else "")))
         results["models"] = summary
         write_results(out_dir, results)
     results["models"] = summary
     write_results(out_dir, results)
-    print(f"[done] {len(summary)} model(s); rows in {path}", flush=True)
+    print(lookup.printable(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
     return results
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["lookup"]:
         sys.exit(lookup.lookup_main(sys.argv[2:], prog="generate_compat_check.py lookup",
-                                    selected=tuple(model_specs(trn2_selected().models))))
+                                    selected=tuple(model_specs(trn2_selected().models)), rerun=rerun_argv))
     sys.exit(cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline"))

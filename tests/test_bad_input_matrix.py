@@ -225,6 +225,18 @@ def test_argparse_errors_are_one_line(tmp_path):
         "error: unrecognized arguments: --stepz 3 (see --help)"]
 
 
+def test_control_characters_in_a_path_or_flag_cannot_split_or_colour_the_error_line(tmp_path):
+    """A path holding a newline and an escape sequence, and an unknown flag holding them: each error is one
+    printable line (U+FFFD in their place), so nothing in it can be hidden, moved or recoloured."""
+    hostile = str(tmp_path / "no\nwhere\x1b[31m")
+    for args, needle in (((f"--hf_checkpoint", hostile), "no\ufffdwhere\ufffd[31m"),
+                         (("--st\reps", "3"), "--st\ufffdeps")):
+        proc = run_example("train_native_qwen3.py", *args, "--out_dir", str(tmp_path / "o"), check=False)
+        assert_clean_error(proc, needle)
+        assert "\x1b" not in proc.stderr and "\r" not in proc.stderr
+        assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1, proc.stderr
+
+
 SHORTENED_FLAG_ROWS = [  # (module, entry point, argv with a shortened flag, that flag)
     ("compat_check.lookup", "lookup_main", ["runs", "--nam", "qwen"], "--nam"),
     ("common.export", "_main", ["verify", "e", "--reference", "r", "--out", "o", "--weights"], "--weights"),

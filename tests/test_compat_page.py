@@ -7,6 +7,7 @@ Screenshots go under each test's run folder (its tmp_path).
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,58 @@ def test_hostile_rows_render_as_text(browser, tmp_path):
     assert texts == [t + "\n" + RUN_PY for t in HOSTILE]
     assert _console_errors(browser) == []
     browser.save_screenshot(str(tmp_path / "hostile.png"))
+
+
+# run_args -> the argv its Reproduce command must give to shlex.split (None: "not reproducible from this row")
+RERUNS = {
+    shlex.join(["--models", "x; touch PWNED", "--prompt", "it's $(id) `id` | sh", "--no_compile", "--cores", "2"]):
+        ["--models", "x; touch PWNED", "--prompt", "it's $(id) `id` | sh", "--no_compile", "--cores", "2"],
+    "--models x; touch PWNED": None,  # a second command
+    "--models x && touch PWNED": None,
+    "--models 'x\ntouch PWNED'": None,  # a control character in a word
+    "--models x --evil 1": None,  # not the script's flag
+    "--models x --device gpu": None,  # a value its parser refuses
+    "--models 'x": None,  # an unclosed quote
+    "--help": None,
+}
+
+
+def _shell_words(line: str) -> list[str]:
+    """The words of one shell line, an unquoted control operator (; & | && ( ) < >) as a word of its own."""
+    lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    return list(lex)
+
+
+def test_reproduce_quotes_every_word_and_shows_no_command_for_other_run_args(browser, tmp_path):
+    """A row's rerun command, copied from the page, gives shlex.split exactly the recorded argv; run_args that are
+    not a plain list of the script's flags show "not reproducible from this row"; no value (a version, the device,
+    the compile cache) can put a second command on a line of its own."""
+    source = tmp_path / "reruns.parquet"
+    for i, args in enumerate(RERUNS):
+        rows.write_row(source, _row(f"org/m{i}", "PASS", dict(STACK_NEW, torch="2.14.0\ntouch PWNED"), run_args=args,
+                                    neuronx_cc=None, torch_neuronx=None, nki=None, device="cpu\r\ntouch PWNED",
+                                    compile_cache="TORCHINDUCTOR_CACHE_DIR=/tmp/c\ntouch PWNED"))
+    html = tmp_path / "reruns.html"
+    write_page(source, html)
+    _open(browser, html)
+    browser.find_element("id", "view-all").click()
+    for i in range(len(RERUNS)):
+        browser.find_elements("css selector", "#rows button.model")[i].click()
+    blocks = [e.get_attribute("textContent") for e in browser.find_elements("css selector", "pre.reproduce")]
+    assert len(blocks) == len(RERUNS)
+    for (args, argv), block in zip(RERUNS.items(), blocks):
+        commands = [_shell_words(line) for line in block.split("\n")]
+        commands = [words for words in commands if words]  # comments are no command
+        assert [words[0] for words in commands] == (["pip", "python", "export"] if argv else ["pip", "export"]), block
+        assert not any(set(w) <= set("();<>|&") for words in commands for w in words), block
+        rerun = [line for line in block.split("\n") if line.startswith("python")]
+        if argv is None:
+            assert rerun == [] and "# not reproducible from this row" in block, (args, block)
+        else:
+            assert [shlex.split(line) for line in rerun] == [["python", "generate_compat_check.py", *argv]], block
+    assert "touch PWNED" in browser.find_element("css selector", "#rows").text  # the values are still shown, as text
+    assert _console_errors(browser) == []
 
 
 def test_page_embeds_data_that_cannot_close_its_script_element():

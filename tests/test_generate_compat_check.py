@@ -443,6 +443,64 @@ def test_lookup_output_is_one_printable_line_per_row(tmp_path, capsys):
     assert "\x1b" not in out and len(out.splitlines()) == 3
 
 
+def test_lookup_page_never_replaces_an_input_or_a_file_it_did_not_write(tmp_path):
+    """--html over a results file it reads, or over any existing file that is not a page lookup wrote: one
+    error line, exit 2, the file untouched. A page it wrote is replaced."""
+    runs = tmp_path / "runs"
+    results = runs / "r.parquet"
+    rows.write_row(results, {"model_id": "org/m", "result": "PASS"})
+    notes = tmp_path / "notes.html"
+    notes.write_text("<!DOCTYPE html>\n<p>my own notes</p>\n")
+    before = {f: f.read_bytes() for f in (results, notes)}
+    for target, why in ((results, "is one of the results files this lookup reads"),
+                        (notes, "exists and is not a page this lookup wrote")):
+        proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(target), check=False)
+        assert proc.returncode == 2
+        assert_clean_error(proc, f"--html {target} {why}")
+    assert {f: f.read_bytes() for f in before} == before
+    page_file = tmp_path / "page.html"
+    for _ in range(2):  # a new file, then over the page it wrote
+        proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(page_file))
+        assert proc.stdout.splitlines()[-1] == f"page: {page_file} (1 rows)"
+    assert '<meta name="generator" content="qwen3-trainium-recipes compat lookup">' in page_file.read_text()
+
+
+def test_check_never_rewrites_another_scripts_results_json(tmp_path):
+    """The check rewrites <out_dir>/results.json after every model: an --out_dir holding another script's is
+    refused before anything runs, and that file stays."""
+    other = tmp_path / "results.json"
+    other.write_text(json.dumps({"script": "train_native_qwen3.py", "losses": [1.0]}) + "\n")
+    before = other.read_bytes()
+    proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--no_compile", "--out_dir", str(tmp_path), check=False)
+    assert proc.returncode == 2
+    assert_clean_error(proc, f"--out_dir {tmp_path} holds a results.json that this script did not write "
+                             "(written by train_native_qwen3.py)")
+    assert other.read_bytes() == before and not list(tmp_path.glob("*.parquet"))
+
+
+def test_lookup_prints_run_py_and_paths_as_printable_text(tmp_path, model_assets):
+    """A carriage return or escape sequence in run_py cannot hide lines of the script users save; a path with
+    a newline or an escape sequence cannot split or colour an error line or the check's own lines."""
+    path = tmp_path / "r.parquet"
+    run_py = "print('shown')\rimport os; os.remove('x')  # hidden\x1b[2K\n\tpass\n"
+    rows.write_row(path, {"model_id": "org/m", "result": "PASS", "run_py": run_py})
+    proc = run_example(SCRIPT, "lookup", str(path), "--run_py")
+    assert proc.stdout == "print('shown')\ufffdimport os; os.remove('x')  # hidden\ufffd[2K\n\tpass\n"
+    assert proc.stderr.startswith("warning: run_py holds 2 control character(s)")
+
+    nowhere = tmp_path / "no\nwhere\x1b[31m"
+    proc = run_example(SCRIPT, "lookup", str(nowhere), check=False)
+    assert proc.returncode == 2 and "\x1b" not in proc.stderr
+    assert proc.stderr.splitlines() == [f"error: {tmp_path}/no\ufffdwhere\ufffd[31m is neither a Parquet file nor "
+                                        "a folder of them"]
+
+    out = tmp_path / "out\n\x1b[31mred"  # a text model asked for image-text-to-text: EXCLUDED at once
+    proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--task", "image-text-to-text", "--out_dir", str(out))
+    assert "\x1b" not in proc.stdout
+    shown = str(out).replace("\n", "\ufffd").replace("\x1b", "\ufffd")
+    assert [line.split()[0] for line in proc.stdout.splitlines() if shown in line] == ["[config]", "[stack]", "[done]"]
+
+
 # --------------------------------------------------------------------------- plumbing, in process
 def test_sizing_from_headers_and_plan(model_assets):
     from safetensors.torch import load_file

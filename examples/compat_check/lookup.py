@@ -5,7 +5,9 @@
     python examples/generate_compat_check.py lookup runs/compat public/ --html page.html     # the static page
 
 A file that cannot be read is reported on one line and skipped; the others are still shown.
-`run_py` is printed or shown as text, never run.
+`run_py` is printed or shown as text, never run. Every string from a file or a path reaches the terminal as
+printable text (`printable`), error lines included. `--html` never writes over a file it reads or over an
+existing file that is not a page it wrote (page.check_target).
 """
 from __future__ import annotations
 
@@ -73,6 +75,12 @@ SHOW = (("model_id", "model_id", 50), ("task", "task", 18), ("result", "result",
         ("transformers", "transformers", 12), ("exclusion", "exclusion", 50), ("error", "error", 60))
 
 
+def printable(text: str, keep: str = "") -> str:
+    """`text` with every character that is not printable (newline, CR, ESC, other controls; all but `keep`)
+    replaced by U+FFFD, so a value cannot add lines, hide text, move the cursor or recolour the terminal."""
+    return "".join(ch if ch.isprintable() or ch in keep else "\N{REPLACEMENT CHARACTER}" for ch in text)
+
+
 def _shown(value, col: str) -> str:
     """One cell as a single printable line: '-' for null, NaN or empty; control characters replaced, so a
     value cannot move the cursor or recolour the terminal."""
@@ -83,8 +91,7 @@ def _shown(value, col: str) -> str:
     if isinstance(value, float):
         return f"{value:.0f}" if col == "tp" else f"{value:.2f}" if col == "hbm_peak_gb" else f"{value:.1f}"
     lines = [line for line in str(value).strip().splitlines() if line.strip()]
-    first = lines[0] if lines else "-"
-    return "".join(ch if ch.isprintable() else "\N{REPLACEMENT CHARACTER}" for ch in first)
+    return printable(lines[0] if lines else "-")
 
 
 def format_results(df) -> str:
@@ -105,7 +112,10 @@ def summary_line(df) -> str:
             f"{counts.get('EXCLUDED', 0)} EXCLUDED (not failures)")
 
 
-def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected: tuple[str, ...] = ()) -> int:
+def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected: tuple[str, ...] = (),
+                rerun=None) -> int:
+    """The subcommand. `selected`: the curated list the page shows first; `rerun(run_args)`: the argv that reruns
+    a row, or None where its run_args are not a plain list of the script's flags (page.page_data)."""
     p = ArgumentParser(
         prog=prog, description="Search compatibility results: ours (runs/...) and files in the public schema.")
     p.add_argument("sources", nargs="+", help="Parquet files or folders holding them")
@@ -119,9 +129,12 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
     p.add_argument("--html", metavar="FILE", help="also write the matching rows as one self-contained HTML page")
     args = p.parse_args(argv)
     try:
-        df, problems = load_results(args.sources)
+        files = find_result_files(args.sources)
+        if args.html:  # before anything is read: the page never replaces an input or a file it did not write
+            page.check_target(args.html, files)
+        df, problems = load_results(files)
         for problem in problems:
-            print(f"skipped: {problem}", file=sys.stderr)
+            print(printable(f"skipped: {problem}"), file=sys.stderr)
         df = filter_results(df, args.name, args.compiler, args.transformers, args.task)
         if args.run_py:
             if len(df) != 1:
@@ -131,17 +144,23 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
             source = df["run_py"].iloc[0]
             if not source:
                 raise UserError(f"the row for {df['model_id'].iloc[0]} holds no run_py")
-            sys.stdout.write(source if source.endswith("\n") else source + "\n")
+            source = source.replace("\r\n", "\n")
+            hidden = sum(not (ch.isprintable() or ch in "\t\n") for ch in source)
+            sys.stdout.write(printable(source if source.endswith("\n") else source + "\n", keep="\t\n"))
+            if hidden:  # a carriage return or an escape sequence could hide lines of a script users save
+                print(f"warning: run_py holds {hidden} control character(s) (escape sequences, carriage returns), "
+                      "printed as \N{REPLACEMENT CHARACTER}: the stored text differs from what is shown; read it "
+                      "before saving it", file=sys.stderr)
             return 0
         print(format_results(df))
         print(summary_line(df))
         if args.html:
             try:
-                path = page.write_page(df, args.html, selected, [str(s) for s in args.sources])
+                path = page.write_page(df, args.html, selected, [str(s) for s in args.sources], rerun)
             except OSError as e:
                 raise UserError(f"--html {args.html} cannot be written: {e.strerror or e}") from None
-            print(f"page: {path} ({len(df)} rows)")
+            print(printable(f"page: {path} ({len(df)} rows)"))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(printable(f"error: {e}"), file=sys.stderr)
         return 2
     return 0

@@ -8,6 +8,9 @@ Every value from a results file is untrusted. The data travels as JSON inside a
 <script type="application/json"> element with <, > and & written as \\u escapes, so no value can close
 that element; the page's script builds every cell with textContent, never as HTML; and a
 Content-Security-Policy allows only the page's own script and style (by hash), no network at all.
+The Reproduce block quotes every value, and shows a row's rerun command only when its `run_args` are a plain
+list of the script's flags that its parser accepts (`rerun`); the page is written only as a new file or over a
+page this module wrote (GENERATOR, check_target), never over a results file it read.
 """
 from __future__ import annotations
 
@@ -16,10 +19,15 @@ import hashlib
 import html
 import json
 import math
+import os
+import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
+from common.errors import UserError
 from compat_check.rows import COLUMNS
+
+GENERATOR = '<meta name="generator" content="qwen3-trainium-recipes compat lookup">'  # in every page's <head>
 
 # What the page shows of a row (run_py goes into a table of distinct texts: a run writes the same
 # script into every row, and 10,000 copies of it would make the page hundreds of megabytes).
@@ -36,17 +44,26 @@ def _cell(v):
     return v if isinstance(v, (str, int, float, bool)) else str(v)
 
 
-def page_data(df, selected: tuple[str, ...], sources: list[str]) -> dict:
-    """The JSON the page embeds: column names, one list per row, distinct run_py texts, the curated list."""
+def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None) -> dict:
+    """The JSON the page embeds: column names, one list per row, distinct run_py texts, the curated list.
+    `rerun(run_args)` gives the argv that reruns a row, or None where run_args are not a plain list of the
+    script's flags: the row's `rerun` cell is then null ("not reproducible from this row"), else the command,
+    every word quoted (shlex.join)."""
     texts: dict[str, int] = {}
+    commands: dict = {}
     rows = []
     for rec in df.to_dict("records"):
         row = [_cell(rec.get(c)) for c in PAGE_COLUMNS]
+        args = rec.get("run_args")
+        if isinstance(args, str) and args not in commands:  # a run's rows share their flags: parsed once
+            argv = rerun(args) if rerun else None
+            commands[args] = shlex.join(["python", "generate_compat_check.py", *argv]) if argv else None
+        row.append(commands.get(args) if isinstance(args, str) else None)
         run_py = rec.get("run_py")
         row.append(texts.setdefault(run_py, len(texts)) if isinstance(run_py, str) and run_py else None)
         rows.append(row)
-    return {"columns": [*PAGE_COLUMNS, "run_py"], "rows": rows, "texts": list(texts), "selected": list(selected),
-            "sources": sources, "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {"columns": [*PAGE_COLUMNS, "rerun", "run_py"], "rows": rows, "texts": list(texts),
+            "selected": list(selected), "sources": sources, "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def script_json(data: dict) -> str:
@@ -62,15 +79,33 @@ def _csp_hash(text: str) -> str:
 def render(data: dict, title: str = "Trainium compatibility lookup") -> str:
     csp = (f"default-src 'none'; script-src {_csp_hash(SCRIPT)}; style-src {_csp_hash(STYLE)}; "
            "img-src data:; base-uri 'none'; form-action 'none'")
-    return PAGE.format(csp=html.escape(csp), title=html.escape(title), style=STYLE, script=SCRIPT,
-                       data=script_json(data))
+    return PAGE.format(csp=html.escape(csp), generator=GENERATOR, title=html.escape(title), style=STYLE,
+                       script=SCRIPT, data=script_json(data))
 
 
-def write_page(df, path: str | Path, selected: tuple[str, ...], sources: list[str]) -> Path:
+def check_target(path: str | Path, inputs: list[Path]) -> None:
+    """Refuse (UserError) to write the page over one of the files it reads, or over an existing file that is
+    not a page this module wrote (one whose <head> holds GENERATOR): a new file, or our own page, only."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if any(f.exists() and os.path.samefile(path, f) for f in inputs):
+        raise UserError(f"--html {path} is one of the results files this lookup reads: name a new file for the page")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace").split("</head>")[0]
+    except OSError:  # a folder, or not readable
+        head = ""
+    if not (head.startswith("<!DOCTYPE html>") and GENERATOR in head):
+        raise UserError(f"--html {path} exists and is not a page this lookup wrote: name a new file for the page, "
+                        "or remove that one first")
+
+
+def write_page(df, path: str | Path, selected: tuple[str, ...], sources: list[str], rerun=None) -> Path:
     from common.results import atomic_write_text
 
     path = Path(path)
-    atomic_write_text(path, render(page_data(df, selected, sources)))
+    atomic_write_text(path, render(page_data(df, selected, sources, rerun)))
     return path
 
 
@@ -78,6 +113,7 @@ PAGE = """<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
+{generator}
 <meta http-equiv="Content-Security-Policy" content="{csp}">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="icon" href="data:,">
@@ -284,10 +320,13 @@ SCRIPT = r"""
     if (neuron.length) lines.push("pip install " + neuron.join(" ") + "  # from the AWS Neuron pip repository");
     else lines.push("# no Neuron packages: this row ran without Trainium (" + text(get(r, "device")) + ")");
     lines.push("# 2. the script: run.py above, saved as a file (read it first: it is shown, never run here)");
-    const args = get(r, "run_args");
-    if (args) {
+    const rerun = get(r, "rerun");
+    if (rerun) {  // built by page.py: a plain list of the script's flags, every word quoted (shlex.join)
       lines.push("#    with the common/ and examples/compat_check/ files its header lists");
-      lines.push("python generate_compat_check.py " + args);
+      lines.push(rerun);
+    } else if (get(r, "run_args")) {
+      lines.push("# not reproducible from this row: its run_args (under Run) are not a plain list of the " +
+                 "script's flags");
     } else {
       lines.push("python run.py");
     }
@@ -301,7 +340,9 @@ SCRIPT = r"""
     } else {
       lines.push("# where the graphs were cached is not recorded in this row: the first run compiles, reruns reuse it");
     }
-    return lines.join("\n");
+    // one line each: a newline or carriage return in a value (quoted or in a comment) cannot start a command
+    return lines.map(function (l) { return l.replace(/[\u0000-\u001f\u007f-\u009f\u2028\u2029]/g, "\ufffd"); })
+                .join("\n");
   }
   function detail(i) {
     const r = ROWS[i];
@@ -327,6 +368,7 @@ SCRIPT = r"""
                         ["tested at", get(r, "tested_at")], ["prompt", get(r, "prompt")], ["image", get(r, "image")],
                         ["generated text", get(r, "generated_text")],
                         ["compiled graphs cached in", get(r, "compile_cache")],
+                        ["rerun flags (as recorded)", get(r, "run_args")],
                         ["results file", get(r, "source_file")]]));
     box.appendChild(el("h3", null, "Version stack"));
     box.appendChild(dl(["neuronx_cc", "torch_neuronx", "nki", "neuron_driver", "library", "library_version",
