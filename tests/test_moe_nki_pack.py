@@ -26,27 +26,32 @@ def blockwise_fwd_reference(hidden_states, expert_affinities_masked, gate_up_pro
     tokens, gate/up projections (float32 accumulation, checkpointed transposed [2, I, B] in the io dtype),
     silu(gate) * up, down projection (checkpointed before scaling), times the token's affinity for the block's
     expert, added into output[token]. `returns`: "output" (nki-library 2026-04: checkpoints written into the
-    buffers passed in) or "tuple" (newer copies: (output, gate_up_activations_T) returned, the gate/up buffer
-    passed in left untouched, as a non-aliased NKI V2 buffer would be)."""
+    buffers passed in, those that are not None; pack_forward passes none) or, writing no buffer passed in (as a
+    non-aliased NKI V2 kernel would): "tuple" -> (output, gate_up_activations_T), "triple" -> (output,
+    gate_up_activations_T, down_activations)."""
     T1, H = hidden_states.shape
     E, I = down_proj_weight.shape[:2]
+    N = token_position_to_id.numel() // block_size
     dt = hidden_states.dtype
     aff = expert_affinities_masked.reshape(T1, E).float()
     out = torch.zeros(T1, H, dtype=dt)
-    gate_up_out = torch.zeros_like(gate_up_activations_T) if returns == "tuple" else gate_up_activations_T
+    gate_up_out = gate_up_activations_T if returns == "output" else torch.zeros(N, 2, I, block_size, dtype=dt)
+    down_out = down_activations if returns == "output" else torch.zeros(N, block_size, H, dtype=dt)
     for b, tok in enumerate(token_position_to_id.long().view(-1, block_size)):
         e = int(block_to_expert[b])
         gu = hidden_states[tok].float() @ gate_up_proj_weight[e].float().reshape(H, 2 * I)  # [B, 2I]
         gate, up = gu[:, :I], gu[:, I:]
-        gate_up_out[b] = torch.stack([gate.t(), up.t()]).to(dt)
+        if gate_up_out is not None:
+            gate_up_out[b] = torch.stack([gate.t(), up.t()]).to(dt)
         down = (F.silu(gate) * up).to(dt).float() @ down_proj_weight[e].float()  # [B, H]
-        down_activations[b] = down.to(dt)
+        if down_out is not None:
+            down_out[b] = down.to(dt)
         scaled = (down * aff[tok, e, None]).to(dt)
         if is_tensor_update_accumulating:
             out.index_add_(0, tok, scaled)
         else:
             out[tok] = scaled
-    return (out, gate_up_out) if returns == "tuple" else out
+    return {"output": out, "tuple": (out, gate_up_out), "triple": (out, gate_up_out, down_out)}[returns]
 
 
 def blockwise_bwd_reference(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
@@ -126,16 +131,19 @@ def _assert_close(ours, ref, cd):
         assert err <= tol, f"{name}: max abs diff {err:.3g} > {tol:.3g}"
 
 
+@pytest.mark.parametrize("returns", ["output", "tuple", "triple"])
 @pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T, E, K, block, unused", [
     (48, 8, 4, 8, (3,)),      # several blocks per expert, an expert without tokens
     (40, 16, 2, 128, ()),     # the kernel's smallest block: every block mostly padding
     (24, 4, 1, 16, (0,)),     # top-1 (no accumulation), one expert without tokens
 ])
-def test_pack_reference_unpack_equals_the_op(cd, T, E, K, block, unused):
+def test_pack_reference_unpack_equals_the_op(cd, T, E, K, block, unused, returns):
+    """Every form of the forward, none given a buffer: "output" (both checkpoints recomputed), "tuple" (gate/up
+    returned, down recomputed), "triple" (both returned)."""
     x, scores, ids, (w1, w2, w3), grad = _case(T, 32, 64, E, K, seed=T + E + K, unused=unused)
     assert not torch.isin(torch.tensor(unused, dtype=torch.long), ids).any()
-    _assert_close(_packed(x, scores, ids, w1, w2, w3, grad, cd, block),
+    _assert_close(_packed(x, scores, ids, w1, w2, w3, grad, cd, block, returns),
                   _op(x, scores, ids, w1, w2, w3, grad, cd), cd)
 
 
@@ -166,27 +174,112 @@ def test_kernel_input_layouts():
     assert counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
 
 
-def test_returned_checkpoint_form_is_used():
-    """Newer nki-library returns (output, gate_up_activations_T); the op must take that checkpoint (the buffer
-    passed in stays zeros, as a non-aliased NKI V2 buffer would)."""
+def _written_checkpoints(args):
+    """The checkpoints an aliasing kernel writes: the reference given a buffer for each."""
+    n, block = args["block_to_expert"].shape[0], args["block_size"]
+    I, H, cd = args["down_proj_weight"].shape[1], args["hidden_states"].shape[1], args["hidden_states"].dtype
+    gate_up, down = torch.zeros(n, 2, I, block, dtype=cd), torch.zeros(n, block, H, dtype=cd)
+    blockwise_fwd_reference(**dict(args, gate_up_activations_T=gate_up, down_activations=down))
+    return gate_up, down
+
+
+def _padding(args, tokens):
+    """[N, B]: the slots that point at the padding row T."""
+    return args["token_position_to_id"].view(-1, args["block_size"]) == tokens
+
+
+@pytest.mark.parametrize("returns", ["tuple", "triple"])
+def test_the_forward_is_given_no_buffer_and_the_non_aliasing_forms_write_none(returns):
+    """pack_forward asks the kernel for no checkpoint (both keywords kept, None: the preflight keyword rows list
+    them); the non-aliasing forms write no buffer even when given one; so nothing is read from a buffer."""
+    x, scores, ids, (w1, w2, w3), _ = _case(40, 32, 64, 8, 2, seed=7)
+    args, _ = moe_nki.pack_forward(x, scores, ids, w1, w2, w3, torch.float32, 16)
+    assert {"gate_up_activations_T", "down_activations"} <= set(args)
+    assert args["gate_up_activations_T"] is None and args["down_activations"] is None
+    given = {name: torch.zeros_like(t) for name, t in zip(moe_nki.CHECKPOINTS, _written_checkpoints(args))}
+    result = blockwise_fwd_reference(**dict(args, **given), returns=returns)
+    assert not any(t.any() for t in given.values())  # untouched
+    assert all(t.any() for t in result[1:])
+    for form in ("output", returns):
+        unpacked = moe_nki.unpack_forward(blockwise_fwd_reference(**args, returns=form), args, 40, torch.float32)
+        assert unpacked[3] == {}  # nothing read from a buffer: nothing for check_checkpoints_once to sync on
+
+
+@pytest.mark.parametrize("cd", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_recomputed_checkpoints_are_what_the_kernel_writes(cd):
+    """recompute_gate_up_activations (from the kernel's inputs) and recompute_down_activations (from the gate/up
+    checkpoint) equal what the aliasing reference writes into its buffers, padding slots (row T: zeros) included."""
+    x, scores, ids, (w1, w2, w3), _ = _case(40, 32, 64, 8, 2, seed=7, unused=(5,))
+    args, _ = moe_nki.pack_forward(x, scores, ids, w1, w2, w3, cd, 16)
+    gate_up, down = _written_checkpoints(args)
+    ours_gate_up = moe_nki.recompute_gate_up_activations(args["hidden_states"], args["gate_up_proj_weight"],
+                                                         args["token_position_to_id"], args["block_to_expert"])
+    ours_down = moe_nki.recompute_down_activations(ours_gate_up, args["down_proj_weight"], args["block_to_expert"],
+                                                   cd)
+    padding = _padding(args, x.shape[0])
+    assert padding.any() and (~padding).any()
+    for ours, written in ((ours_gate_up, gate_up), (ours_down, down)):
+        assert ours.shape == written.shape and ours.dtype == cd and ours.is_contiguous()
+        tol = 1e-6 if cd == torch.float32 else 2e-2 * written.float().abs().max().item()
+        assert (ours.float() - written.float()).abs().max().item() <= tol  # every slot, padding included
+    assert not ours_gate_up.permute(0, 3, 1, 2)[padding].any() and not ours_down[padding].any()
+
+
+@pytest.mark.parametrize("recompute, forms, first_wrong", [
+    ("recompute_down_activations", ("output", "tuple"), "scores"),  # d_affinity reads the down checkpoint
+    ("recompute_gate_up_activations", ("output",), "x"),  # d_hidden reads the gate/up checkpoint (not the down one)
+])
+def test_zeros_in_place_of_a_recomputed_checkpoint_break_the_gradients(monkeypatch, recompute, forms, first_wrong):
+    """Each recompute is what makes the backward right: with zeros in its place (in every form that recomputes
+    it) the gradients no longer match the op's."""
     x, scores, ids, (w1, w2, w3), grad = _case(32, 32, 64, 8, 2, seed=5)
-    _assert_close(_packed(x, scores, ids, w1, w2, w3, grad, torch.float32, 16, returns="tuple"),
+    ref = _op(x, scores, ids, w1, w2, w3, grad, torch.float32)
+    real = getattr(moe_nki, recompute)
+    monkeypatch.setattr(moe_nki, recompute, lambda *a: torch.zeros_like(real(*a)))
+    for returns in forms:
+        with pytest.raises(AssertionError, match=f"^{first_wrong}: max abs diff"):
+            _assert_close(_packed(x, scores, ids, w1, w2, w3, grad, torch.float32, 16, returns), ref, torch.float32)
+
+
+@pytest.mark.parametrize("returns, not_called", [
+    ("tuple", ("recompute_gate_up_activations",)),
+    ("triple", ("recompute_gate_up_activations", "recompute_down_activations")),
+])
+def test_a_returned_checkpoint_is_used(monkeypatch, returns, not_called):
+    """A forward returning (output, gate_up_activations_T[, down_activations]), as nki-library's moe_cte kernels
+    do: what it returns is used, not recomputed."""
+    x, scores, ids, (w1, w2, w3), grad = _case(32, 32, 64, 8, 2, seed=5)
+    for name in not_called:
+        monkeypatch.setattr(moe_nki, name, None)  # a call would raise
+    _assert_close(_packed(x, scores, ids, w1, w2, w3, grad, torch.float32, 16, returns),
                   _op(x, scores, ids, w1, w2, w3, grad, torch.float32), torch.float32)
 
 
-def test_a_checkpoint_the_kernel_never_wrote_stops_the_first_step():
+@pytest.mark.parametrize("form", ["output-only", "returns-the-buffer"])
+def test_a_checkpoint_read_from_a_buffer_the_kernel_never_wrote_stops_the_first_step(monkeypatch, form):
+    """The guard, for a checkpoint still read from a buffer passed in (none from pack_forward): a packing that
+    passes a gate/up buffer, and a kernel that hands it back untouched (returning only `output`, or returning
+    the buffer itself) stop the first call; a kernel that writes it passes the check."""
     x, scores, ids, (w1, w2, w3), _ = _case(16, 32, 64, 4, 2, seed=2)
+    pack = moe_nki.pack_forward
 
-    def writes_nothing(**a):  # output only; the checkpoint buffers come back as they went in
-        a = dict(a, gate_up_activations_T=torch.zeros_like(a["gate_up_activations_T"]),
-                 down_activations=torch.zeros_like(a["down_activations"]))
-        return blockwise_fwd_reference(**a)
+    def pack_with_a_buffer(*a, **k):
+        args, counts = pack(*a, **k)
+        n, I = args["block_to_expert"].shape[0], args["down_proj_weight"].shape[1]
+        return dict(args, gate_up_activations_T=torch.zeros(n, 2, I, args["block_size"])), counts
 
-    with pytest.raises(RuntimeError, match="gate_up_activations_T, down_activations all zeros"):
-        moe_nki.run_forward(writes_nothing, {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
-    out = moe_nki.run_forward(lambda **a: blockwise_fwd_reference(**a), {}, x, scores, ids, w1, w2, w3,
-                              torch.float32, 16)
-    assert moe_nki._checkpoints_checked and out[3].any()
+    def kernel(writes):
+        def forward(**a):
+            out = blockwise_fwd_reference(**(a if writes else dict(a, gate_up_activations_T=None)))
+            return out if form == "output-only" else (out, a["gate_up_activations_T"])
+        return forward
+
+    monkeypatch.setattr(moe_nki, "pack_forward", pack_with_a_buffer)
+    with pytest.raises(RuntimeError, match=r"activation checkpoint\(s\) gate_up_activations_T all zeros"):
+        moe_nki.run_forward(kernel(writes=False), {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
+    assert not moe_nki._checkpoints_checked
+    out = moe_nki.run_forward(kernel(writes=True), {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
+    assert moe_nki._checkpoints_checked and out[3].any() and out[5].any()
 
 
 @pytest.mark.parametrize("hidden, inter, dtype, lnc, block, needles", [

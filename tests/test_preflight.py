@@ -109,8 +109,9 @@ def test_keyword_lists_are_the_ones_the_kernel_calls_pass():
     args, counts = moe_nki.pack_forward(x, scores, ids, w[0], w[1], w[0], torch.float32, 128)
     assert set(args) | {"compute_dtype", "expert_affinities_scaling_mode"} == \
         listed["blockwise_mm_baseline_shard_hidden"]
+    _, gate_up_act, down_act, _ = moe_nki.unpack_forward(x, args, 6, torch.float32)  # checkpoints recomputed
     bwd = moe_nki.pack_backward(x, x, scores, ids, w[0], w[1], w[0], args["token_position_to_id"].long(), counts,
-                                args["gate_up_activations_T"], args["down_activations"], torch.float32)
+                                gate_up_act, down_act, torch.float32)
     assert set(bwd) | {"compute_dtype"} == listed["blockwise_mm_bwd"]
 
 

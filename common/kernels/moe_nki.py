@@ -19,12 +19,18 @@ scores scattered into [T+1, E]); gate_up [E, H, 2, I] (gate, up); down [E, I, H]
 `token_position_to_id` [N*B] (padding slots point at row T) and `block_to_expert` [N, 1] for N blocks of B tokens,
 each block holding tokens of one expert.
 
-Outputs. The forward returns `output` (nki-library as of 2026-04) or `(output, gate_up_activations_T)` (newer
-copies); both forms are accepted. Its activation checkpoints (pre-activation gate/up [N, 2, I, B], unscaled down
-outputs [N, B, H]), which the backward reads, are otherwise written into buffers the caller passes, and
-TorchNeuron's NKI V2 does not alias written inputs (its tests: "aliasing is not supported in NKI V2 yet"), so a
-buffer may come back untouched. The op takes a returned checkpoint where there is one and checks both on the
-first call: an all-zero checkpoint stops the run instead of training on with wrong gradients.
+Outputs. Every stored version of this forward (nki-library 2026-02-27, 2026-04-13) returns `output` alone and
+writes its activation checkpoints (pre-activation gate/up [N, 2, I, B], unscaled down outputs [N, B, H]), which
+the backward reads, only into buffers the caller passes. TorchNeuron's NKI V2 does not alias written inputs (its
+tests: "aliasing is not supported in NKI V2 yet"), so such a buffer may come back untouched. The forward kernel is
+therefore used for its output only: `pack_forward` passes `gate_up_activations_T=None` and `down_activations=None`
+(the kernel's defaults: no write), and `recompute_gate_up_activations` / `recompute_down_activations` compute both
+checkpoints on the device with torch ops from the kernel's own inputs, with the kernel's math (cost: the forward
+kernel's expert FLOPs once more, see `recompute_gate_up_activations`). The forms `(output,
+gate_up_activations_T)` and `(output, gate_up_activations_T, down_activations)` (nki-library's core moe_cte
+kernels, bwmm_shard_on_I) are accepted too: a returned checkpoint is used instead of its recompute. A checkpoint
+that would still be read from a buffer passed in (none in these forms) is checked on the first call: all zeros
+stops the run instead of training on with wrong gradients.
 """
 from __future__ import annotations
 
@@ -128,38 +134,105 @@ def pack_forward(x, scores, expert_ids, w1, w2, w3, cd, block: int = BLOCK_SIZE)
     args = dict(hidden_states=hidden, expert_affinities_masked=aff, gate_up_proj_weight=gate_up,
                 down_proj_weight=down, block_size=block, token_position_to_id=token_slots(expert_ids, counts, n, block),
                 block_to_expert=block_to_expert(counts, n, block).view(-1, 1),
-                gate_up_activations_T=torch.zeros(n, 2, I, block, dtype=cd, device=x.device),
-                down_activations=torch.zeros(n, block, H, dtype=cd, device=x.device),
+                # the checkpoints are optional (default None: not written); recomputed in unpack_forward instead
+                gate_up_activations_T=None, down_activations=None,
                 is_tensor_update_accumulating=K != 1)  # top-1: each token is written once
     return args, counts
 
 
+def recompute_gate_up_activations(hidden_states: torch.Tensor, gate_up_proj_weight: torch.Tensor,
+                                  token_position_to_id: torch.Tensor, block_to_expert: torch.Tensor) -> torch.Tensor:
+    """The forward kernel's gate/up checkpoint [N, 2, I, B] (pre-activation gate and up, transposed), from the
+    kernel's own inputs: each block's token rows of the packed hidden states [T+1, H] (padding slots read the zero
+    row T, so they give zeros, as the kernel's do) times its expert's packed gate_up weights [E, H, 2, I], one bmm
+    with float32 accumulation, result in the hidden states' dtype (the compute dtype).
+    One gather per operand and one bmm keep every shape static (no loop over experts, no data-dependent split) for
+    the Neuron compiler. FLOPs: 4*N*B*H*I, two thirds of the forward kernel's 6*N*B*H*I; with the down recompute
+    (2*N*B*H*I) the forward's expert FLOPs once more. Transient memory, in the compute dtype: the gathered rows
+    [N, B, H], the gathered weights [N, H, 2I] and the bmm result [N, B, 2I] before its transposed copy (the
+    checkpoint, kept for the backward); at the reduced Qwen3-30B-A3B preset (bfloat16, H 2048, I 768, B 512,
+    N 95) 190 + 570 + 142.5 MiB = 0.88 GiB per MoE layer call, freed on return."""
+    N = block_to_expert.numel()
+    B = token_position_to_id.numel() // N
+    H, I = gate_up_proj_weight.shape[1], gate_up_proj_weight.shape[3]
+    rows = hidden_states.index_select(0, token_position_to_id.reshape(-1).long()).view(N, B, H)  # [N, B, H]
+    w = gate_up_proj_weight.index_select(0, block_to_expert.reshape(-1).long()).view(N, H, 2 * I)  # [N, H, 2I]
+    gate_up = torch.bmm(rows, w)  # [N, B, (gate, up) x I]; float32 accumulation (Neuron's PSUM, CPU's opmath)
+    return gate_up.view(N, B, 2, I).permute(0, 2, 3, 1).contiguous()  # [N, 2, I, B]
+
+
+def _silu_mul(gate_up_act: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up [N, B, I] from the gate/up checkpoint [N, 2, I, B], in float32 rounded to `cd`; its float32
+    temporaries (a [N, 2, I, B] copy, two [N, I, B]) are freed on return, before the down weights are gathered."""
+    gate, up = gate_up_act.float().unbind(1)  # 2 x [N, I, B]
+    return (F.silu(gate) * up).to(cd).transpose(1, 2)
+
+
+def recompute_down_activations(gate_up_act: torch.Tensor, down_proj_weight: torch.Tensor,
+                               block_to_expert: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """The forward kernel's down checkpoint [N, B, H] (down projection before the affinity scale), from its gate/up
+    checkpoint [N, 2, I, B] (pre-activation gate and up, transposed) and the packed down weights [E, I, H]:
+    silu(gate) * up in float32 rounded to `cd`, times each block's expert weights, float32 accumulation, result in
+    `cd`. Padding slots (zero gate/up) give zeros, as the kernel's do.
+    FLOPs: 2*N*B*H*I, a third of the forward kernel's. Transient memory: float32 [N, 2, I, B] + 2 x [N, I, B] for the
+    activation (freed before the gather), then the activation [N, B, I] and the gathered weights [N, I, H] in `cd`;
+    at the reduced preset 570 MiB, then 71 + 285 MiB, besides the checkpoint itself ([N, B, H], 190 MiB, kept).
+    A gather + one bmm keeps every shape static for the Neuron compiler."""
+    act = _silu_mul(gate_up_act, cd)  # [N, B, I]
+    w = down_proj_weight.to(cd).index_select(0, block_to_expert.reshape(-1).long())  # [N, I, H]
+    return torch.bmm(act, w)  # [N, B, H]; a bfloat16 matmul accumulates in float32 (Neuron's PSUM, CPU's opmath)
+
+
+CHECKPOINTS = ("gate_up_activations_T", "down_activations")  # the forward kernel's checkpoint parameters, in order
+
+
+def _is_buffer(t: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    return buffer is not None and (t is buffer or t.data_ptr() == buffer.data_ptr())
+
+
 def unpack_forward(result, args: dict, tokens: int, dtype: torch.dtype):
-    """(out [T, D], gate/up checkpoint, down checkpoint) from what the forward kernel returned: `output`, or
-    `(output, gate_up_activations_T)` (newer nki-library), whose returned checkpoint is the one to use."""
-    if isinstance(result, (tuple, list)):
-        output, gate_up_act = result[0], result[1]
-    else:
-        output, gate_up_act = result, args["gate_up_activations_T"]
-    return output[:tokens].to(dtype), gate_up_act, args["down_activations"]
+    """(out [T, D], gate/up checkpoint, down checkpoint, {name: checkpoint read from a buffer passed in}) from what
+    the forward kernel returned: `output`, `(output, gate_up_activations_T)` or `(output, gate_up_activations_T,
+    down_activations)`. Each checkpoint is the returned one where the kernel returns it, else the buffer passed in
+    where `args` has one (not so from `pack_forward`), else recomputed from the kernel's inputs (gate/up) and the
+    gate/up checkpoint (down). A returned tensor that is a buffer passed in counts as read from that buffer."""
+    parts = list(result) if isinstance(result, (tuple, list)) else [result]
+    output, returned = parts[0], dict(zip(CHECKPOINTS, parts[1:]))
+    found, from_buffers = {}, {}
+    for name in CHECKPOINTS:
+        t = returned.get(name)
+        t = args.get(name) if t is None else t
+        if t is not None and _is_buffer(t, args.get(name)):
+            from_buffers[name] = t
+        found[name] = t
+    gate_up_act = found["gate_up_activations_T"]
+    if gate_up_act is None:
+        gate_up_act = recompute_gate_up_activations(args["hidden_states"], args["gate_up_proj_weight"],
+                                                    args["token_position_to_id"], args["block_to_expert"])
+    down_act = found["down_activations"]
+    if down_act is None:
+        down_act = recompute_down_activations(gate_up_act, args["down_proj_weight"], args["block_to_expert"],
+                                              args["hidden_states"].dtype)
+    return output[:tokens].to(dtype), gate_up_act, down_act, from_buffers
 
 
 _checkpoints_checked = False
 
 
-def check_checkpoints_once(gate_up_act: torch.Tensor, down_act: torch.Tensor) -> None:
-    """On the first call only (one device sync): a checkpoint that is all zeros means the forward kernel's write
-    never reached PyTorch (a buffer NKI V2 did not alias); the backward would compute wrong gradients silently."""
+def check_checkpoints_once(from_buffers: dict) -> None:
+    """On the first call only (one device sync, none when nothing is read from a buffer): a checkpoint read from a
+    buffer the kernel was given that is all zeros means the kernel's write never reached PyTorch (a buffer NKI V2
+    did not alias); the backward would compute wrong gradients silently. `pack_forward` passes no buffer, so in
+    the known kernel forms nothing is read from one; returned and recomputed checkpoints need no check."""
     global _checkpoints_checked
     if _checkpoints_checked:
         return
-    empty = [name for name, t in (("gate_up_activations_T", gate_up_act), ("down_activations", down_act))
-             if not bool(t.any())]
+    empty = [name for name, t in from_buffers.items() if not bool(t.any())]
     if empty:
         raise RuntimeError(f"the NKI MoE forward kernel left its activation checkpoint(s) {', '.join(empty)} all "
-                           "zeros: the kernel's writes into buffers passed in did not reach PyTorch (TorchNeuron's "
-                           "NKI V2 does not alias written inputs). Training would go on with wrong gradients, so it "
-                           "stops here; run with --stock, and see docs/first-hour-trn2.md")
+                           "zeros in the buffer passed in: its write did not reach PyTorch (TorchNeuron's NKI V2 "
+                           "does not alias written inputs). Training would go on with wrong gradients, so it stops "
+                           "here; run with --stock, and see docs/first-hour-trn2.md")
     _checkpoints_checked = True
 
 
@@ -191,8 +264,9 @@ def run_forward(kernel, constants: dict, x, scores, expert_ids, w1, w2, w3, cd, 
     """pack -> kernel -> unpack, in the op's saved-slot order (order, counts, h1, h3, y) <- (token slots, counts,
     gate/up checkpoint, unused, down checkpoint)."""
     args, counts = pack_forward(x, scores, expert_ids, w1, w2, w3, cd, block)
-    out, gate_up_act, down_act = unpack_forward(kernel(**args, **constants), args, x.shape[0], x.dtype)
-    check_checkpoints_once(gate_up_act, down_act)
+    result = kernel(**args, **constants)
+    out, gate_up_act, down_act, from_buffers = unpack_forward(result, args, x.shape[0], x.dtype)
+    check_checkpoints_once(from_buffers)
     return out, args["token_position_to_id"].long(), counts, gate_up_act, gate_up_act.new_empty(0), down_act
 
 
