@@ -33,14 +33,14 @@ def apply_checkpoint_settings(cfg, *, steps: int, every: int, export: bool,
     from the latest one when the same command runs again. The last save is model-only in HF
     safetensors: the export. `initial_hf` is an HF folder to start from when there is nothing to
     resume."""
-    cfg.checkpoint.enable = bool(export or initial_hf or every)
+    cfg.checkpoint.enable = True  # a stop signal or --time_limit may save any step (common/resume.py)
     cfg.checkpoint.interval = every or steps + 1
     cfg.checkpoint.initial_load_path = str(initial_hf) if initial_hf else None
     cfg.checkpoint.initial_load_in_hf = initial_hf is not None
     cfg.checkpoint.last_save_model_only = True
     cfg.checkpoint.last_save_in_hf = True
     cfg.checkpoint.export_dtype = "float32" if dtype == "float32" else "bfloat16"
-    cfg.checkpoint.load_only = not (export or every)
+    cfg.checkpoint.load_only = False
 
 
 MARKER = ".qwen3-recipes"  # in the folders a run creates and may later replace or delete
@@ -71,19 +71,16 @@ def make_owned_dir(folder: Path) -> Path:
     return folder
 
 
-def clear_stale_checkpoints(out_dir: Path, every: int, is_main: bool) -> None:
-    """Without --checkpoint_every every run starts fresh: a save left in OUT_DIR/checkpoint (the previous run's
-    final one) would otherwise be resumed from. With it, a run resumes only from a whole distributed checkpoint
-    (its .metadata is written last): a step folder without one is a save cut short, or the model-only HF save of a
-    run killed before its export was completed, which torchtitan would load (it has an index) and fail on or
-    resume without optimizer state; it is removed. Only a folder a run made (its marker) is touched. Call on
-    every rank before a barrier."""
+def clear_stale_checkpoints(out_dir: Path, is_main: bool) -> None:
+    """A run resumes only from a whole distributed checkpoint (its .metadata is written last; common/resume.py has
+    checked that this command may continue it): a step folder without one is a save cut short, or the model-only
+    HF save of a run killed before its export was completed, which torchtitan would load (it has an index) and
+    fail on or resume without optimizer state; it is removed. Whole checkpoints are never removed. Only a folder a
+    run made (its marker) is touched. Call on rank 0 before a barrier."""
     step_dir = Path(out_dir) / "checkpoint"
     if is_main:
         check_replaceable(out_dir, ("checkpoint",))
-        if not every and step_dir.exists():
-            shutil.rmtree(step_dir)
-        for partial in sorted(step_dir.glob("step-*")):  # none left without --checkpoint_every
+        for partial in sorted(step_dir.glob("step-*")):
             if partial.is_dir() and not (partial / ".metadata").is_file():
                 print(f"[checkpoint] {partial} is not a whole checkpoint (a save cut short): removed", flush=True)
                 shutil.rmtree(partial)

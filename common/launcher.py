@@ -3,12 +3,18 @@ and the self-launch under torchrun (`--nproc_per_node N` without torchrun) with 
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import shlex
 import signal
+import socket
 import sys
+import time
+from pathlib import Path
 
 from common.device import GIB
-from common.errors import UserError
+from common.errors import UserError, one_line
+from common.resume import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_SIGNALS
 
 
 def under_launcher() -> bool:
@@ -51,12 +57,49 @@ def check_nproc(nproc_per_node: int, device_type: str, oversubscribe: bool = Fal
                         f"and {free:.1f} GiB are free; pass --oversubscribe to start them anyway")
 
 
-def self_launch(nproc_per_node: int, argv: list[str]) -> int:
-    """Re-run this script under torchrun with `nproc_per_node` workers on this host; returns its exit code.
-    torchrun runs in a process group of its own, each worker in a session of its own: SIGINT, SIGTERM or SIGHUP sent
-    to this process alone (a scheduler's kill, `kill -INT PID`) stops every one of them, so nothing outlives it."""
+LOCK = ".run.lock"  # in OUT_DIR: flock'd for the whole run; holds who holds it
+_held: list[int] = []  # this process's lock descriptors, open until it exits
+
+
+def hold_out_dir(out_dir: Path) -> None:
+    """An exclusive lock on OUT_DIR for the whole run, released by the OS however the holder ends; a second run
+    into the same folder refuses in one line naming the holder. The holder is the process the user started (a
+    self-launch's torchrun inherits it), or rank 0 under a torchrun of the user's."""
+    if os.environ.get(SELF_LAUNCHED) == "1" or int(os.environ.get("RANK", "0")) != 0:
+        return
+    fd = os.open(Path(out_dir) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said which"
+        os.close(fd)
+        raise UserError(f"--out_dir {out_dir} is in use by another run ({one_line(holder)}): wait for it to end, "
+                        "or choose another --out_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
+                  f"{shlex.join([Path(sys.executable).name, *sys.argv])}\n".encode(), 0)
+    _held.append(fd)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: this process gets `sig` when its parent dies (prctl PR_SET_PDEATHSIG), so a worker never outlives its
+    launcher, however that ends (kill -9 included). Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent was already gone before the call
+        os.kill(os.getpid(), sig)
+
+
+def self_launch(nproc_per_node: int, argv: list[str], out_dir: Path, deadline: float | None = None) -> int:
+    """Re-run this script under torchrun with `nproc_per_node` workers on this host; returns the exit code.
+    A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) to this process is passed to the workers, which finish their
+    step, save it and end (common/resume.py); the run then exits EXIT_STOPPED. A second signal kills every process
+    of the run at once. torchrun gets SIGTERM if this process dies (however), the workers SIGKILL if torchrun does:
+    nothing outlives the launch."""
     import subprocess
-    import threading
 
     rest, skip = [], False
     for arg in argv:  # drop our own --nproc_per_node (both `--flag N` and `--flag=N`)
@@ -68,39 +111,70 @@ def self_launch(nproc_per_node: int, argv: list[str]) -> int:
             rest.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc_per_node}", "--local-ranks-filter=0", *rest]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    stopped = []
+    env = dict(os.environ, **{SELF_LAUNCHED: "1"}, **({DEADLINE: repr(deadline)} if deadline else {}))
+    started = time.time()
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    first = []
 
     def stop(signum, _frame):  # only signals here: the main thread's wait() below sees the exit
-        stopped.append(signum)
-        for sig, delay in ((signal.SIGTERM, 0), (signal.SIGKILL, 30)):  # torchrun stops its workers on SIGTERM
-            timer = threading.Timer(delay, _killpg, (proc.pid, sig))
-            timer.daemon = True  # never keeps this process alive once the workers are gone
-            timer.start()
+        now = time.monotonic()
+        if not first:
+            first.append(now)
+            _signal_workers(proc.pid, signal.SIGTERM)
+        elif now - first[0] > 1.0:  # not the same signal sent to the whole process group
+            os.write(2, f"error: {signal.Signals(signum).name} again: every process of the run killed at once; the "
+                        "last complete checkpoint stays usable\n".encode())
+            _kill_tree(proc.pid)
+            os._exit(128 + signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
     code = proc.wait()
-    if stopped:
-        raise KeyboardInterrupt  # run_cli: one `error: interrupted` line, exit 130
+    if code == 0 and _stopped_since(Path(out_dir), started):
+        return EXIT_STOPPED
     return code
 
 
-def _killpg(pid: int, sig: int) -> None:
-    """`sig` to torchrun's process group; a SIGKILL also to its workers: torchrun starts each worker in a session
-    of its own and passes SIGTERM on to them, but it cannot pass on its own SIGKILL."""
+def _stopped_since(out_dir: Path, started: float) -> bool:
+    import json
+
+    path = out_dir / "results.json"
+    try:
+        return path.stat().st_mtime >= started and bool(json.loads(path.read_text()).get("stopped"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _signal_workers(pid: int, sig: int) -> None:
+    """`sig` to torchrun's workers (each in a session of its own), or to torchrun while it has none yet."""
     import psutil
 
     try:
-        workers = psutil.Process(pid).children(recursive=True) if sig == signal.SIGKILL else []
+        workers = psutil.Process(pid).children()
     except psutil.NoSuchProcess:
-        workers = []
-    for worker in workers:
+        return
+    for target in workers or [psutil.Process(pid)]:
         try:
-            worker.send_signal(sig)
+            target.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and every process below it (its workers are in sessions of their own)."""
+    import psutil
+
     try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0

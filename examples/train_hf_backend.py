@@ -1,7 +1,7 @@
 # Copy with this file (all it imports from the repository):
 #   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
-#   common/losses.py common/launcher.py common/checkpoint.py common/export.py common/torchtitan_fixes.py
-#   common/dryrun.py common/preflight.py
+#   common/losses.py common/launcher.py common/resume.py common/checkpoint.py common/export.py
+#   common/torchtitan_fixes.py common/dryrun.py common/preflight.py
 #   examples/hf_backend/ (the whole folder: __init__.py, fixes.py)
 """Train the model transformers' `AutoModelForCausalLM` builds, with torchtitan's Transformers
 modeling backend: public weights in, HF safetensors out.
@@ -43,7 +43,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, dryrun, export, launcher, paths  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, launcher, paths, resume  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.losses import LossRecorder, finish_run, read_reference_losses  # noqa: E402
@@ -62,8 +62,14 @@ class Config:
     steps: int = field(default=10, metadata={"help": "training steps"})
     out_dir: str = field(default="runs/hf_backend", metadata={"help": "results.json, loss.png, hf_export/ go here"})
     checkpoint_every: int = field(default=0, metadata={
-        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint; the same command resumes "
-                "from the latest (0: none, every run starts fresh)"})
+        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
+                "command resumes from the latest"})
+    time_limit: str | None = field(default=None, metadata={
+        "help": "stop before this budget ends, with a checkpoint (exit 75; the same command resumes): minutes (90) "
+                "or an end time with its zone (2026-12-02T18:00:00Z: a capacity block's end)"})
+    stop_margin_s: float = field(default=120.0, metadata={
+        "help": "with --time_limit: seconds kept for the stop save until a save is measured (then the longest "
+                "save is kept, plus a step)"})
     device: Literal["auto", "cpu", "cuda", "neuron"] = field(
         default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for init and data order"})
@@ -107,7 +113,7 @@ class Config:
     def validate(self) -> None:
         cli.require(self, positive=("steps", "local_batch_size", "seq_len", "nproc_per_node", "loss_tolerance",
                                     "dry_run_ranks", "per_core_gib", "lnc"),
-                    non_negative=("lr", "warmup_steps", "checkpoint_every"))
+                    non_negative=("lr", "warmup_steps", "checkpoint_every", "stop_margin_s"))
         if self.export_tolerance is None:
             self.export_tolerance = EXPORT_TOLERANCE[self.dtype]
         cli.require(self, positive=("export_tolerance",))
@@ -250,6 +256,7 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
 
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={"--hf_checkpoint": cfg.hf_checkpoint}).resolve()
+    launcher.hold_out_dir(out_dir)
     if cfg.dry_run:
         return dry_run(cfg, out_dir)
     world_size = launcher.planned_world_size(cfg.nproc_per_node)
@@ -258,17 +265,26 @@ def main(cfg: Config) -> dict:
     launch = cfg.nproc_per_node > 1 and not launcher.under_launcher()
     if launch:  # before the inputs' sizing, which shares this host's memory among the processes
         launcher.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
+    end = resume.deadline(cfg.time_limit)
     found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
+    found["record"] = resume.run_record("train_hf_backend.py", cfg, world_size=world_size, dataset=found["dataset"])
+    resume.check_resume(out_dir, found["record"], cfg.steps)  # the same run, with steps left, or refused
     if launch:
-        raise SystemExit(launcher.self_launch(cfg.nproc_per_node, sys.argv))
+        raise SystemExit(launcher.self_launch(cfg.nproc_per_node, sys.argv, out_dir, end))
+    if launcher.under_launcher():
+        launcher.die_with_parent()
+    stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
+    stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
-        return train(cfg, dev, out_dir, found)
+        results = train(cfg, dev, out_dir, found, stop)
     finally:
         device.teardown()
+    resume.exit_if_stopped(results)
+    return results
 
 
-def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
+def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict, stop: resume.StopControl) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
     from hf_backend import fixes as hf_fixes
@@ -277,9 +293,10 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
 
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
-    export.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
+    export.clear_stale_checkpoints(out_dir, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
+        resume.write_record(out_dir, found["record"])
         export.stage_hf_assets(Path(tc.hf_assets_path), found["checkpoint"], found["checkpoint"])
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
@@ -299,10 +316,12 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
                                               pass_positions=True)
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
+    stop.attach(trainer, dev.device, export=cfg.export)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     history = rec.history()  # the whole curve, steps before a resume included
+    stopped = stop.stopped(out_dir)
     hf_fixes.check_rotary_buffers(model)
     hf_fixes.check_embeddings_tied(model, tied)
 
@@ -315,9 +334,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
         "history": history,
         "train_seconds": train_s, "rotary_buffers_recomputed": was_wrong, "embeddings_tied": tied,
-        "load_check": load_check or None, "export_dir": None, "export_check": None,
+        "load_check": load_check or None, "export_dir": None, "export_check": None, "stopped": stopped,
     }
-    if cfg.export:
+    if cfg.export and not stopped:
         hf_cfg = hf_fixes.export_config(found["hf_config"], dtype=tc.checkpoint.export_dtype)
         results.update(export.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
                                               tokenizer_dir=found["checkpoint"], tied_expected=tied,
@@ -327,7 +346,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         trainer.close()
     path = finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
                           out_dir=out_dir, title=f"train_hf_backend ({cfg.preset}, {cfg.init})", is_main=dev.is_main)
-    if dev.is_main:
+    if dev.is_main and stopped:
+        log(resume.resume_line(stopped))
+    elif dev.is_main:
         log(f"[done] {cfg.init}: losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; "
             f"{results['tokens_per_s']:.0f} tokens/s; {path}")
     return results

@@ -1,7 +1,7 @@
 # Copy with this file (all it imports from the repository):
 #   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
-#   common/losses.py common/launcher.py common/checkpoint.py common/export.py common/torchtitan_fixes.py
-#   common/dryrun.py common/preflight.py
+#   common/losses.py common/launcher.py common/resume.py common/checkpoint.py common/export.py
+#   common/torchtitan_fixes.py common/dryrun.py common/preflight.py
 #   common/kernels/ (the whole folder: the RoPE and grouped-expert ops, their NKI branches, registry entries)
 """Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
 
@@ -46,7 +46,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, dryrun, export, launcher, paths  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, launcher, paths, resume  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.losses import LossRecorder, finish_run, read_reference_losses  # noqa: E402
@@ -81,8 +81,14 @@ class Config:
     steps: int = field(default=10, metadata={"help": "training steps"})
     out_dir: str = field(default="runs/moe_nki", metadata={"help": "results.json, loss.png, hf_export/ go here"})
     checkpoint_every: int = field(default=0, metadata={
-        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint; the same command resumes "
-                "from the latest (0: none, every run starts fresh)"})
+        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
+                "command resumes from the latest"})
+    time_limit: str | None = field(default=None, metadata={
+        "help": "stop before this budget ends, with a checkpoint (exit 75; the same command resumes): minutes (90) "
+                "or an end time with its zone (2026-12-02T18:00:00Z: a capacity block's end)"})
+    stop_margin_s: float = field(default=120.0, metadata={
+        "help": "with --time_limit: seconds kept for the stop save until a save is measured (then the longest "
+                "save is kept, plus a step)"})
     device: Literal["auto", "cpu", "cuda", "neuron"] = field(
         default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
     seed: int = field(default=0, metadata={"help": "seed for init and data order"})
@@ -133,7 +139,7 @@ class Config:
     def validate(self) -> None:
         cli.require(self, positive=("steps", "num_layers", "num_experts", "top_k", "local_batch_size", "seq_len",
                                     "nproc_per_node", "loss_tolerance", "dry_run_ranks", "per_core_gib", "lnc"),
-                    non_negative=("lr", "warmup_steps", "checkpoint_every", "load_balance_coeff"))
+                    non_negative=("lr", "warmup_steps", "checkpoint_every", "stop_margin_s", "load_balance_coeff"))
         if self.top_k > self.num_experts:
             raise UserError(f"--top_k {self.top_k} is larger than --num_experts {self.num_experts}")
         if self.num_experts > MAX_EXPERTS:
@@ -290,6 +296,7 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={"--hf_checkpoint": cfg.hf_checkpoint,
                                                      "--hf_assets": cfg.hf_assets}).resolve()
+    launcher.hold_out_dir(out_dir)
     if cfg.dry_run:
         return dry_run(cfg, out_dir)
     world_size = launcher.planned_world_size(cfg.nproc_per_node)
@@ -298,17 +305,26 @@ def main(cfg: Config) -> dict:
     launch = cfg.nproc_per_node > 1 and not launcher.under_launcher()
     if launch:  # before the inputs' sizing, which shares this host's memory among the processes
         launcher.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
+    end = resume.deadline(cfg.time_limit)
     found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
+    found["record"] = resume.run_record("train_moe_nki.py", cfg, world_size=world_size, dataset=found["dataset"])
+    resume.check_resume(out_dir, found["record"], cfg.steps)  # the same run, with steps left, or refused
     if launch:
-        raise SystemExit(launcher.self_launch(cfg.nproc_per_node, sys.argv))
+        raise SystemExit(launcher.self_launch(cfg.nproc_per_node, sys.argv, out_dir, end))
+    if launcher.under_launcher():
+        launcher.die_with_parent()
+    stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
+    stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
-        return train(cfg, dev, out_dir, found)
+        results = train(cfg, dev, out_dir, found, stop)
     finally:
         device.teardown()
+    resume.exit_if_stopped(results)
+    return results
 
 
-def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> dict:
+def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict, stop: resume.StopControl) -> dict:
     import torch
     from torchtitan.tools.logging import init_logger
     from common.kernels import moe_module
@@ -317,10 +333,11 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
 
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
-    export.clear_stale_checkpoints(out_dir, cfg.checkpoint_every, dev.is_main)
+    export.clear_stale_checkpoints(out_dir, dev.is_main)
     tc, notes = build_trainer_config(cfg, dev, out_dir, found)
     tokenizer_dir = found["tokenizer_dir"]
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
+        resume.write_record(out_dir, found["record"])
         export.stage_hf_assets(Path(tc.hf_assets_path), tokenizer_dir,
                                Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None)
     torch.distributed.barrier()
@@ -336,10 +353,12 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
     log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
+    stop.attach(trainer, dev.device, export=cfg.export)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     history = rec.history()  # the whole curve, steps before a resume included
+    stopped = stop.stopped(out_dir)
 
     load = torch.tensor(moe_module.expert_load(trainer.model_parts[0]) or [0], dtype=torch.int64)
     torch.distributed.all_reduce(load)  # every rank routed its own tokens
@@ -355,9 +374,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         "expert_load": load.tolist() if not cfg.stock else None,
         "routing_bias": {"load_balance_coeff": cfg.load_balance_coeff or None, "exported": False,
                          "expert_bias_max_abs": max((float(b.abs().max()) for b in bias), default=0.0)},
-        "export_dir": None, "export_check": None,
+        "export_dir": None, "export_check": None, "stopped": stopped,
     }
-    if cfg.export:
+    if cfg.export and not stopped:
         hf_cfg = checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)
         results.update(export.export_and_check(trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg,
                                               tokenizer_dir=tokenizer_dir, tied_expected=hf_cfg["tie_word_embeddings"],
@@ -366,7 +385,9 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict) -> di
         trainer.close()
     path = finish_run(results, history, compare_with=cfg.compare_losses, tolerance=cfg.loss_tolerance,
                           out_dir=out_dir, title=f"train_moe_nki ({cfg.preset})", is_main=dev.is_main)
-    if dev.is_main:
+    if dev.is_main and stopped:
+        log(resume.resume_line(stopped))
+    elif dev.is_main:
         log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; "
             f"{results['tokens_per_s']:.0f} tokens/s; {path}")
     return results

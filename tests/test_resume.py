@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,13 +36,15 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, prepared_asset
 
 
 def test_rerun_never_resumes_from_a_model_only_or_partial_save(tmp_path, prepared_assets):
-    """Without --export the last save stays in OUT_DIR/checkpoint as torchtitan's model-only HF save (an index,
-    no .metadata), as it does when a run is killed before its export was completed. The same command again
-    resumes from the last whole checkpoint, not from that save, and trains the last steps again."""
-    run = ("--steps", "4", "--checkpoint_every", "2", "--no-export", "--seed", "3", "--out_dir", str(tmp_path))
+    """torchtitan's last save is a model-only HF save (an index, no .metadata) that the export moves to
+    OUT_DIR/hf_export; a run killed before that leaves it in OUT_DIR/checkpoint (made here from the export, which
+    is that folder plus config and tokenizer). The same command again removes it, resumes from the last whole
+    checkpoint, and trains the last steps again."""
+    run = ("--steps", "4", "--checkpoint_every", "2", "--seed", "3", "--out_dir", str(tmp_path))
     run_example(SCRIPT, *run)
     first = read_results(tmp_path)
     last = tmp_path / "checkpoint" / "step-4"
+    shutil.copytree(tmp_path / "hf_export", last)
     assert (last / "model.safetensors.index.json").is_file() and not (last / ".metadata").exists()
     proc = run_example(SCRIPT, *run)
     again = read_results(tmp_path)

@@ -63,7 +63,8 @@ def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None) -> 
         row.append(texts.setdefault(run_py, len(texts)) if isinstance(run_py, str) and run_py else None)
         rows.append(row)
     return {"columns": [*PAGE_COLUMNS, "rerun", "run_py"], "rows": rows, "texts": list(texts),
-            "selected": list(selected), "sources": sources, "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "selected": list(selected), "sources": sources,
+            "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def script_json(data: dict) -> str:
