@@ -163,11 +163,14 @@ def require(cfg, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] =
 
 def check_out_dir(out_dir: str, inputs: dict[str, str | None] | None = None) -> Path:
     """Create out_dir and prove it is writable before any long work starts. `inputs` ({flag: path}):
-    folders the run reads, which out_dir must neither be, lie inside, nor contain."""
+    files and folders the run reads, which out_dir must neither be, lie inside, nor contain; the prepared
+    assets' cache (and the environment beside it) always counts as one."""
+    from common.paths import CACHE_DIR
+
     if not out_dir.strip():
         raise UserError("--out_dir is empty (an unset shell variable?): name the folder for this run's files")
     path = Path(out_dir)
-    for flag, value in (inputs or {}).items():
+    for flag, value in {"the prepared assets' cache": str(CACHE_DIR.parent), **(inputs or {})}.items():
         if value:
             src, out = Path(value).resolve(), path.resolve()
             if src == out or src in out.parents or out in src.parents:

@@ -294,8 +294,9 @@ def dry_run(cfg: Config, out_dir: Path) -> dict:
 
 
 def main(cfg: Config) -> dict:
-    out_dir = cli.check_out_dir(cfg.out_dir, inputs={"--hf_checkpoint": cfg.hf_checkpoint,
-                                                     "--hf_assets": cfg.hf_assets}).resolve()
+    out_dir = cli.check_out_dir(cfg.out_dir, inputs={
+        "--hf_checkpoint": cfg.hf_checkpoint, "--hf_assets": cfg.hf_assets, "--compare_losses": cfg.compare_losses,
+        "--dataset": paths.dataset_folder(cfg.dataset, cfg.dataset_path)}).resolve()
     launcher.hold_out_dir(out_dir)
     if cfg.dry_run:
         return dry_run(cfg, out_dir)

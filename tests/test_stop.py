@@ -270,3 +270,24 @@ def test_a_second_run_into_a_held_out_dir_is_refused_naming_the_holder(tmp_path,
         first.kill()
         first.wait()
     run_example(SCRIPT, "--steps", "2", "--no-export", "--out_dir", str(out))  # released with the holder
+
+
+def test_kill_9_of_the_launcher_leaves_no_worker_and_the_rerun_is_one_run(tmp_path, prepared_assets):
+    """SIGKILL to the launcher of a --nproc_per_node 2 run of 200 steps: torchrun gets SIGTERM when its parent dies
+    and its workers stop at the next step with a checkpoint, so nothing trains on (without that they would train
+    for minutes, racing any rerun); the out_dir lock goes with them. A rerun then resumes, and the loss history
+    has each step once, in order."""
+    out = tmp_path / "o"
+    args = ("--no-export", "--nproc_per_node", "2", "--out_dir", str(out))
+    proc = _start(example_command(SCRIPT, "--steps", "200", *args), tmp_path / "log")
+    _wait_for_step(proc, out, 2)
+    family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(family) >= 3  # torchrun and its two workers
+    proc.kill()
+    proc.wait()
+    _no_process_outlives(family)
+    stopped = read_results(out)["stopped"]
+    assert stopped and stopped["reason"] == "SIGTERM", stopped
+    run_example(SCRIPT, "--steps", str(stopped["step"] + 2), *args)
+    history = read_results(out)["history"]["steps"]
+    assert history == list(range(1, stopped["step"] + 3)), history
