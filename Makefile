@@ -38,6 +38,8 @@ browser:
 
 demo: setup
 	$(PYTHON) examples/train_native_qwen3.py --preset tiny --steps 10 --out_dir runs/demo_native_qwen3
+	@echo "== the README's commands start with python: first activate this environment (or use $(PYTHON))"
+	@echo "   . $(VENV)/bin/activate"
 
 # Three pytest workers on two cores, one test file each at a time (module fixtures run once): most
 # tests wait on training processes (their own sleeps, collectives, file writes), and a third worker

@@ -138,7 +138,14 @@ def route_torchtitan_device(device_type: str) -> None:
     before any other torchtitan import, routes all of torchtitan.
     Remove when torchtitan detects CPU-only hosts (or takes the device as a setting)."""
     already_imported = "torchtitan.tools.utils" in sys.modules
-    import torchtitan.tools.utils as tt_utils
+    try:
+        import torchtitan.tools.utils as tt_utils
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "torchtitan":
+            raise
+        raise UserError(f"{sys.executable} has no torchtitan: use the environment `make setup` made (`make demo` "
+                        "prints its activate line), or on trn2 the Neuron environment of docs/first-hour-trn2.md"
+                        ) from None
 
     if tt_utils.device_type == device_type:
         return

@@ -191,3 +191,20 @@ def test_torch_neuron_is_reached_only_through_common_device():
     innermost = {(p, line): name for p, name, line in found if name != "<module>"}  # ast.walk: outer first
     places = sorted({(p, innermost.get((p, line), "<module>")) for p, _, line in found})
     assert places == [("common/device.py", "neuron_runtime")], places
+
+
+@pytest.mark.parametrize("script", ["train_native_qwen3.py", "rope_parity.py", "generate_compat_check.py"])
+def test_a_python_without_torch_gets_one_line_naming_the_environment(script):
+    """The system's Python instead of the environment's (here: the same interpreter without site-packages, -I -S):
+    one `error:` line naming the environment's python and its activate line, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, script_env
+
+    proc = subprocess.run([sys.executable, "-I", "-S", f"examples/{script}", "--help"], cwd=ROOT, env=script_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {sys.executable} has no torch: use the environment")
+    assert "venv/bin/python" in lines[0] and "venv/bin/activate" in lines[0]
