@@ -15,13 +15,20 @@ Trainium, inductor elsewhere) and generates 32 greedy tokens with a static cache
 cache and compile (the row says when it does not). Verdicts: a single-core run must equal, token for token, the
 same checkpoint in eager mode on CPU (`cpu_match`); a sharded run must read as English to a small judge model
 (`english`); NaN or Inf in the weights or logits is a FAIL whatever the tokens. A PASS says nothing about
-throughput or long outputs.
+throughput or long outputs. A verdict is always the model's, never the command line's: flags are checked before any
+row (an --image Pillow cannot read, more --cores than the machine has, or a --cores/--sharding that a model's heads
+or experts cannot be split over are one `error:` line, exit 2, nothing stored).
 
 Each model becomes one row of `<out_dir>/neuronx-cc-<v>__transformers-<v>.parquet`, written atomically: the
 public columns plus task, timings, the compile cache, the flags that rerun it; `run_py` holds this file's exact
 source, to read, never to run. PASS, FAIL (`error` says why: verdict, crash, `--timeout_s`, NaN), or EXCLUDED
 with the reason; a model that could not be fetched is EXCLUDED with `unavailable` true, no verdict, and is tried
 again on the next run. A rerun skips what is recorded for the same version stack (`--redo` runs it again).
+Checks may share an --out_dir, at the same time too: the Parquet file and results.json are read, changed and
+replaced under a lock file beside each, so no row is lost, and results.json lists the models of every run into it.
+SIGTERM, SIGHUP or SIGINT stops every process the check started (workers, a training subprocess, and what they
+started), prints one `error: interrupted by SIG...` line and exits 128 + the signal's number; the workers and the
+training subprocess also die with the check if it is SIGKILLed (PR_SET_PDEATHSIG).
 `--task train` runs a few steps of examples/train_hf_backend.py per model instead. docs/compatibility-check.md
 has the details, the lookup and its web page.
 
@@ -49,6 +56,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -125,10 +133,27 @@ class Config:
         for name in ("prompt", "image_prompt"):
             if not getattr(self, name).strip() or len(getattr(self, name)) > 10_000:
                 raise UserError(f"--{name} must hold some text (at most 10,000 characters)")
-        if self.image is not None and not Path(self.image).is_file():
-            raise UserError(f"--image {self.image} is not a file")
+        if self.image is not None:
+            check_image(self.image)
         if not model_specs(self.models):
             raise UserError("--models is empty")
+
+
+def check_image(path: str) -> None:
+    """--image must be a file that Pillow opens and decodes, as the processor will be given it: anything else is
+    the command line's mistake, refused before any row, never a model's FAIL."""
+    if not Path(path).is_file():
+        raise UserError(f"--image {path} is not a file")
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.verify()  # the file's own checks (a truncated PNG, a bad CRC)
+        with Image.open(path) as image:
+            image.convert("RGB")  # and every pixel decodes
+    except Exception as e:  # noqa: BLE001  Pillow raises many types (UnidentifiedImageError, OSError, SyntaxError)
+        raise UserError(f"--image {path} is not an image Pillow can read ({type(e).__name__}: "
+                        f"{str(e).strip()[:200]}): give a PNG or JPEG file") from None
 
 
 def offline() -> Config:
@@ -167,6 +192,17 @@ def check_specs(specs: list[str]) -> None:
                             f"name ({', '.join(OFFLINE_MODELS)}) or a Hub id)")
 
 
+class FlagsMisfit(UserError):
+    """--cores/--sharding ask for a split the model cannot have: the command line's mistake, never a row."""
+
+
+def flags_misfit(cfg: Config, spec: str, plan: sizing.Plan) -> FlagsMisfit:
+    flags = [f"--cores {cfg.cores}"] * bool(cfg.cores) + [f"--sharding {cfg.sharding}"] * (cfg.sharding != "auto")
+    return FlagsMisfit(f"{' '.join(flags)} cannot run {spec}: {plan.exclusion}; nothing was recorded for it (a "
+                       f"choice of the command line, not a verdict on the model): leave {' and '.join(flags)} out "
+                       "(the fewest cores that hold the weights) or give a count its heads or experts divide")
+
+
 class Unavailable(Exception):
     """What a check needs could not be had (no Hub access, a gated repository, no disk space, an asset
     not prepared): no verdict; the row says so and a rerun tries again."""
@@ -199,7 +235,10 @@ def image_file(cfg: Config) -> Path:
 
 # ------------------------------------------------------------------------------------------ one process per core
 def worker(rank: int, job: dict, results) -> None:
-    """One rank of a model's run (spawned). Reports ("ok", measurements) or ("error", traceback)."""
+    """One rank of a model's run (spawned). Reports ("ok", measurements) or ("error", traceback). It dies with the
+    check, however the check ends, and leaves Ctrl-C to the check (which stops every rank)."""
+    processes.die_with_parent(job["parent_pid"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["cores"]),
                       LOCAL_WORLD_SIZE=str(job["cores"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
     try:
@@ -292,23 +331,64 @@ def generate_on_device(job: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ one model
-def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
-    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py)."""
+def model_task(cfg: Config, folder: Path) -> tuple[str, bool]:
+    """(the task a model is checked for, whether it is a vision-language model)."""
+    vision = sizing.is_vision_language(folder)
+    return (("image-text-to-text" if vision else "text-generation") if cfg.task == "auto" else cfg.task), vision
+
+
+def not_run(cfg: Config, folder: Path, task: str, vision: bool) -> str | None:
+    """Why a model is EXCLUDED before its plan (model code without --trust_remote_code, not a vision-language
+    model for image-text-to-text), or None."""
+    if sizing.needs_remote_code(folder) and not cfg.trust_remote_code:
+        return "ships its own model code (auto_map); pass --trust_remote_code"
+    if task == "image-text-to-text" and not vision:
+        return (f"not a vision-language model: model_type {sizing.model_type(folder)!r} has no image-text-to-text "
+                "class in transformers")
+    return None
+
+
+def model_plan(cfg: Config, spec: str, folder: Path) -> tuple[int, int, sizing.Plan]:
+    """(weight bytes, fewest cores that hold them, plan). FlagsMisfit where --cores/--sharding cannot split it."""
     from transformers import AutoConfig
 
-    folder = resolve_model(spec, with_code=cfg.trust_remote_code)
-    vision = sizing.is_vision_language(folder)
-    task = ("image-text-to-text" if vision else "text-generation") if cfg.task == "auto" else cfg.task
-    row = {"model_id": spec, "device": dev_type, "task": task}
-    if sizing.needs_remote_code(folder) and not cfg.trust_remote_code:
-        return dict(row, result="EXCLUDED", exclusion="ships its own model code (auto_map); pass --trust_remote_code")
-    if task == "image-text-to-text" and not vision:
-        return dict(row, result="EXCLUDED", exclusion=f"not a vision-language model: model_type "
-                    f"{sizing.model_type(folder)!r} has no image-text-to-text class in transformers")
     hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
     size = sizing.weight_bytes(folder, {"auto": None, "float32": 4, "bfloat16": 2}[cfg.dtype])
     need = sizing.min_cores(size, cfg.core_memory_gib)
     plan = sizing.choose_plan(hf_config, need, cfg.max_cores, cfg.sharding, cfg.cores)
+    if plan.by_flags:
+        raise flags_misfit(cfg, spec, plan)
+    return size, need, plan
+
+
+def check_flags_fit(cfg: Config, specs: list[str], path: Path, stack: dict, tasks: tuple[str, ...]) -> None:
+    """Before any row: --cores/--sharding that a model already on this machine (a folder, an offline asset) cannot
+    be split over is one error line (FlagsMisfit). A Hub model is checked the same way once fetched, before its
+    row. Models a rerun skips are not looked at."""
+    if cfg.task == "train" or (not cfg.cores and cfg.sharding == "auto"):
+        return
+    for spec in specs:
+        if not (Path(spec).expanduser().is_dir() or spec in OFFLINE_MODELS):
+            continue
+        if not cfg.redo and rows.recorded(path, spec, stack, tasks) is not None:
+            continue
+        try:
+            folder = resolve_model(spec)
+        except Unavailable:
+            continue
+        task, vision = model_task(cfg, folder)
+        if not_run(cfg, folder, task, vision) is None:
+            model_plan(cfg, spec, folder)
+
+
+def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
+    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py)."""
+    folder = resolve_model(spec, with_code=cfg.trust_remote_code)
+    task, vision = model_task(cfg, folder)
+    row = {"model_id": spec, "device": dev_type, "task": task}
+    if why := not_run(cfg, folder, task, vision):
+        return dict(row, result="EXCLUDED", exclusion=why)
+    size, need, plan = model_plan(cfg, spec, folder)
     prompt = cfg.image_prompt if vision else cfg.prompt
     row.update(tp=plan.cores, runner=plan.runner, hbm_capacity_gb=plan.cores * cfg.core_memory_gib, prompt=prompt,
                notes=f"weights {size / device.GIB:.3f} GiB need {need} core(s) of {cfg.core_memory_gib:g} GiB")
@@ -414,6 +494,23 @@ def check_results_json(out_dir: Path, given: str) -> None:
                         "--out_dir")
 
 
+def save_results(out_dir: Path, results: dict) -> None:
+    """results.json, merged under its lock with what other checks into this --out_dir wrote (at the same time too):
+    this run's entries replace the earlier ones of the same model and task (and a "not fetched" one of the model);
+    the others stay, so it lists the models of every run. Never over another script's file."""
+    path = out_dir / "results.json"
+    with rows.locked(path):
+        check_results_json(out_dir, str(out_dir))
+        old = json.loads(path.read_text()) if path.exists() else {}
+        mine = {(m["model_id"], m.get("task")) for m in results["models"]}
+        ids = {m["model_id"] for m in results["models"]}
+        others = [m for m in old.get("models") or [] if isinstance(m, dict) and (m.get("model_id"), m.get("task"))
+                  not in mine and not (m.get("model_id") in ids and m.get("unavailable"))]
+        files = [f for f in old.get("files") or [] if isinstance(f, str)]
+        write_results(out_dir, dict(results, models=others + results["models"],
+                                    files=list(dict.fromkeys(files + results["files"]))))
+
+
 def main(cfg: Config) -> dict:
     from tqdm import tqdm
 
@@ -424,6 +521,10 @@ def main(cfg: Config) -> dict:
     if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
         preflight.require_stack("trn2", "compat")
     dev_type = device.resolve_device_type(cfg.device)
+    most = sizing.machine_cores(dev_type, cfg.lnc)
+    if cfg.cores and most is not None and cfg.cores > most and cfg.task != "train":
+        raise UserError(f"--cores {cfg.cores}: this machine has {most} {dev_type} core(s); give at most {most}, or "
+                        "0 for the fewest that hold each model")
     run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
     if cfg.task == "train":  # the training script runs too: keep its source beside this one
         script = training.TRAIN_SCRIPT
@@ -431,6 +532,7 @@ def main(cfg: Config) -> dict:
     stack = rows.stack_versions()
     path = rows.results_file(out_dir, stack)
     tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
+    check_flags_fit(cfg, specs, path, stack, tasks)
     print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
     print(lookup.printable(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
 
@@ -450,7 +552,7 @@ def main(cfg: Config) -> dict:
         bar.set_postfix_str(lookup.printable(spec))
         old = rows.recorded(path, spec, stack, tasks)
         if old is not None and not cfg.redo:
-            summary.append({"model_id": spec, "skipped": True, "result": old["result"]})
+            summary.append({"model_id": spec, "skipped": True, "task": old["task"], "result": old["result"]})
             tqdm.write(lookup.printable(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
                                         "--redo to run again"))
             continue
@@ -459,6 +561,8 @@ def main(cfg: Config) -> dict:
         try:
             row = train_row(cfg, spec, base, out_dir) if cfg.task == "train" else \
                 check_model(cfg, spec, dev_type, judge)
+        except FlagsMisfit:  # the command line's mistake, not the model's: no row; the rows before it stay
+            raise
         except Unavailable as e:  # not a compatibility verdict: say why, and try again next time
             row = dict(base, result="EXCLUDED", unavailable=True, exclusion=f"not fetched (no verdict; a rerun "
                        f"tries again): {e}")
@@ -481,9 +585,9 @@ def main(cfg: Config) -> dict:
             + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
             + (f" excluded: {row['exclusion']}" if row.get("exclusion") else "")))
         results["models"] = summary
-        write_results(out_dir, results)
+        save_results(out_dir, results)
     results["models"] = summary
-    write_results(out_dir, results)
+    save_results(out_dir, results)
     print(lookup.printable(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
     return results
 
@@ -492,4 +596,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["lookup"]:
         sys.exit(lookup.lookup_main(sys.argv[2:], prog="generate_compat_check.py lookup",
                                     selected=tuple(model_specs(trn2_selected().models)), rerun=rerun_argv))
-    sys.exit(cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline"))
+    processes.stop_on_signals()  # SIGTERM, SIGHUP, SIGINT: every process below this one stopped, one error line
+    try:
+        code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")
+    except processes.Interrupted as e:
+        processes.exit_interrupted(e)
+    sys.exit(code)

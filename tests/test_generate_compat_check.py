@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +26,8 @@ from common import device, paths
 from common.errors import UserError
 from compat_check import judge as judging, lookup, processes, rows, sizing
 from tools import prepare_assets as assets, tiny_qwen_vl
-from conftest import ROOT, assert_clean_error, kill_when, read_results, run_example
+from conftest import (ROOT, assert_clean_error, example_command, kill_tree, kill_when, read_results, run_example,
+                      script_env)
 
 SCRIPT = "generate_compat_check.py"
 OFFLINE = ("tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct", "tiny-qwen-vl")
@@ -61,8 +65,9 @@ def _kill_after_first_row(args: tuple, out: Path, timeout: float = 300) -> pd.Da
     models = args[args.index("--models") + 1].split(",")
     done = read_results(out)["models"] if (out / "results.json").exists() else []  # written after each model
     assert len(done) < len(models)  # it died mid-run
-    # A kill in the middle of a write leaves at most a hidden temporary file beside the last complete one.
-    assert all(f.name.endswith(".tmp") for f in out.iterdir() if f.name.startswith(".")), list(out.iterdir())
+    # A kill in the middle of a write leaves at most a hidden temporary file beside the last complete one (and the
+    # hidden lock files that writers take turns on: rows.locked).
+    assert all(f.name.endswith((".tmp", ".lock")) for f in out.iterdir() if f.name.startswith(".")), list(out.iterdir())
     return pd.read_parquet(_only_file(out))
 
 
@@ -573,3 +578,236 @@ def test_bad_input_is_one_error_line(tmp_path):
     assert_clean_error(run_example(SCRIPT, "--models", str(tmp_path / "missing"), "--out_dir", str(tmp_path),
                                    check=False), "is not a folder")
     assert not list(tmp_path.glob("*.parquet"))
+
+
+# --------------------------------------------------------------------------- hostile input
+# Writes rows.write_row N times into one file, from a process of its own (two of them race in the test below).
+_WRITER = """
+import sys
+from pathlib import Path
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/examples"]
+from compat_check import rows
+for i in range(int(sys.argv[4])):
+    rows.write_row(Path(sys.argv[2]), {"model_id": f"{sys.argv[3]}-{i}", "result": "PASS", "run_py": "#" * 20_000})
+"""
+
+
+def test_two_writers_of_one_results_file_lose_no_row(tmp_path):
+    """Two processes adding rows to one Parquet file at the same time (two checks into one --out_dir): every row of
+    both is there, and neither crashes on a file the other is replacing."""
+    path = tmp_path / "r.parquet"
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(ROOT), str(path), name, "100"], cwd=ROOT,
+                                env=script_env(), stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    errors = [w.communicate(timeout=600)[1] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], errors
+    ids = list(pq.read_table(path, columns=["model_id"]).column("model_id").to_pylist())
+    assert sorted(ids) == sorted(f"{name}-{i}" for name in "ab" for i in range(100)), len(ids)
+
+
+def _text_only_folders(folder: Path, prefix: str, n: int) -> list[str]:
+    """Folders whose config.json names a text model: `--task image-text-to-text` gives each an EXCLUDED row at once,
+    nothing loaded (the cheapest model to check)."""
+    specs = []
+    for i in range(n):
+        (folder / f"{prefix}{i}").mkdir(parents=True)
+        (folder / f"{prefix}{i}" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+        specs.append(str(folder / f"{prefix}{i}"))
+    return specs
+
+
+def test_concurrent_checks_into_one_out_dir_keep_every_row_and_model(tmp_path):
+    """Two checks at once into one --out_dir: the Parquet file holds both runs' rows, results.json lists both runs'
+    models (each merged in under its lock)."""
+    out = tmp_path / "out"
+    runs = {p: _text_only_folders(tmp_path / "models", p, 12) for p in ("a", "b")}
+    procs = [subprocess.Popen(example_command(SCRIPT, "--task", "image-text-to-text", "--models", ",".join(specs),
+                                              "--out_dir", str(out)),
+                              cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for specs in runs.values()]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    everything = sorted(runs["a"] + runs["b"])
+    df = rows.read_table(_only_file(out))
+    assert sorted(df["model_id"]) == everything and set(df["result"]) == {"EXCLUDED"}
+    assert sorted(m["model_id"] for m in read_results(out)["models"]) == everything
+
+
+def test_flags_the_model_cannot_follow_are_refused_before_any_row(tmp_path, model_assets, monkeypatch):
+    """A bad --image or a --cores that the model cannot be split over is the command line's mistake: one error line,
+    exit 2, no row (a stored FAIL or EXCLUDED would make the correct rerun say "already recorded")."""
+    out = tmp_path / "out"
+    proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--cores", "16", "--no_compile", "--out_dir", str(out),
+                       check=False)
+    assert proc.returncode == 2
+    assert_clean_error(proc, "--cores 16 cannot run tiny-qwen3: no core count in [16] divides its 4 attention")
+    not_image = tmp_path / "notimage.png"
+    not_image.write_text("not an image\n")
+    photo = model_assets["tiny_qwen_vl"] / "photograph.png"
+    cut = tmp_path / "cut.png"  # a PNG whose header opens, its pixels cut off
+    cut.write_bytes(photo.read_bytes()[:2000])
+    for image in (not_image, cut):
+        proc = run_example(SCRIPT, "--models", "tiny-qwen-vl", "--image", str(image), "--no_compile", "--out_dir",
+                           str(out), check=False)
+        assert proc.returncode == 2
+        assert_clean_error(proc, f"--image {image} is not an image Pillow can read")
+    assert not list(out.glob("*.parquet"))
+    # Where the machine bounds the cores (CUDA: its GPUs; Trainium: its visible NeuronCores), --cores above that
+    # is refused too; CPU has no bound (a core is a gloo process).
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-3,6")
+    assert sizing.machine_cores("neuron") == 5 and sizing.machine_cores("cpu") is None
+
+
+def _peak_rss_mb(cmd: list[str], out: Path) -> tuple[float, str]:
+    """Run `cmd`, its output to files; (peak resident memory of that process in MB, stdout). It must succeed."""
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=stdout, stderr=stderr)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (Linux: ru_maxrss in KiB)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, (out / "stderr").read_text()[-3000:]
+    return usage.ru_maxrss / 1024, (out / "stdout").read_text()
+
+
+def test_lookup_reads_only_what_a_view_needs(tmp_path):
+    """A public-schema file of 20,000 rows, each with the usual ~20 KB run_py (dictionary-encoded: under 1 MB on
+    disk). Reading every column of every row took 900 MB above the lookup's own start-up (a 200,000-row file: an
+    ArrowMemoryError); --run_py reads no run_py but the one row's, and the page reads it as its one distinct
+    text: tens of megabytes. Peak memory is the process's own high-water mark (no timing, no sampling)."""
+    n, run_py = 20_000, "# the script that ran\n" + "x = 1  # padding to the usual size of a run_py\n" * 420
+    table = pa.table({"model_id": [f"org/model-{i:06d}" for i in range(n)], "result": ["PASS", "FAIL"] * (n // 2),
+                      "tp": [1] * n, "neuronx_cc": ["2.23.6484.0"] * n, "transformers": ["5.16.0"] * n,
+                      "run_py": pa.DictionaryArray.from_arrays(pa.array([0] * n, pa.int32()), pa.array([run_py]))})
+    big, small = tmp_path / "big.parquet", tmp_path / "small.parquet"
+    pq.write_table(table, big)
+    pq.write_table(table.slice(0, 2), small)
+    assert big.stat().st_size < 1_000_000
+    start_up, _ = _peak_rss_mb(example_command(SCRIPT, "lookup", str(small)), tmp_path)
+    one_row, stdout = _peak_rss_mb(
+        example_command(SCRIPT, "lookup", str(big), "--name", "model-012345", "--run_py"), tmp_path)
+    assert stdout == run_py
+    page_mb, stdout = _peak_rss_mb(example_command(SCRIPT, "lookup", str(big), "--html", str(tmp_path / "p.html")),
+                                      tmp_path)
+    assert stdout.splitlines()[-1] == f"page: {tmp_path / 'p.html'} ({n} rows)"
+    assert (tmp_path / "p.html").read_text().count("padding to the usual size") == 420  # one copy of the text
+    assert max(one_row, page_mb) - start_up < 250, (start_up, one_row, page_mb)
+
+
+def _family_once_sharded(proc: subprocess.Popen, deadline: float) -> list:
+    """Every process below the check, once both ranks of its sharded run are at work: each holds a TCP connection
+    (its process group, made inside the rank's function, after its first line)."""
+    import psutil
+
+    while True:
+        assert proc.poll() is None, f"the check ended (exit {proc.returncode}) before its ranks started"
+        assert time.monotonic() < deadline, "the ranks did not start in time"
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+            ranks = [p for p in family if "spawn_main" in " ".join(p.cmdline()) and p.net_connections("tcp")]
+        except psutil.Error:
+            family, ranks = [], []
+        if len(ranks) >= 2:
+            return family
+        time.sleep(0.1)
+
+
+def _alive(procs: list) -> list:
+    import psutil
+
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_gone(procs: list, timeout: float = 60) -> list:
+    deadline = time.monotonic() + timeout
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(procs)
+
+
+# The cheapest sharded check: the tiny Qwen3 over 2 gloo processes, eager, generating long enough (4096 tokens,
+# about 100 s) that its ranks are busy whenever the signal comes.
+SHARDED = ("--models", "tiny-qwen3", "--cores", "2", "--no_compile", "--new_tokens", "4096")
+
+
+def test_sigterm_ends_every_process_of_a_sharded_check(tmp_path, model_assets):
+    """SIGTERM to the check alone: its ranks and every other process below it (the resource tracker) end with it,
+    one `error:` line, exit 143, and no row (an interrupted run is no verdict). SIGHUP and SIGINT take the same
+    path (processes.stop_on_signals), with exit 129 and 130."""
+    sig = signal.SIGTERM
+    out = tmp_path / "out"
+    with open(tmp_path / "stderr", "w+") as stderr:
+        proc = subprocess.Popen(example_command(SCRIPT, *SHARDED, "--out_dir", str(out)), cwd=ROOT, env=script_env(),
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        family = []
+        try:
+            family = _family_once_sharded(proc, time.monotonic() + 300)
+            proc.send_signal(sig)
+            proc.wait(timeout=120)
+        finally:
+            kill_tree(proc)
+        left = _wait_gone(family)
+        for p in left:  # before the fix: the orphaned ranks, no longer below the check
+            p.kill()
+        stderr.seek(0)
+        err = stderr.read()
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert [line.split(":")[:2] for line in err.splitlines() if line.startswith("error:")] == [
+        ["error", f" interrupted by {signal.Signals(sig).name}"]], err[-3000:]
+    assert not left, [p.cmdline() for p in left]
+    assert not list(out.glob("*.parquet"))
+
+
+def test_ranks_die_with_a_sigkilled_check(tmp_path, model_assets):
+    """SIGKILL to the check alone (no handler can run): its ranks die with it (PR_SET_PDEATHSIG), and with them the
+    resource tracker, instead of generating on for a minute and more."""
+    proc = subprocess.Popen(example_command(SCRIPT, *SHARDED, "--out_dir", str(tmp_path / "out")), cwd=ROOT,
+                            env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    family = []
+    try:
+        family = _family_once_sharded(proc, time.monotonic() + 300)
+        proc.kill()
+        proc.wait(timeout=60)
+        left = _wait_gone(family)
+        assert not left, [p.cmdline() for p in left]
+    finally:
+        kill_tree(proc)
+        for p in _alive(family):  # before the fix: the orphaned ranks, no longer below the check
+            p.kill()
+
+
+def test_lookup_reads_a_spark_folder_once_and_names_duplicate_columns(tmp_path, capsys):
+    """A Spark-style `x.parquet/` folder (part files, _SUCCESS, a _temporary/ attempt, .crc files) counts its
+    committed part files once, whether the folder or its parent is named, or both; a file that names a column twice
+    is one clear line, and the other files are still shown."""
+    runs = tmp_path / "runs"
+    spark = runs / "x.parquet"
+    (spark / "_temporary" / "0").mkdir(parents=True)
+    pq.write_table(pa.table({"model_id": ["org/a", "org/b"], "result": ["PASS", "FAIL"]}),
+                   spark / "part-00000-1f2e.snappy.parquet")
+    pq.write_table(pa.table({"model_id": ["org/c"], "result": ["PASS"]}),
+                   spark / "_temporary" / "0" / "part-00001-1f2e.snappy.parquet")  # an attempt not committed
+    (spark / "_SUCCESS").write_text("")
+    (spark / ".part-00000-1f2e.snappy.parquet.crc").write_bytes(b"crc")
+    for sources in ([runs], [spark], [runs, spark]):
+        assert lookup.lookup_main([str(s) for s in sources]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.splitlines()[-1] == "2 row(s): 1 PASS, 1 FAIL, 0 EXCLUDED (not failures)", sources
+        assert not captured.err
+
+    dup = tmp_path / "dup.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["org/d"]), pa.array(["PASS"]), pa.array(["FAIL"])],
+                                        names=["model_id", "result", "result"]), dup)
+    proc = run_example(SCRIPT, "lookup", str(dup), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert_clean_error(proc, f"{dup} names the column(s) 'result' more than once")
+    proc = run_example(SCRIPT, "lookup", str(dup), str(runs))
+    assert proc.stderr.splitlines() == [f"skipped: {dup} names the column(s) 'result' more than once: a results file "
+                                        "names each column once (rewrite it with one column of each name)"]
+    assert proc.stdout.splitlines()[-1].startswith("2 row(s)")

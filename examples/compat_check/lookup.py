@@ -4,7 +4,11 @@
     python examples/generate_compat_check.py lookup runs/compat --name tiny-qwen3 --run_py   # one row's script
     python examples/generate_compat_check.py lookup runs/compat public/ --html page.html     # the static page
 
-A file that cannot be read is reported on one line and skipped; the others are still shown.
+A file that cannot be read is reported on one line and skipped; the others are still shown. A folder is searched
+for *.parquet files (a Spark-style `x.parquet/` folder counts by its part files, once; hidden and `_`-prefixed
+entries such as Spark's `_temporary/` are not read), and a file named twice is read once. Only the columns a view
+needs are read: the table never reads `run_py`, `--run_py` reads it for the one matching row, and the page reads
+it as a dictionary of its distinct texts, so a 200,000-row public file stays a few hundred megabytes.
 `run_py` is printed or shown as text, never run. Every string from a file or a path reaches the terminal as
 printable text (`printable`), error lines included. `--html` never writes over a file it reads or over an
 existing file that is not a page it wrote (page.check_target).
@@ -19,37 +23,60 @@ from pathlib import Path
 
 from common.errors import ArgumentParser, UserError
 from compat_check import page
-from compat_check.rows import TASKS, read_table
+from compat_check.rows import COLUMNS, TASKS, read_cell, read_table
+
+
+def _hidden(path: Path, top: Path) -> bool:
+    """A file or folder under `top` whose name starts with '.' or '_' (a temp file, Spark's _temporary/ and
+    _SUCCESS), as Spark and pyarrow datasets skip them."""
+    return any(part.startswith((".", "_")) for part in path.relative_to(top).parts)
 
 
 def find_result_files(sources: Iterable[str | os.PathLike]) -> list[Path]:
+    """The Parquet files of `sources`: files as given, and every *.parquet file below a folder. Only files: a
+    Spark-style `x.parquet/` folder is read through its part files, never also as a whole. A file reached twice
+    (named twice, or inside a folder also named) is listed once."""
     sources = list(sources)
-    files = []
+    files, seen = [], set()
     for src in sources:
         p = Path(src)
         if p.is_dir():
-            files += sorted(p.rglob("*.parquet"))
+            found = sorted(f for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f, p))
         elif p.is_file():
-            files.append(p)
+            found = [p]
         else:
             raise UserError(f"{src} is neither a Parquet file nor a folder of them")
+        for f in found:
+            key = os.path.realpath(f)
+            if key not in seen:
+                seen.add(key)
+                files.append(f)
     if not files:
         raise UserError(f"no .parquet files in {', '.join(map(str, sources))}")
     return files
 
 
-def load_results(sources: Iterable[str | os.PathLike]):
-    """(every row of every readable file, columns unioned and normalized; one line per file that was not read)."""
+# The columns each view reads (run_py apart: see lookup_main).
+FILTER_COLUMNS = ("model_id", "task", "result", "neuronx_cc", "transformers", "library_version")
+PAGE_READS = tuple(c for c in COLUMNS if c != "run_py")
+
+
+def load_results(sources: Iterable[str | os.PathLike], columns: tuple[str, ...] | None = None,
+                 dictionary: tuple[str, ...] = ()):
+    """(every row of every readable file, columns unioned and normalized; one line per file that was not read).
+    `columns`/`dictionary`: as rows.read_table (default: every column). Each row keeps its file (`source_file`)
+    and its place in it (`source_row`), to read a large cell of it later (rows.read_cell)."""
     import pandas as pd
 
     frames, problems = [], []
     for f in find_result_files(sources):
         try:
-            df = read_table(f)
+            df = read_table(f, columns, dictionary)
         except UserError as e:
             problems.append(str(e))
             continue
         df["source_file"] = str(f)
+        df["source_row"] = range(len(df))
         frames.append(df)
     if not frames:
         raise UserError("no readable results file: " + "; ".join(problems))
@@ -132,7 +159,11 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
         files = find_result_files(args.sources)
         if args.html:  # before anything is read: the page never replaces an input or a file it did not write
             page.check_target(args.html, files)
-        df, problems = load_results(files)
+        if args.html:  # every column the page shows; run_py as its distinct texts
+            columns, dictionary = PAGE_READS + ("run_py",), ("run_py",)
+        else:  # the table, or --run_py's one row: run_py is read for that row alone, below
+            columns, dictionary = tuple(dict.fromkeys(FILTER_COLUMNS + tuple(c for c, _, _ in SHOW))), ()
+        df, problems = load_results(files, columns, dictionary)
         for problem in problems:
             print(printable(f"skipped: {problem}"), file=sys.stderr)
         df = filter_results(df, args.name, args.compiler, args.transformers, args.task)
@@ -141,7 +172,7 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
                 ids = ", ".join(f"{m} ({f})" for m, f in zip(df["model_id"], df["source_file"]))
                 raise UserError(f"--run_py needs exactly one matching row, found {len(df)}"
                                 + (f": {ids}; narrow --name/--compiler/--transformers/--task" if ids else ""))
-            source = df["run_py"].iloc[0]
+            source = read_cell(df["source_file"].iloc[0], int(df["source_row"].iloc[0]), "run_py")
             if not source:
                 raise UserError(f"the row for {df['model_id'].iloc[0]} holds no run_py")
             source = source.replace("\r\n", "\n")

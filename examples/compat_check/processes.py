@@ -1,18 +1,27 @@
-"""A process that runs with a time limit and leaves nothing behind: past the limit, or if the caller
-fails, the process and everything it started (a verification subprocess, compile workers) are killed.
+"""Processes that leave nothing behind: a time-limited process whose whole tree is killed past the limit or if the
+caller fails; children that die with their parent, however it ends (SIGKILL included: PR_SET_PDEATHSIG); and the
+check's stop signals (SIGTERM, SIGHUP, SIGINT), which kill every child of the check and every process below it
+before the check ends with one `error: interrupted by SIG...` line and exit code 128 + the signal's number.
 
 The whole tree is found by walking the children (psutil, installed with accelerate), not by process
 group: children stay in the caller's process group, so that a Ctrl-C or a kill of the caller's
 group still reaches them too."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
+
+# What ends the check early: `kill`, a batch system or a closed terminal (SIGTERM, SIGHUP), Ctrl-C (SIGINT).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and all its descendants. Everything is stopped first, so that no process can start
-    a new child between the listing and the kill, and children are listed before their parent dies
-    (an orphan is re-parented and could no longer be found)."""
+def kill_tree(pid: int, include_root: bool = True) -> None:
+    """SIGKILL `pid` and all its descendants (only the descendants with include_root=False: `pid` may be this
+    process). Everything is stopped first, so that no process can start a new child between the listing and the
+    kill, and children are listed before their parent dies (an orphan is re-parented and could no longer be
+    found)."""
     import psutil
 
     try:
@@ -20,6 +29,8 @@ def kill_tree(pid: int) -> None:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return
+    if not include_root:
+        procs = procs[1:]
     for p in procs:
         try:
             p.suspend()
@@ -36,13 +47,75 @@ def kill_tree(pid: int) -> None:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs[1:], timeout=10)  # the root is left for its parent to reap (Popen, multiprocessing)
+    # This process's own children are left for their owner to reap (Popen, multiprocessing); the others are
+    # waited for here.
+    own = {os.getpid(), *(c.pid for c in psutil.Process().children())}
+    psutil.wait_procs([p for p in procs if p.pid not in own], timeout=10)
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Linux: this process is SIGKILLed when its parent dies, however the parent ends (kill -9 included:
+    prctl PR_SET_PDEATHSIG); a parent already gone (this process's parent is no longer `parent_pid`) ends it at
+    once. Called first thing in a spawned worker, or as a Popen's preexec_fn (in the child, before exec; the
+    setting survives exec). Elsewhere only the parent check."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the call
+        os._exit(1)
+
+
+class Interrupted(BaseException):
+    """A stop signal reached the check (stop_on_signals). A BaseException, like KeyboardInterrupt: no
+    `except Exception` turns it into a model's row, and every `finally` on the way out still runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def stop_on_signals() -> None:
+    """SIGTERM, SIGHUP or SIGINT to this process: kill every process below it at once (workers, a training
+    subprocess and whatever they started), then raise Interrupted in the main thread, so that the file being
+    written is left whole (its temporary file removed) and the caller prints its line (exit_interrupted). A second
+    signal meanwhile is ignored: the first one's clean-up goes on."""
+    import psutil  # noqa: F401  imported now, not inside the handler (it may run in the middle of an import)
+
+    caught = []
+
+    def stop(signum, _frame):
+        if caught:
+            return
+        caught.append(signum)
+        kill_tree(os.getpid(), include_root=False)
+        raise Interrupted(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def exit_interrupted(e: Interrupted):
+    """The end of an interrupted check: nothing below it left alive, one `error:` line, exit 128 + signal."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    kill_tree(os.getpid(), include_root=False)
+    sys.stdout.flush()
+    print(f"error: interrupted by {e.name}: every process the check started was stopped; the rows already written "
+          "stay, and a rerun skips them", file=sys.stderr, flush=True)
+    os._exit(128 + e.signum)
 
 
 def run_limited(cmd: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) whose timeout kills the whole tree
-    (raises subprocess.TimeoutExpired after that)."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
+    (raises subprocess.TimeoutExpired after that). The subprocess dies with this process (die_with_parent)."""
+    parent = os.getpid()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: die_with_parent(parent), **kwargs) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except BaseException:  # the time limit, Ctrl-C, anything: nothing it started may outlive us
@@ -55,8 +128,9 @@ def run_limited(cmd: list[str], timeout_s: float, **kwargs) -> subprocess.Comple
 def run_ranks(target, job: dict, cores: int, timeout_s: float) -> dict:
     """Spawn `cores` processes `target(rank, job, results)`, wait for every rank's report or the time limit,
     then kill whatever is left of every process and its children (compile workers). Each rank puts
-    (rank, "ok", report) or (rank, "error", text) on `results`. Returns rank 0's report, with the peak
-    memory of the busiest rank and the first rank's non-finite finding."""
+    (rank, "ok", report) or (rank, "error", text) on `results`, and calls die_with_parent(job["parent_pid"])
+    first. Returns rank 0's report, with the peak memory of the busiest rank and the first rank's non-finite
+    finding."""
     import queue
     import time
 
@@ -66,7 +140,7 @@ def run_ranks(target, job: dict, cores: int, timeout_s: float) -> dict:
 
     ctx = mp.get_context("spawn")  # Neuron: the runtime must not be forked; CUDA neither
     results = ctx.Queue()
-    job = dict(job, port=device._free_port())
+    job = dict(job, port=device._free_port(), parent_pid=os.getpid())
     procs = [ctx.Process(target=target, args=(rank, job, results)) for rank in range(cores)]
     for p in procs:
         p.start()
@@ -94,6 +168,8 @@ def run_ranks(target, job: dict, cores: int, timeout_s: float) -> dict:
             p.join(timeout=30)
     finally:
         for p in procs:
+            if p.pid is None:  # never started: a stop signal came while the ranks were being started
+                continue
             if p.is_alive():
                 kill_tree(p.pid)
             p.join()

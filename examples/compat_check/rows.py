@@ -6,15 +6,24 @@ in the dataset's columns (`PUBLIC_COLUMNS`) plus a few of ours (`EXTRA_COLUMNS`)
 
 Reading takes any file in that schema as it comes: columns missing (some public files lack
 `exclusion`), nulls, NaN, empty strings, or a column stored with another type (numbers as text,
-booleans as 0/1). `read_table` returns every column, each in one known type, so that nothing
-downstream meets a value it does not expect. `run_py` is only ever shown, never run.
+booleans as 0/1). `read_table` returns the columns asked for (every column by default), each in one
+known type, so that nothing downstream meets a value it does not expect; it reads only those columns,
+and a large text column (`run_py`, ~20 KB a row) can be read as a dictionary of its distinct texts or
+for one row alone (`read_cell`). A file that names a column twice is refused in one line.
+`run_py` is only ever shown, never run.
+
+Writing is a locked read-modify-write (`locked`: a lock file beside the results file, held while the
+file is read, a row added and the file replaced atomically), so two checks writing into one --out_dir
+lose no row.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
 import re
+from collections import Counter
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -134,17 +143,18 @@ def task_of(value) -> str:
     return value
 
 
-def normalize(df):
-    """Every column of COLUMNS present, each in one type: float64 (NaN for null or unreadable),
-    object bool/None, UTC timestamps (NaT), or object str/None."""
+def normalize(df, columns: tuple[str, ...] = COLUMNS):
+    """Every column of `columns` present (all of COLUMNS by default), each in one type: float64 (NaN for null or
+    unreadable), object bool/None, UTC timestamps (NaT), or object str/None. Other columns are kept as they are."""
     import pandas as pd
+    from pandas.api.types import infer_dtype
 
     df = df.copy()
     df.columns = [str(c) for c in df.columns]
-    for col in COLUMNS:
+    for col in columns:
         if col not in df.columns:
             df[col] = None
-        values = df[col].astype(object)
+        values = df[col].astype(object)  # a categorical's rows share its texts: nothing is copied
         if col in FLOAT_COLUMNS:
             df[col] = pd.to_numeric(values.map(_float), errors="coerce").astype("float64")
         elif col in BOOL_COLUMNS:
@@ -152,9 +162,12 @@ def normalize(df):
         elif col == "tested_at":
             df[col] = pd.to_datetime(values.map(lambda v: v if isinstance(v, (datetime, pd.Timestamp)) else _text(v)),
                                      errors="coerce", utc=True, format="mixed")
+        elif infer_dtype(values, skipna=True) in ("string", "empty"):  # text already: only missing becomes None
+            df[col] = values.where(values.notna(), None).astype(object)
         else:
             df[col] = values.map(_text).astype(object)
-    df["task"] = df["task"].map(task_of)
+    if "task" in columns:
+        df["task"] = df["task"].map(task_of)
     return df
 
 
@@ -172,15 +185,64 @@ def _float(v):
         return math.nan
 
 
-def read_table(path: str | os.PathLike):
-    """One results file as a normalized DataFrame (see `normalize`). UserError if it is not a readable Parquet file."""
+def _duplicates(names: list[str]) -> list[str]:
+    return [name for name, n in Counter(names).items() if n > 1]
+
+
+def _check_columns(path, names: list[str]) -> None:
+    if dup := _duplicates(names):
+        raise UserError(f"{path} names the column(s) {', '.join(map(repr, dup))} more than once: a results file "
+                        "names each column once (rewrite it with one column of each name)")
+
+
+def read_table(path: str | os.PathLike, columns: tuple[str, ...] | None = None, dictionary: tuple[str, ...] = ()):
+    """One results file as a normalized DataFrame (see `normalize`): `columns` (default: every column of COLUMNS
+    and any other the file has), and nothing else read from the file. Columns in `dictionary` are read as
+    pandas categoricals of their distinct texts (a run writes the same `run_py` into every row: one copy, not
+    one per row). The file is opened once, so a writer replacing it meanwhile cannot mix two versions.
+    UserError if it is not a readable Parquet file, or names a column twice."""
     import pyarrow.parquet as pq
 
     try:
-        df = pq.read_table(path).to_pandas()
+        with open(path, "rb") as f:
+            meta = pq.read_metadata(f)
+            names = meta.schema.to_arrow_schema().names
+            _check_columns(path, names)
+            wanted = names if columns is None else [c for c in names if c in columns]
+            pf = pq.ParquetFile(f, metadata=meta, read_dictionary=[c for c in dictionary if c in wanted])
+            table = pf.read(columns=wanted)
+        df = table.to_pandas()
+    except UserError:
+        raise
     except Exception as e:  # noqa: BLE001  pyarrow raises many types for a bad file; each becomes one line
         raise UserError(f"{path} is not a readable Parquet file: {type(e).__name__}: {str(e)[:300]}") from None
-    return normalize(df)
+    return normalize(df, COLUMNS if columns is None else columns)
+
+
+def read_cell(path: str | os.PathLike, index: int, column: str) -> str | None:
+    """One text cell, row `index` of the file (as read_table numbers them): only the row group holding it is
+    read, that column alone, as a dictionary (a 20 KB run_py repeated over 200,000 rows stays one text)."""
+    import pyarrow.parquet as pq
+
+    try:
+        with open(path, "rb") as f:
+            meta = pq.read_metadata(f)
+            names = meta.schema.to_arrow_schema().names
+            _check_columns(path, names)
+            if column not in names:
+                return None
+            pf = pq.ParquetFile(f, metadata=meta, read_dictionary=[column])
+            start = 0
+            for group in range(meta.num_row_groups):
+                n = meta.row_group(group).num_rows
+                if index < start + n:
+                    return _text(pf.read_row_group(group, columns=[column]).column(0)[index - start].as_py())
+                start += n
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"{path} is not a readable Parquet file: {type(e).__name__}: {str(e)[:300]}") from None
+    raise UserError(f"{path} holds no row {index}: it changed while it was read")
 
 
 def recorded(path: Path, model_id: str, stack: dict, tasks: tuple[str, ...]) -> dict | None:
@@ -188,18 +250,32 @@ def recorded(path: Path, model_id: str, stack: dict, tasks: tuple[str, ...]) -> 
     A row whose model could not be fetched is no verdict: it is tried again."""
     if not path.is_file():
         return None
-    df = read_table(path)
+    df = read_table(path, ("model_id", "task", "result", "unavailable", *VERSION_COLUMNS))
     rows = df[(df["model_id"] == model_id) & df["task"].isin(tasks) & (df["unavailable"] != True)]  # noqa: E712
-    for _, row in rows.iterrows():
+    for row in rows.to_dict("records"):  # each value as normalize made it (None stays None, never NaN)
         if all(row[c] == stack.get(c) for c in VERSION_COLUMNS):
-            return row.to_dict()
+            return row
     return None
 
 
 # ------------------------------------------------------------------------------------------ writing
+@contextlib.contextmanager
+def locked(path: str | os.PathLike):
+    """Held while `path` is read, changed and replaced: a lock on `.<name>.lock` beside it (the lock file stays;
+    the kernel releases the lock when its holder ends, however it ends). Two checks writing into one --out_dir
+    take turns, so neither rewrites the file without the other's rows."""
+    from filelock import FileLock
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.with_name(f".{path.name}.lock"))):
+        yield
+
+
 def write_row(path: Path, row: dict) -> None:
-    """Add (or replace) one model's row for its task, atomically: the file is rewritten beside itself and renamed,
-    so a run killed at any moment leaves the previous complete file, and every finished row readable."""
+    """Add (or replace) one model's row for its task, atomically and under the file's lock (`locked`): the file is
+    read and rewritten beside itself and renamed while no other writer can, so a run killed at any moment leaves
+    the previous complete file, every finished row readable, and a concurrent check's rows kept."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -207,24 +283,28 @@ def write_row(path: Path, row: dict) -> None:
     row = {c: row.get(c) for c in schema.names}
     row["tested_at"] = row["tested_at"] or datetime.now(timezone.utc)
     new = pa.Table.from_pylist([row], schema=schema)
-    if path.is_file():
-        old = pq.read_table(path)
-        def column(name):
-            return old.column(name).to_pylist() if name in old.column_names else [None] * len(old)
-        key = (row["model_id"], task_of(row["task"]))
-        # The row it replaces, and any "not fetched" row of the same model (its task was a guess then).
-        keep = [i for i, (m, t, gone) in enumerate(zip(column("model_id"), column("task"), column("unavailable")))
-                if (m, task_of(t)) != key and not (m == row["model_id"] and gone is True)]
-        old = old.take(pa.array(keep, type=pa.int64()))  # typed: an empty list would infer null
-        old = old.select([c for c in schema.names if c in old.column_names])
-        for c in schema.names:
-            if c not in old.column_names:
-                old = old.append_column(schema.field(c), pa.nulls(len(old), schema.field(c).type))
-        try:
-            old = old.select(schema.names).cast(schema)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise UserError(f"{path} was not written by this script (its columns do not cast: {e}); "
-                            "choose another --out_dir") from None
-        new = pa.concat_tables([old, new])
-    with atomic_path(path) as tmp:
-        pq.write_table(new, tmp)
+    with locked(path):
+        if path.is_file():
+            with open(path, "rb") as f:
+                _check_columns(path, pq.read_schema(f).names)
+                f.seek(0)
+                old = pq.read_table(f)
+            def column(name):
+                return old.column(name).to_pylist() if name in old.column_names else [None] * len(old)
+            key = (row["model_id"], task_of(row["task"]))
+            # The row it replaces, and any "not fetched" row of the same model (its task was a guess then).
+            keep = [i for i, (m, t, gone) in enumerate(zip(column("model_id"), column("task"), column("unavailable")))
+                    if (m, task_of(t)) != key and not (m == row["model_id"] and gone is True)]
+            old = old.take(pa.array(keep, type=pa.int64()))  # typed: an empty list would infer null
+            old = old.select([c for c in schema.names if c in old.column_names])
+            for c in schema.names:
+                if c not in old.column_names:
+                    old = old.append_column(schema.field(c), pa.nulls(len(old), schema.field(c).type))
+            try:
+                old = old.select(schema.names).cast(schema)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise UserError(f"{path} was not written by this script (its columns do not cast: {e}); "
+                                "choose another --out_dir") from None
+            new = pa.concat_tables([old, new])
+        with atomic_path(path) as tmp:
+            pq.write_table(new, tmp)

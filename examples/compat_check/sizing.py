@@ -40,6 +40,9 @@ class Plan:
     runner: str | None  # "single", "tp", "ep", or None when the model is excluded
     cores: int
     exclusion: str | None = None
+    # The exclusion comes from --cores/--sharding, not the model: no core count the flags allow divides its
+    # heads or experts, where the default choice would have run it. Never a verdict (the check refuses the flags).
+    by_flags: bool = False
 
 
 def num_experts(config) -> int:
@@ -95,7 +98,34 @@ def choose_plan(config, need: int, max_cores: int, sharding: str = "auto", force
     for n in candidates:
         if divides(n):
             return Plan(runner, n)
-    return Plan(None, need, f"no core count in {list(candidates)} divides its {what}")
+    # The flags' doing where they forced the count, or forced a sharding kind that the default choice would have
+    # made work.
+    by_flags = bool(forced_cores) or (sharding != "auto" and choose_plan(config, need, max_cores).runner is not None)
+    return Plan(None, need, f"no core count in {list(candidates)} divides its {what}", by_flags=by_flags)
+
+
+def machine_cores(device_type: str, lnc: int = 2) -> int | None:
+    """The most cores a run can have on this machine, or None where there is no such bound (CPU: a core is a
+    gloo process). CUDA: the visible GPUs. Trainium: NEURON_RT_VISIBLE_CORES where set, else the Neuron
+    devices (/dev/neuron*) times a Trainium2 device's cores at this LNC (8 physical; an upper bound elsewhere)."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    if device_type == "neuron":
+        visible = os.environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
+        if visible:
+            count = 0
+            for part in visible.split(","):
+                lo, _, hi = part.strip().partition("-")
+                try:
+                    count += int(hi) - int(lo) + 1 if hi else 1
+                except ValueError:
+                    return None  # not a list the runtime takes either: it says so itself
+            return count
+        devices = [p for p in Path("/dev").glob("neuron*") if p.name[len("neuron"):].isdigit()]
+        return len(devices) * (8 // lnc) if devices else None
+    return None
 
 
 def model_type(ckpt_dir: Path) -> str | None:
