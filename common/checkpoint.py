@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from common.errors import ArgumentParser, UserError
+from common.results import not_a_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
@@ -31,6 +32,7 @@ def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
     if not any(path.iterdir()):
         raise UserError(f"checkpoint folder {path} is empty (expected config.json and *.safetensors)")
     cfg_path = path / "config.json"
+    require_regular_file(cfg_path)
     if not cfg_path.is_file():
         raise UserError(f"checkpoint folder {path} has no config.json")
     try:
@@ -57,6 +59,15 @@ def config_value(hf_config: dict, key: str, kind: type, where, default=None, pos
     return kind(value)
 
 
+def require_regular_file(path: Path) -> None:
+    """A file a checkpoint is read from must be a regular file (or a link to one): a FIFO of that name would block
+    the read forever, a folder fail in the middle of it. Checked before anything is opened; absent is fine here
+    (the caller says what is missing)."""
+    kind = not_a_file(path)
+    if kind is not None:
+        raise UserError(f"{path} is {kind}, not a regular file: only regular files (or links to them) are read")
+
+
 def require_architecture(hf_config: dict, expected: tuple[str, ...], where: str | os.PathLike) -> None:
     archs = hf_config.get("architectures") or [hf_config.get("model_type", "unknown")]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -70,6 +81,7 @@ def require_architecture(hf_config: dict, expected: tuple[str, ...], where: str 
 def safetensors_header(path: Path) -> dict:
     """The header of one .safetensors file, checked entry by entry and against the file's size
     (catches truncation, zero-length entries and headers of the wrong shape)."""
+    require_regular_file(path)
     size = path.stat().st_size
     with path.open("rb") as f:
         raw = f.read(8)
@@ -108,6 +120,7 @@ def _index_files(folder: Path) -> tuple[list[Path], dict] | None:
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if not indexes:
         return None
+    require_regular_file(indexes[0])
     try:
         weight_map = json.loads(indexes[0].read_bytes().decode("utf-8"))["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -115,6 +128,9 @@ def _index_files(folder: Path) -> tuple[list[Path], dict] | None:
     except (ValueError, KeyError, TypeError):
         raise UserError(f"{indexes[0]} is not a safetensors index (a JSON object with a weight_map)") from None
     names = sorted(set(weight_map.values()))
+    for name in names:
+        if Path(name).name == name:
+            require_regular_file(folder / name)
     missing = [name for name in names if not (folder / Path(name).name).is_file() or Path(name).name != name]
     if missing:
         raise UserError(f"{indexes[0]} names shard files that are not in {folder}: {_short(missing)}")
@@ -129,6 +145,8 @@ def checkpoint_tensors(ckpt_dir: str | os.PathLike) -> dict[str, tuple[tuple[int
     if not files:
         raise UserError(f"checkpoint folder {ckpt_dir} has no *.safetensors files "
                         "(weights are read only from safetensors, never from pickles)")
+    for f in files:  # before any is opened: a FIFO among them would block the first read
+        require_regular_file(f)
     indexed = _index_files(folder)
     out, where = {}, {}
     for f in files:
@@ -232,6 +250,7 @@ def check_tokenizer(folder: str | os.PathLike, hint: str = "") -> Path:
     from tokenizers import Tokenizer
 
     path = Path(folder) / "tokenizer.json"
+    require_regular_file(path)
     if not path.is_file():
         raise UserError(f"no tokenizer.json in {folder}{hint}")
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import results
 from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
-from common.errors import ArgumentParser, UserError
+from common.errors import ArgumentParser, UserError, one_line
 
 
 def apply_checkpoint_settings(cfg, *, steps: int, every: int, export: bool,
@@ -56,7 +56,8 @@ def owned(folder: Path) -> bool:
         return False
 
 
-def check_replaceable(out_dir: Path, names=("checkpoint", "hf_assets", "hf_export")) -> None:
+def check_replaceable(out_dir: Path, names=("checkpoint", "hf_assets", "hf_export", "hf_export.rejected",
+                                            ".hf_export.tmp")) -> None:
     """Before a run: the folders it will replace in OUT_DIR are absent or its own, never a user's."""
     for name in names:
         folder = Path(out_dir) / name
@@ -83,7 +84,7 @@ def clear_stale_checkpoints(out_dir: Path, is_main: bool) -> None:
         for partial in sorted(step_dir.glob("step-*")):
             if partial.is_dir() and not (partial / ".metadata").is_file():
                 print(f"[checkpoint] {partial} is not a whole checkpoint (a save cut short): removed", flush=True)
-                shutil.rmtree(partial)
+                results.remove(partial)
         make_owned_dir(step_dir)
 
 
@@ -239,7 +240,7 @@ def stage_hf_assets(dest: Path, tokenizer_dir: Path, checkpoint_dir: Path | None
     `hf_assets_path`. Build it from links: tokenizer files, plus the checkpoint's config/index."""
     check_replaceable(dest.parent, (dest.name,))
     if dest.exists():
-        shutil.rmtree(dest)
+        results.remove(dest)
     make_owned_dir(dest)
     for name in TOKENIZER_FILES:
         src = tokenizer_dir / name
@@ -259,25 +260,30 @@ def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer
     `verify(folder) -> bool` while it still has a hidden name, then move it into place with one
     rename. A previous export is replaced only by a complete, verified one; an export that fails
     `verify` goes to EXPORT_DIR.rejected and None is returned (a kill at any point leaves the
-    previous export or none)."""
+    previous export or none). EXPORT_DIR, EXPORT_DIR.rejected and the staging folder .EXPORT_DIR.tmp
+    are replaced only when absent or a run's own (`owned`); anything else is a UserError naming it,
+    raised before anything moves (check_replaceable refuses it before training). A symlink of one of
+    those names is replaced itself, never what it points to (results.replace_dir)."""
     if not step_dir.is_dir():
         raise RuntimeError(f"torchtitan wrote no HF export at {step_dir}")
     tmp = export_dir.with_name(f".{export_dir.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    rejected = export_dir.with_name(f"{export_dir.name}.rejected")
+    for folder in (tmp, export_dir, rejected):
+        _refuse_foreign(folder, step_dir)
+    (step_dir / MARKER).touch()  # marked before it moves: the staged folder is the run's own whenever a kill comes
+    results.remove(tmp)
     shutil.move(str(step_dir), tmp)
     shutil.rmtree(tmp / "sharded", ignore_errors=True)  # torchtitan's pre-consolidation shards
     cfg = dict(hf_config)
     cfg["qwen3_recipes_versions"] = versions  # the stack the export was made with
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (tmp / MARKER).unlink()  # from here on its version stamp marks it: the export holds only the model's files
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, tmp / name)
     _fsync_tree(tmp)
     if verify is not None and not verify(tmp):
-        rejected = export_dir.with_name(f"{export_dir.name}.rejected")
-        shutil.rmtree(rejected, ignore_errors=True)
-        os.replace(tmp, rejected)
+        results.replace_dir(tmp, rejected)  # an earlier rejected export (the run's own) or a link is replaced
         return None
     results.replace_dir(tmp, export_dir)
     return export_dir
@@ -301,9 +307,18 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
     out_json = Path(reference).with_name(".export_check.json")
     cmd = [sys.executable, "-m", "common.export", "verify", str(export_dir),
            "--reference", str(reference), "--out", str(out_json), *([] if files else ["--weights_only"])]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # The verifier dies with this process, however it ends (a SIGKILL included: the kernel's parent-death signal),
+    # and is killed when this one is interrupted or fails while waiting: it never outlives the run.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent())
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        lines = [ln for ln in stderr.splitlines() if ln.strip()]
         error = next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
         return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
                 "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
@@ -320,13 +335,21 @@ def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    if not Path(export_dir).is_dir():
+        raise UserError(f"{export_dir} {'is not a folder' if os.path.lexists(export_dir) else 'does not exist'}: "
+                        "give the export's folder")
     missing = [n for n in ("config.json", "tokenizer.json")[:2 if files else 1] if not (export_dir / n).is_file()]
     if missing:
         raise UserError(f"{export_dir} lacks {', '.join(missing)}")
-    config, stored = read_hf_config(export_dir), checkpoint_tensors(export_dir)
+    config = read_hf_config(export_dir)
+    _check_reference(Path(reference), config)  # before the weights are read: a wrong --reference fails at once
+    stored = checkpoint_tensors(export_dir)
     if files:  # an export: keys, shapes and finite values against its own config.json, tensors named
         validate_hf_checkpoint(export_dir, tuple(config.get("architectures") or ()), hf_config=config, found=stored)
     ref = load_file(str(reference))
+    ids, vocab = ref["input_ids"], config.get("vocab_size")
+    if isinstance(vocab, int) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise UserError(f"--reference {reference}: input_ids outside the export's vocabulary of {vocab}")
     model, info = AutoModelForCausalLM.from_pretrained(
         export_dir, dtype=torch.float32, output_loading_info=True)
     model.eval()
@@ -374,13 +397,88 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights_only", action="store_true", help="a checkpoint, not an export: no tokenizer needed")
     args = p.parse_args(argv)
     try:
+        _check_out(args.out)  # before the work: --out a folder is named now, not after the model has run
         check = verify_export(args.export_dir, args.reference, files=not args.weights_only)
+        try:
+            results.atomic_write_text(args.out, json.dumps(check, indent=2))
+        except OSError as e:
+            raise UserError(f"--out {args.out} cannot be written: {e.strerror or e}") from None
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    results.atomic_write_text(args.out, json.dumps(check, indent=2))
     print(json.dumps(check))
     return 0
+
+
+def _refuse_foreign(folder: Path, step_dir: Path) -> None:
+    """complete_export's rule for each folder it replaces: absent, a dangling link, or a run's own (`owned`, through
+    a link too); anything else is a UserError naming it, before anything moves."""
+    if os.path.lexists(folder) and not (folder.is_symlink() and not folder.exists()) and not owned(folder):
+        raise UserError(f"{folder} exists and was not made by these scripts: it is left alone (the new export stays in "
+                        f"{step_dir}); move it or choose another --out_dir")
+
+
+def _die_with_parent():
+    """Popen's preexec_fn (Linux; None elsewhere): the child asks the kernel for SIGKILL when the thread that
+    started it ends (PR_SET_PDEATHSIG), so it dies with its parent however the parent ends, a SIGKILL included.
+    A parent already gone before the request (the child then belongs to another process) is checked after it.
+    prctl is looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, pr_set_pdeathsig = os.getpid(), 1
+
+    def preexec() -> None:
+        prctl(ctypes.c_int(pr_set_pdeathsig), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+              ctypes.c_ulong(0))
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+REFERENCE_TENSORS = {"input_ids": ("I64", "I32"), "position_ids": ("I64", "I32"),
+                     "logits": ("F32", "F16", "BF16", "F64")}
+
+
+def _check_reference(reference: Path, config: dict) -> None:
+    """--reference of the verifier: a regular safetensors file holding input_ids and position_ids ([batch, tokens],
+    integers) and the trained model's logits ([batch, tokens, vocab_size], floats). Read from its header, before
+    anything is loaded; each way it can be wrong is one UserError naming it."""
+    from common.checkpoint import require_regular_file, safetensors_header
+
+    if not os.path.lexists(reference):
+        raise UserError(f"--reference {reference} does not exist")
+    require_regular_file(reference)
+    try:
+        header = safetensors_header(reference)
+    except UserError as e:
+        raise UserError(f"--reference is not a readable safetensors file: {e}") from None
+    missing = [k for k in REFERENCE_TENSORS if k not in header]
+    if missing:
+        raise UserError(f"--reference {reference} holds no {', '.join(missing)}: it is not an export check's "
+                        "reference (input_ids, position_ids, logits)")
+    shapes = {k: header[k]["shape"] for k in REFERENCE_TENSORS}
+    wrong = [f"{k}: {header[k]['dtype']}" for k, kinds in REFERENCE_TENSORS.items() if header[k]["dtype"] not in kinds]
+    vocab = config.get("vocab_size")
+    if (len(shapes["input_ids"]) != 2 or 0 in shapes["input_ids"] or shapes["position_ids"] != shapes["input_ids"]
+            or shapes["logits"][:2] != shapes["input_ids"] or len(shapes["logits"]) != 3
+            or (isinstance(vocab, int) and shapes["logits"][2] != vocab)):
+        wrong.append("shapes " + ", ".join(f"{k} {v}" for k, v in shapes.items())
+                     + f" (expected [batch, tokens] twice and [batch, tokens, {vocab}])")
+    if wrong:
+        raise UserError(f"--reference {reference} does not fit the export: {'; '.join(wrong)}")
+
+
+def _check_out(out: Path) -> None:
+    """--out of the verifier: absent or a regular file, in a folder that exists or can be made."""
+    results.refuse_non_file(out, what="a file for the check's JSON", fix="give a file path")
 
 
 if __name__ == "__main__":

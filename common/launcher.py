@@ -88,8 +88,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         return
     import ctypes
 
+    parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent was already gone before the call
+    if os.getppid() != parent:  # the parent was gone before the call (reparented to init or a subreaper)
         os.kill(os.getpid(), sig)
 
 

@@ -23,7 +23,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from common.errors import ArgumentParser, UserError
+from common.errors import ArgumentParser, UserError, one_line
 
 # The tested stacks, as version specifiers. CPU: the `==` pins of requirements.txt. trn2: the AWS guide's, the
 # Neuron 2.33.0 release's own versions (requirements-trn2.txt; tests/test_preflight.py checks both against the
@@ -98,7 +98,7 @@ torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.Config warmup
 torchtitan.hf_datasets.text_datasets:HuggingFaceTextDataLoader.Config dataset dataset_path @ native hf moe
 torchtitan.config.configs:DebugConfig seed deterministic @ native hf moe
 torchtitan.config.configs:DebugConfig print_config @ hf
-torchtitan.components.metrics:MetricsProcessor.Config log_freq @ native hf moe
+torchtitan.components.metrics:MetricsProcessor.Config log_freq enable_tensorboard save_tb_folder @ native hf moe
 torchtitan.components.loss:ChunkedLossWrapper.Config loss_fn @ native moe
 torchtitan.components.loss:CrossEntropyLoss.Config global_vocab_size @ native moe
 torchtitan.config.configs:ParallelismConfig tensor_parallel_degree expert_parallel_degree @ moe
@@ -135,11 +135,37 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _cpu_pins() -> dict[str, str]:
-    req = Path(__file__).resolve().parent.parent / "requirements.txt"
-    lines = req.read_text().splitlines() if req.is_file() else []
-    pins = (line.split("#")[0].strip().split("==", 1) for line in lines if "==" in line.split("#")[0])
-    return {dist.strip(): f"=={version.strip()}" for dist, version in pins}
+REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements.txt"
+
+
+def _cpu_pins() -> tuple[dict[str, str], list[str]]:
+    """The `==` pins of requirements.txt ({distribution: specifier}), and what could not be read: a file that is
+    missing, unreadable or not UTF-8, a pin that does not parse (`foo ==`). Each of those is an ERROR row, never a
+    pass: a version the preflight could not check has not been checked."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        text = REQUIREMENTS.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return {}, [f"not found at {REQUIREMENTS}: the tested versions cannot be checked"]
+    except OSError as e:
+        return {}, [f"cannot be read ({e.strerror or e}): the tested versions cannot be checked"]
+    except UnicodeDecodeError as e:
+        return {}, [f"is not UTF-8 text (byte {e.start}): the tested versions cannot be checked"]
+    pins, bad = {}, []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#")[0].strip()
+        if "==" not in line or line.startswith("-"):  # not a pin (a range, an option of pip's)
+            continue
+        try:
+            req = Requirement(line)
+            if not req.specifier:
+                raise InvalidRequirement(line)
+        except InvalidRequirement:
+            bad.append(f"line {number} is not a requirement pip reads: {one_line(line)[:60]!r}")
+            continue
+        pins[req.name] = str(req.specifier)
+    return pins, bad
 
 
 def admits(spec: str, version: str | None) -> bool:
@@ -157,7 +183,9 @@ def _versions(target: str) -> list[tuple[str, str, str]]:
     py = platform.python_version()
     rows = [("python" + (" >= 3.12" if target == "trn2" else ""), py,
              WARN if target == "trn2" and sys.version_info[:2] < TRN2_PYTHON else OK)]
-    for dist, want in (TRN2_PINS if target == "trn2" else _cpu_pins()).items():
+    pins, unread = (TRN2_PINS, []) if target == "trn2" else _cpu_pins()
+    rows += [("requirements.txt", problem, ERROR) for problem in unread]
+    for dist, want in pins.items():
         have = _version(dist) or (_version("torchtitan") if dist == "torchtitan-neuron" else None)
         rows.append((f"{dist}{want}", have or "not installed", OK if admits(want, have) else WARN))
     if target == "trn2":
@@ -195,7 +223,18 @@ def _route(target: str) -> list[tuple[str, str, str]]:
         pass  # no torchtitan: its rows below say so
     except RuntimeError as e:  # already imported for another device in this process
         rows.append(("torchtitan device routing", str(e)[:120], WARN))
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # a broken or shadowing torchtitan (raises anything, or calls sys.exit at import)
+        rows.append(("import torchtitan", _failure(e), ERROR))
     return rows
+
+
+def _failure(e: BaseException) -> str:
+    """What an import or a lookup that failed did, in a row's few words: sys.exit() at import is named as such."""
+    if isinstance(e, SystemExit):
+        return f"the import called sys.exit({e.code!r})"[:120]
+    return one_line(f"{type(e).__name__}: {e}")[:120]
 
 
 def _resolve(obj, name: str):
@@ -232,8 +271,10 @@ def _check_symbol(spec: str, keywords: tuple[str, ...]) -> tuple[str, str, str]:
         if e.name == top and top == "nkilib":  # the kernel's module: which one a fix must bring
             return spec, f"not installed: {module} (nkilib, from neuronx-cc or nki-library)", ERROR
         return spec, (f"not installed: {PIP_NAME.get(top, top)}" if e.name == top else f"no module {e.name}"), ERROR
-    except Exception as e:
-        return spec, f"{type(e).__name__}: {e}"[:120], ERROR
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # anything a broken module raises at import, sys.exit() included
+        return spec, _failure(e), ERROR
     if missing:
         return spec, f"missing {', '.join(missing)}", ERROR
     if not keywords:
@@ -260,8 +301,10 @@ def _check_fields(spec: str, fields: tuple[str, ...]) -> tuple[str, str, str]:
         have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(_parameters(cls) or ())
     except ModuleNotFoundError as e:
         return requirement, f"no module {e.name}", ERROR
-    except (AttributeError, TypeError) as e:
-        return requirement, f"{type(e).__name__}: {e}"[:120], ERROR
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # a missing attribute, or anything a broken module raises (sys.exit() included)
+        return requirement, _failure(e), ERROR
     required = [f for f in fields if not f.endswith("?")]
     missing = [f for f in required if f not in have]
     if missing:
@@ -293,9 +336,9 @@ def check_all(target: str) -> list[tuple[str, str, str, tuple]]:
     rows += [(*_check_fields(spec, fields), users) for spec, fields, users in FIELDS]
     if target == "trn2":
         rows += _neuron_backends()
-    where = sys.modules.get("torchtitan")
-    if where is not None:  # a shadowing copy earlier on the path shows here
-        rows.append(("torchtitan imported from", str(Path(where.__file__).parent), INFO, every))
+    where = getattr(sys.modules.get("torchtitan"), "__file__", None)
+    if where:  # a shadowing copy earlier on the path shows here
+        rows.append(("torchtitan imported from", str(Path(where).parent), INFO, every))
     if target == "trn2":
         rows.append(("nkilib imported from", nkilib_source(), INFO, ("moe", "rope")))
     return rows

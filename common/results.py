@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import platform
+import re
 import shutil
+import stat
 import uuid
 from importlib import metadata
 from pathlib import Path
+
+from common.errors import UserError
 
 
 def versions() -> dict[str, str | None]:
@@ -32,6 +37,7 @@ def atomic_path(path: str | os.PathLike):
     """A temp file beside `path` to write into; when the block ends without error it is synced to disk and renamed
     onto `path` (readers see the old file or the new one, never half of one), else removed. Every writer uses it."""
     path = Path(path)
+    refuse_non_file(path, fix="move it")  # a folder or FIFO of that name: never replaced, no traceback at the end
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask's mode, as open() gives
@@ -52,19 +58,79 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
     """Move the finished folder `tmp` onto `dest` beside it. A folder cannot be renamed over a non-empty
     one, so the old `dest` is renamed aside first and removed last: a kill leaves the old folder or the
-    new one (or, between the two renames, the old one under a hidden name), never a mix of the two."""
+    new one (or, between the two renames, the old one under a hidden name), never a mix of the two.
+    A `dest` that is a symlink is replaced itself, never what it points to: the link is renamed aside and
+    unlinked. The aside name is new each time, so nothing left by an earlier run (a folder, a link) can
+    block the renames; such leftovers are removed first."""
     tmp, dest = Path(tmp), Path(dest)
-    old = dest.with_name(f".{dest.name}.old.tmp")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        os.replace(dest, old)
+    aside = re.compile(rf"\.{re.escape(dest.name)}\.old(\.[0-9a-f]{{12}})?\.tmp")  # the names used here, no other
+    for stale in dest.parent.glob(f".{glob.escape(dest.name)}.old*.tmp"):  # an earlier run's, cut short
+        if aside.fullmatch(stale.name):
+            remove(stale, quiet=True)
+    old = dest.with_name(f".{dest.name}.old.{uuid.uuid4().hex[:12]}.tmp")
+    moved = os.path.lexists(dest)  # a dangling symlink too: a folder cannot be renamed onto it
+    if moved:
+        os.replace(dest, old)  # rename(2) moves a symlink itself
     try:
         os.replace(tmp, dest)
     except OSError:
-        if old.exists():
-            os.replace(old, dest)  # the old folder back in its place
+        if moved:
+            os.replace(old, dest)  # the old folder (or link) back in its place
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old, quiet=True)
+
+
+def remove(path: str | os.PathLike, quiet: bool = False) -> None:
+    """Remove what is at `path`, the one way every run deletes a file or folder it owns: a symlink (to a folder
+    or not) or a file is unlinked, never what a link points to; a folder is removed with its contents; nothing
+    there is fine. `quiet`: leave what cannot be removed (a leftover that blocks nothing)."""
+    path = Path(path)
+    try:
+        if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+            path.unlink(missing_ok=True)
+        elif path.is_dir():
+            shutil.rmtree(path)
+    except OSError:
+        if not quiet:
+            raise
+
+
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """What is at `path` when it is there and is not a regular file (symlinks followed): "a folder", "a FIFO",
+    "a socket", "a device"; None for a regular file, a link to one, or nothing (a dangling link included)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:  # a link loop, a folder it may not look into
+        return f"not readable ({e.strerror or e})"
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a special file")
+
+
+def refuse_non_file(path: str | os.PathLike, what: str = "a file this run writes",
+                    fix: str = "move it or choose another --out_dir") -> None:
+    """A UserError when `path` is there and is not a regular file: a folder, FIFO, socket or device of that name
+    is never opened (a FIFO would block), replaced or deleted."""
+    kind = not_a_file(path)
+    if kind is not None:
+        raise UserError(f"{path} is {kind}, not {what}: it is left alone; {fix}")
+
+
+# What a training run writes in OUT_DIR, each replaced atomically (results.json, the loss curve, the export check).
+RUN_OUTPUTS = ("results.json", "losses.jsonl", "loss.png", "export_check.json", "export_reference.safetensors",
+               ".export_check.json")
+
+
+def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
+    """Before any work: each file a run will write in OUT_DIR is absent or a regular file (or a link to one). A
+    folder, FIFO, socket or device of one of those names is a UserError naming it, not a hang (a FIFO opened for
+    reading) or a crash after training."""
+    for name in names:
+        refuse_non_file(Path(out_dir) / name)
 
 
 def write_results(out_dir: str | os.PathLike, results: dict) -> Path:

@@ -302,3 +302,120 @@ def test_help_lists_every_flag(script):
     names = runpy.run_path(str(ROOT / "examples" / script), run_name="help_check")["Config"]
     for f in dataclasses.fields(names):
         assert f"--{f.name}" in proc.stdout, f.name
+
+
+def _not_a_file(path, kind: str) -> None:
+    """Put a folder (with a file in it) or a FIFO where a file is expected."""
+    import os
+
+    if path.exists():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+        (path / "keep.txt").write_text("someone's")
+
+
+NOT_A_FILE_ROWS = [(name, kind) for name in ("model.safetensors", "model.safetensors.index.json")
+                   for kind in ("fifo", "folder")]
+
+
+@pytest.mark.parametrize("name, kind", NOT_A_FILE_ROWS, ids=[f"{n}-{k}" for n, k in NOT_A_FILE_ROWS])
+def test_checkpoint_validate_refuses_a_fifo_or_folder_where_a_file_is_expected(name, kind, good, tmp_path):
+    """A FIFO named like a checkpoint file hung `validate` (the read blocks); a folder of that name was an
+    IsADirectoryError. Each is one line naming it, before anything is opened. The timeout keeps a hang from
+    holding the suite."""
+    import sys
+
+    from conftest import run_python
+
+    ckpt = _copy(good, tmp_path / "ckpt")
+    _not_a_file(ckpt / name, kind)
+    proc = run_python([sys.executable, "-m", "common.checkpoint", "validate", str(ckpt)], timeout=120)
+    assert_clean_error(proc, f"{ckpt / name} is {'a FIFO' if kind == 'fifo' else 'a folder'}, not a regular file")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_training_refuses_a_checkpoint_whose_safetensors_is_a_fifo_or_folder(kind, good, tmp_path):
+    ckpt = _copy(good, tmp_path / "ckpt")
+    _not_a_file(ckpt / "model.safetensors", kind)
+    proc = run_example("train_native_qwen3.py", "--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"),
+                       check=False, timeout=120)
+    assert_clean_error(proc, f"{ckpt / 'model.safetensors'} is {'a FIFO' if kind == 'fifo' else 'a folder'}")
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_outputs_that_are_folders_or_fifos_are_refused_before_any_work(tmp_path):
+    """results.json, losses.jsonl, loss.png, export_check.json ... in OUT_DIR must be absent or regular files (or
+    links to them): `check_outputs` names the first that is a folder or a FIFO, and a writer never replaces one
+    (before: a crash after training, IsADirectoryError from the rename)."""
+    import os
+
+    from common.errors import UserError
+    from common.results import RUN_OUTPUTS, check_outputs, write_results
+
+    assert {"results.json", "losses.jsonl", "loss.png", "export_check.json"} <= set(RUN_OUTPUTS)
+    check_outputs(tmp_path)  # nothing there yet
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "elsewhere.png").write_bytes(b"png")
+    (tmp_path / "loss.png").symlink_to(tmp_path / "elsewhere.png")  # a link to a regular file is one
+    (tmp_path / "export_check.json").symlink_to(tmp_path / "nowhere.json")  # a dangling link is replaced
+    check_outputs(tmp_path)
+    for name, kind in (("results.json", "folder"), ("losses.jsonl", "fifo"), ("export_check.json", "folder"),
+                       ("loss.png", "fifo")):
+        out = tmp_path / name.replace(".", "_")
+        out.mkdir()
+        _not_a_file(out / name, kind)
+        with pytest.raises(UserError, match=f"{out / name} is {'a FIFO' if kind == 'fifo' else 'a folder'}, not a "
+                                            "file this run writes"):
+            check_outputs(out)
+    with pytest.raises(UserError, match="is a folder, not a file this run writes"):
+        write_results(tmp_path / "results_json", {"losses": [1.0]})
+    assert (tmp_path / "results_json" / "results.json" / "keep.txt").read_text() == "someone's"
+    assert os.listdir(tmp_path / "results_json") == ["results.json"]  # no temp file left beside it
+
+
+def _verify_reference(path, vocab: int, drop: str | None = None):
+    tensors = {"input_ids": torch.tensor([[1, 2, 3]]), "position_ids": torch.tensor([[0, 1, 2]]),
+               "logits": torch.zeros(1, 3, vocab)}
+    tensors.pop(drop, None)
+    save_file(tensors, str(path))
+    return path
+
+
+VERIFY_ROWS = ["missing-reference", "reference-not-safetensors", "reference-without-logits", "out-a-folder"]
+
+
+@pytest.mark.parametrize("row", VERIFY_ROWS)
+def test_export_verify_bad_input_is_one_line(row, prepared_assets, tmp_path):
+    """`python -m common.export verify` with a --reference that is missing, not safetensors or without logits, or
+    an --out that is a folder: one `error:` line each (before: four tracebacks), and nothing written."""
+    import sys
+
+    from conftest import run_python
+
+    export = prepared_assets["tiny_qwen3"]  # a Qwen3 folder with config.json and tokenizer.json
+    vocab = json.loads((export / "config.json").read_text())["vocab_size"]
+    ref, out = tmp_path / "ref.safetensors", tmp_path / "check.json"
+    needle = {
+        "missing-reference": f"--reference {ref} does not exist",
+        "reference-not-safetensors": "--reference is not a readable safetensors file",
+        "reference-without-logits": f"--reference {ref} holds no logits",
+        "out-a-folder": f"{out} is a folder, not a file for the check's JSON",
+    }[row]
+    if row == "reference-not-safetensors":
+        ref.write_text("input_ids,position_ids,logits\n1,0,0.5\n")
+    elif row != "missing-reference":
+        _verify_reference(ref, vocab, drop="logits" if row == "reference-without-logits" else None)
+    if row == "out-a-folder":
+        out.mkdir()
+        (out / "keep.txt").write_text("someone's")
+    proc = run_python([sys.executable, "-m", "common.export", "verify", str(export), "--reference", str(ref),
+                       "--out", str(out)], timeout=300)
+    assert_clean_error(proc, needle)
+    assert proc.returncode == 2
+    if row == "out-a-folder":
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    else:
+        assert not out.exists()

@@ -101,6 +101,27 @@ def test_out_dir_overlapping_the_checkpoint_is_refused(prepared_assets, tmp_path
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
 
+def test_out_dir_inside_or_around_any_input_is_refused(prepared_assets, tmp_path):
+    """An out_dir inside the prepared asset cache, inside --dataset's folder, or holding the --compare_losses file
+    is refused before anything is written there (it would break every later run, or overwrite an input)."""
+    from common.paths import CACHE_DIR
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "d.jsonl").write_text("".join(json.dumps({"text": f"Sentence {i}."}) + "\n" for i in range(50)))
+    ref = tmp_path / "ref" / "results.json"
+    ref.parent.mkdir()
+    ref.write_text(json.dumps({"losses": [12.0, 11.9]}))
+    for args, out, needle in (((), CACHE_DIR / "runs", "overlaps the prepared assets' cache"),
+                              ((), CACHE_DIR.parent, "overlaps the prepared assets' cache"),
+                              (("--dataset", str(data)), data / "out", "overlaps --dataset"),
+                              (("--compare_losses", str(ref)), ref.parent, "overlaps --compare_losses")):
+        proc = run_example(SCRIPT, *SHORT, *args, "--out_dir", str(out), check=False)
+        assert_clean_error(proc, needle)
+    assert not (CACHE_DIR / "runs").exists() and sorted(p.name for p in data.iterdir()) == ["d.jsonl"]
+    assert sorted(p.name for p in ref.parent.iterdir()) == ["results.json"]
+
+
 def test_out_of_disk_space_is_one_line(prepared_assets, tmp_path):
     """--out_dir on a 3 MB file system: the checkpoint save fails with ENOSPC inside torchtitan's
     distributed checkpoint; the run ends in one `error:` line, not a traceback."""
@@ -114,3 +135,202 @@ def test_out_of_disk_space_is_one_line(prepared_assets, tmp_path):
         assert_clean_error(proc, "out of disk space writing")
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_a_users_hf_export_rejected_is_refused_before_training(prepared_assets, tmp_path):
+    """A folder named hf_export.rejected that no run made (the user's own) was deleted when the export check
+    failed. It is refused up front, like a foreign hf_export or checkpoint: one line naming it, before any
+    training, and the folder keeps its file."""
+    out = tmp_path / "run"
+    mine = out / "hf_export.rejected"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("my own")
+    proc = run_example(SCRIPT, *SHORT, "--dtype", "bfloat16", "--export_tolerance", "1e-12", "--out_dir", str(out),
+                       check=False)
+    assert_clean_error(proc, f"{mine} exists and was not made by these scripts")
+    assert (mine / "notes.txt").read_text() == "my own" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert not (out / "results.json").exists() and not (out / "losses.jsonl").exists()  # nothing trained
+
+
+def _step_dir(out, step: int = 2):
+    """What torchtitan's last HF save leaves in OUT_DIR/checkpoint/step-N (safetensors + index)."""
+    step_dir = out / "checkpoint" / f"step-{step}"
+    step_dir.mkdir(parents=True)
+    save_file({"w": __import__("torch").zeros(2)}, str(step_dir / "model.safetensors"))
+    (step_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    return step_dir
+
+
+def _complete(out, tokenizer_dir, passed: bool):
+    from common import export
+
+    return export.complete_export(_step_dir(out), out / "hf_export", {"architectures": ["Qwen3ForCausalLM"]},
+                                  tokenizer_dir, {"torch": "test"}, verify=lambda staged: passed)
+
+
+def test_a_failed_export_never_deletes_a_rejected_folder_it_did_not_make(prepared_assets, tmp_path):
+    """complete_export itself keeps to the ownership rule (a folder can appear after the up-front check): a user's
+    hf_export.rejected is named and left with its file, the new export stays where torchtitan wrote it; a
+    rejected export of an earlier run is replaced."""
+    from common.errors import UserError
+
+    tokenizer = prepared_assets["tokenizer"]
+    out = tmp_path / "run"
+    mine = out / "hf_export.rejected"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("my own")
+    with pytest.raises(UserError, match="hf_export.rejected exists and was not made by these scripts"):
+        _complete(out, tokenizer, passed=False)
+    assert (mine / "notes.txt").read_text() == "my own"
+    assert (out / "checkpoint" / "step-2" / "model.safetensors").is_file()  # the new export, not lost
+    mine.rename(out / "notes")
+    import shutil
+
+    shutil.rmtree(out / "checkpoint")
+    assert _complete(out, tokenizer, passed=False) is None  # rejected: to hf_export.rejected
+    first = json.loads((out / "hf_export.rejected" / "config.json").read_text())
+    assert first["qwen3_recipes_versions"] == {"torch": "test"}
+    assert _complete(out, tokenizer, passed=False) is None  # the run's own rejected export is replaced
+    assert _complete(out, tokenizer, passed=True) == out / "hf_export"
+    assert not (out / "hf_export" / ".qwen3-recipes").exists()  # the export holds the model's files only
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "hf_export", "hf_export.rejected", "notes"]
+
+
+def test_a_symlinked_hf_export_is_replaced_never_followed(prepared_assets, tmp_path):
+    """hf_export a symlink to an earlier export elsewhere: the link is replaced by the new export, the folder it
+    points to is untouched, and nothing is left beside it that breaks the next run. Before, the first run left a
+    `.hf_export.old.tmp` symlink that rmtree cannot remove and every later run crashed (NotADirectoryError) after
+    training, its new export stranded. A leftover of that kind is cleared too."""
+    tokenizer = prepared_assets["tokenizer"]
+    elsewhere = tmp_path / "exports" / "earlier"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "config.json").write_text(json.dumps({"qwen3_recipes_versions": {"torch": "earlier"}}))
+    (elsewhere / "model.safetensors").write_bytes(b"earlier weights")
+    before = {p.name: p.read_bytes() for p in elsewhere.iterdir()}
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hf_export").symlink_to(elsewhere)
+    (out / "hf_export.rejected").symlink_to(elsewhere)  # replaced as a link too
+    (out / ".hf_export.old.tmp").symlink_to(elsewhere)  # what a first run of the old code left
+    for _ in range(3):
+        assert _complete(out, tokenizer, passed=True) == out / "hf_export"
+        assert (out / "hf_export").is_dir() and not (out / "hf_export").is_symlink()
+        assert json.loads((out / "hf_export" / "config.json").read_text())["qwen3_recipes_versions"] == {"torch": "test"}
+    assert _complete(out, tokenizer, passed=False) is None
+    assert not (out / "hf_export.rejected").is_symlink() and (out / "hf_export.rejected" / "config.json").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint", "hf_export", "hf_export.rejected"]
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == before
+
+
+def test_a_symlinked_hf_assets_is_replaced_never_followed(prepared_assets, tmp_path):
+    """hf_assets (the tokenizer and config a run stages for torchtitan) a link to another run's hf_assets: staging
+    replaces the link with a folder of its own and leaves the folder it pointed to as it was (rmtree used to refuse
+    the link: OSError)."""
+    from common.export import MARKER, stage_hf_assets
+
+    elsewhere = tmp_path / "other_run" / "hf_assets"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / MARKER).touch()
+    (elsewhere / "notes.txt").write_text("that run's files")
+    dest = tmp_path / "run" / "hf_assets"
+    dest.parent.mkdir()
+    dest.symlink_to(elsewhere)
+    stage_hf_assets(dest, prepared_assets["tokenizer"])
+    assert dest.is_dir() and not dest.is_symlink() and (dest / "tokenizer.json").is_file()
+    assert sorted(p.name for p in elsewhere.iterdir()) == [MARKER, "notes.txt"]
+
+
+def test_replace_dir_replaces_a_link_or_a_dangling_link_and_keeps_other_hidden_folders(tmp_path):
+    from common.results import replace_dir
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "f").write_text("kept")
+    for dest_kind in ("link", "dangling"):
+        dest = tmp_path / f"dest_{dest_kind}"
+        dest.symlink_to(target if dest_kind == "link" else tmp_path / "nowhere")
+        (tmp_path / f".{dest.name}.old-mine.tmp").mkdir()  # not a name replace_dir uses: never touched
+        new = tmp_path / "new"
+        new.mkdir()
+        (new / "g").write_text("new")
+        replace_dir(new, dest)
+        assert not dest.is_symlink() and (dest / "g").read_text() == "new"
+        assert (tmp_path / f".{dest.name}.old-mine.tmp").is_dir()
+    assert (target / "f").read_text() == "kept"
+
+
+VERIFIER_DRIVER = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from common.export import verify_export_subprocess
+try:
+    verify_export_subprocess(Path({export!r}), Path({reference!r}))
+except KeyboardInterrupt:  # the parent lives on: the verifier must be gone all the same
+    print("interrupted", flush=True)
+    import time
+    time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("sig_name", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name):
+    """The export check's verifier (`python -m common.export verify`, in a process of its own) is stopped with the
+    process that started it: SIGKILL or SIGTERM to that process (no Python cleanup runs) or Ctrl-C (the parent
+    lives on). Before, a killed run left the verifier running. The verifier is held inside its imports by a
+    `transformers` on PYTHONPATH that records its pid and sleeps: a fixture, nothing of the stack replaced."""
+    import signal
+    import time
+
+    import psutil
+
+    from conftest import ROOT, script_env, sigint_as_in_a_terminal
+
+    sig = getattr(signal, sig_name)
+    shadow = tmp_path / "shadow" / "transformers"
+    shadow.mkdir(parents=True)
+    pid_file = tmp_path / "verifier.pid"
+    (shadow / "__init__.py").write_text(
+        f"import os, time\nopen({str(pid_file) + '.tmp'!r}, 'w').write(str(os.getpid()))\n"
+        f"os.replace({str(pid_file) + '.tmp'!r}, {str(pid_file)!r})\ntime.sleep(600)\n")
+    reference = tmp_path / "run" / "export_reference.safetensors"
+    reference.parent.mkdir()
+    reference.write_bytes(b"")  # never read: the verifier waits in its imports
+    env = script_env()
+    env["PYTHONPATH"] = str(tmp_path / "shadow")
+    driver = subprocess.Popen([sys.executable, "-c", VERIFIER_DRIVER.format(
+        root=str(ROOT), export=str(prepared_assets["tiny_qwen3"]), reference=str(reference))],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
+    verifier = None
+    try:
+        deadline = time.monotonic() + 300
+        while not pid_file.exists():
+            assert driver.poll() is None, driver.communicate()
+            assert time.monotonic() < deadline, "the verifier did not start"
+            time.sleep(0.1)
+        verifier = int(pid_file.read_text())
+        assert psutil.Process(verifier).ppid() == driver.pid
+        driver.send_signal(sig)
+        if sig == signal.SIGINT:
+            assert driver.stdout.readline().strip() == "interrupted"
+        deadline = time.monotonic() + 60
+        while _running(verifier) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(verifier), f"the verifier outlived {sig_name} to its parent"
+        if sig == signal.SIGINT:
+            assert driver.poll() is None  # it was the parent that stopped it, not its parent's end
+    finally:
+        driver.kill()
+        driver.communicate()
+        if verifier is not None and _running(verifier):
+            psutil.Process(verifier).kill()

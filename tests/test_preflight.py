@@ -235,3 +235,57 @@ def test_the_table_names_which_nkilib_is_imported(tmp_path, installed):
     owner = "nki-library 2.33.0" if installed else "no installed distribution: a folder on the path"
     assert f"{tmp_path / 'nkilib'} ({owner})" in row and row.split()[-3:] == ["info", "train_moe_nki.py",
                                                                                 "rope_parity.py"], row
+
+
+@pytest.mark.parametrize("package, init, row, needle", [
+    ("torchtitan", "import sys\nsys.exit(0)\n", "import torchtitan ", "import torchtitan: the import called sys.exit(0)"),
+    ("transformers", "import sys\nsys.exit(0)\n", "transformers:AutoConfig ",
+     "transformers:AutoConfig AutoModelForCausalLM AutoTokenizer Qwen3Config Qwen3ForCausalLM Qwen3MoeForCausalLM: "
+     "the import called sys.exit(0)"),
+    ("torchtitan", "raise ValueError('not this torchtitan')\n", "import torchtitan ",
+     "import torchtitan: ValueError: not this torchtitan"),
+], ids=["torchtitan-sys-exit", "transformers-sys-exit", "torchtitan-value-error"])
+def test_a_shadow_package_that_exits_or_raises_at_import_is_an_error_row(tmp_path, package, init, row, needle):
+    """A package on PYTHONPATH whose __init__ calls sys.exit(0), or raises what an import does not usually raise:
+    the preflight could not check what it imports, so those rows are ERROR and the run is not a pass (before: no
+    output and exit 0, or a traceback)."""
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text(init)
+    proc = _preflight("--target", "cpu", pythonpath=str(tmp_path))
+    line = _error_line(proc)
+    assert needle in line, line
+    assert "checks passed" not in proc.stdout
+    rows = [r for r in proc.stdout.splitlines() if r.startswith(row)]
+    assert len(rows) == 1 and " ERROR " in rows[0], proc.stdout
+
+
+def _preflight_with_requirements(tmp_path, content: bytes | None) -> subprocess.CompletedProcess:
+    """The preflight run from a copy of common/ beside a requirements.txt holding `content` (None: a folder of that
+    name), with nothing of the repository on the path: it reads the requirements.txt beside its package."""
+    import shutil
+
+    shutil.copytree(ROOT / "common", tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    req = tmp_path / "requirements.txt"
+    if content is None:
+        req.mkdir()
+    else:
+        req.write_bytes(content)
+    env = script_env()
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-m", "common.preflight", "--target", "cpu"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"torch==2.14.1\n\xff\xfe\x00garbage==1\n", "requirements.txt: is not UTF-8 text (byte 14)"),
+    (b"torch==2.14.1\nfoo ==\n", "requirements.txt: line 2 is not a requirement pip reads: 'foo =='"),
+    (None, "requirements.txt: cannot be read (Is a directory)"),
+], ids=["bad-bytes", "pin-without-a-version", "a-folder"])
+def test_a_requirements_txt_that_cannot_be_read_is_an_error_row(tmp_path, content, needle):
+    """requirements.txt is where the CPU stack's tested versions come from: one that cannot be read or parsed is an
+    ERROR row naming it, not a pass without version rows and not a traceback."""
+    proc = _preflight_with_requirements(tmp_path, content)
+    line = _error_line(proc)
+    assert needle in line, line
+    assert "checks passed" not in proc.stdout
+    assert any(r.startswith("requirements.txt ") and " ERROR " in r for r in proc.stdout.splitlines()), proc.stdout
