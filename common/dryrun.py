@@ -226,3 +226,25 @@ def check_fits(shape: dict, *, local_batch: int, seq_len: int, dtype: str, world
                         f"optimizer state {state / GIB:.1f} GiB, activations {acts / GIB:.1f} GiB for --local_batch_size "
                         f"{local_batch} x --seq_len {seq_len}) and {where} is {limit / GIB:.1f} GiB: lower them, or "
                         "see --dry_run")
+
+
+def project(cfg, tc, shape: dict, world_size: int) -> dict | None:
+    """With --assumed_mfu: the full run's time (and with --price_per_hour its cost) from its FLOPs, at that MFU of
+    the target's peak (--peak_tflops, or trn2's 158 TFLOPS a logical core for --device neuron); printed."""
+    if not getattr(cfg, "assumed_mfu", None):
+        return None
+    from common import pilot
+
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else pilot.TRN2_PEAK if cfg.device == "neuron" else None
+    if peak is None:
+        raise UserError(f"--assumed_mfu needs --peak_tflops for --device {cfg.device} (trn2's peak is known: "
+                        "--device neuron)")
+    batch = tc.training.global_batch_size
+    batch = batch if batch > 0 else tc.training.local_batch_size * world_size
+    p = pilot.project(steps=cfg.steps, tokens_per_step=batch * tc.training.seq_len,
+                      flops=pilot.flops_per_token(shape, tc.training.seq_len), world_size=world_size, peak=peak,
+                      mfu=cfg.assumed_mfu, price_per_hour=cfg.price_per_hour)
+    print(f"[plan] {p['steps']} steps x {p['tokens_per_step']:,} tokens x {p['flops_per_token'] / 1e9:.2f} GFLOP/token "
+          f"at MFU {p['assumed_mfu']:g} of {world_size} x {peak / 1e12:.0f} TFLOPS: {p['seconds'] / 60:.1f} min"
+          + (f", {p['cost']:.2f} at {p['price_per_hour']:g}/h" if p["cost"] is not None else ""), flush=True)
+    return p

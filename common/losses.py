@@ -1,7 +1,7 @@
 """A training run's loss curve and its closing results: the losses torchtitan's MetricsProcessor logs
 (`LossRecorder`, never scraped from log lines), losses.jsonl across resumes, loss.png, the comparison
 with reference losses (`--compare_losses`) and `finish_run` (results.json, the error line of a failed
-check).
+check). loss.png also shows results.json's `eval_losses` (the held-out loss of `--eval_every`), dashed.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from common.results import atomic_path, atomic_write_text, write_results
 
 
 def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
-                steps: list[int] | None = None) -> Path | None:
-    """A PNG of loss per step (`steps`: their numbers, default 1..N), written atomically.
+                steps: list[int] | None = None, held_out: list[dict] | None = None) -> Path | None:
+    """A PNG of loss per step (`steps`: their numbers, default 1..N), written atomically; `held_out`
+    ([{"step", "loss"}], common.evaluation.EvalRecorder.rows()) adds the held-out loss as a dashed line.
     Returns None when there is nothing to plot."""
     if not losses:
         return None
@@ -29,7 +30,11 @@ def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(steps or range(1, len(losses) + 1), losses, marker="o")
+    ax.plot(steps or range(1, len(losses) + 1), losses, marker="o", label="training")
+    if held_out:
+        ax.plot([r["step"] for r in held_out], [r["loss"] for r in held_out], linestyle="--", marker="s",
+                label="held-out")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
@@ -94,7 +99,8 @@ def finish_run(results: dict, history: dict, *, compare_with: str | None, tolera
             print(format_loss_comparison(results["loss_comparison"]), flush=True)
     if not is_main:
         return None
-    plot_losses(Path(out_dir) / "loss.png", history["losses"], title, steps=history["steps"])
+    plot_losses(Path(out_dir) / "loss.png", history["losses"], title, steps=history["steps"],
+                held_out=results.get("eval_losses"))
     path = write_results(out_dir, results)
     failed = []
     if results.get("export_check") and not results["export_check"].get("passed"):

@@ -47,6 +47,9 @@ torchtitan.config:override | target fqns exact description @ native hf moe rope
 torchtitan.config:derive apply_overrides @ native hf moe rope
 torchtitan.config.override:OverrideConfig | imports @ native hf moe rope
 torchtitan.trainer:Trainer.Config @ native hf moe
+torchtitan.hf_datasets:DatasetConfig | path loader sample_processor @ native hf moe
+torchtitan.hf_datasets.text_datasets:DATASETS _process_c4_text @ native hf moe
+torchtitan.components.metrics:MetricsProcessor.log_validation | loss step @ native hf moe
 torchtitan.components.optimizer:default_adamw | lr @ native hf moe
 torchtitan.distributed:ParallelDims @ native hf moe
 torchtitan.distributed.activation_checkpoint:FullAC @ native hf moe
@@ -88,7 +91,8 @@ nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE @ moe
 # absence is reported, not an error.
 CONFIG_FIELDS = """
 torchtitan.trainer:Trainer.Config hf_assets_path dump_folder model_spec optimizer loss dataloader checkpoint training
-    lr_scheduler debug metrics parallelism override compile activation_checkpoint @ native hf moe
+    lr_scheduler debug metrics parallelism override compile activation_checkpoint validator @ native hf moe
+torchtitan.components.validate:Validator.Config enable freq steps dataloader @ native hf moe
 torchtitan.config.configs:TrainingConfig steps local_batch_size global_batch_size seq_len mixed_precision_param
     @ native hf moe
 torchtitan.config.configs:TrainingConfig disable_cuda_graphs? @ native hf moe

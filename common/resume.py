@@ -35,7 +35,8 @@ TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its n
 # Flags a resume may change: they do not change what the next step computes.
 MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "export_tolerance", "compare_losses",
               "loss_tolerance", "load_check", "time_limit", "stop_margin_s", "nproc_per_node", "oversubscribe",
-              "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib"}
+              "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "tensorboard",
+              "peak_tflops", "price_per_hour", "assumed_mfu"}
 
 
 def parse_time_limit(text: str | None, now: float | None = None) -> float | None:

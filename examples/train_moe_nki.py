@@ -2,6 +2,7 @@
 #   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
 #   common/losses.py common/launcher.py common/resume.py common/checkpoint.py common/export.py
 #   common/torchtitan_fixes.py common/dryrun.py common/preflight.py
+#   common/evaluation.py common/pilot.py
 #   common/kernels/ (the whole folder: the RoPE and grouped-expert ops, their NKI branches, registry entries)
 """Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
 
@@ -46,11 +47,12 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, dryrun, export, launcher, paths, resume  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, launcher, paths, pilot, resume  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.losses import LossRecorder, finish_run, read_reference_losses  # noqa: E402
-from common.results import versions  # noqa: E402
+from common.evaluation import EvalRecorder, apply_eval_settings, eval_dataset  # noqa: E402
+from common.results import check_outputs, versions  # noqa: E402
 
 # Qwen3-30B-A3B as published (config.json of Qwen/Qwen3-30B-A3B): the shape every preset cuts from.
 QWEN3_30B_A3B = {
@@ -112,6 +114,11 @@ class Config:
         "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
     dataset_path: str | None = field(
         default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    eval_every: int = field(default=0, metadata={
+        "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on data training never "
+                "reads: the corpus's validation.jsonl, a folder's validation split, else c4_validation from the Hub"})
+    eval_steps: int = field(default=4, metadata={
+        "help": "with --eval_every: batches of held-out data per evaluation (--local_batch_size sequences a rank)"})
     hf_assets: str | None = field(
         default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
     export: bool = field(default=True, metadata={
@@ -131,6 +138,16 @@ class Config:
     dry_run: bool = field(default=False, metadata={
         "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
                 "per-rank memory"})
+    peak_tflops: float | None = field(default=None, metadata={
+        "help": "peak TFLOPS of one device for MFU (default: torchtitan's table for an accelerator, a matmul "
+                "measured in this process on CPU)"})
+    price_per_hour: float | None = field(default=None, metadata={
+        "help": "what this run's hardware costs per hour (all nodes): results.json gets the run's cost and the cost "
+                "per million tokens; with --dry_run and --assumed_mfu, the full run's"})
+    assumed_mfu: float | None = field(default=None, metadata={
+        "help": "with --dry_run: project the full run's time (and cost) at this MFU (a fraction, 0.3) of the peak"})
+    tensorboard: bool = field(default=False, metadata={
+        "help": "torchtitan's TensorBoard logging into OUT_DIR/tb (loss, grad norm, memory, throughput, MFU)"})
     dry_run_ranks: int = field(
         default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
     per_core_gib: float = field(
@@ -138,8 +155,10 @@ class Config:
 
     def validate(self) -> None:
         cli.require(self, positive=("steps", "num_layers", "num_experts", "top_k", "local_batch_size", "seq_len",
-                                    "nproc_per_node", "loss_tolerance", "dry_run_ranks", "per_core_gib", "lnc"),
-                    non_negative=("lr", "warmup_steps", "checkpoint_every", "stop_margin_s", "load_balance_coeff"))
+                                    "nproc_per_node", "loss_tolerance", "dry_run_ranks", "per_core_gib", "lnc",
+                                    "eval_steps"),
+                    non_negative=("lr", "warmup_steps", "checkpoint_every", "stop_margin_s", "load_balance_coeff",
+                                  "eval_every"))
         if self.top_k > self.num_experts:
             raise UserError(f"--top_k {self.top_k} is larger than --num_experts {self.num_experts}")
         if self.num_experts > MAX_EXPERTS:
@@ -195,6 +214,8 @@ def preflight(cfg: Config) -> dict:
         require_stack("trn2", "moe", wrap_nki=NKI_LAUNCH == "wrap_nki")
     device_type = device.resolve_device_type(cfg.device)
     found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
+    if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
+        eval_dataset(found["dataset"])
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
@@ -241,6 +262,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
 
     tc.hf_assets_path = str(out_dir / "hf_assets")  # staged by train(): the tokenizer
     tc.dump_folder = str(out_dir)
+    pilot.apply_metrics_settings(tc, cfg.tensorboard)
     if "dataset" in found:  # a dry run reads no data
         tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
 
@@ -262,6 +284,8 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
                                      dtype=cfg.dtype)
 
     notes = torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)
+    if note := apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset")):  # the validator
+        notes.append(note)
     return tc, notes
 
 
@@ -275,22 +299,25 @@ def replaced_modules(tc) -> list[str]:
                   for fqn, node, _p, _a in tc.traverse(cls) if type(node) is cls)
 
 
-def dry_run(cfg: Config, out_dir: Path) -> dict:
-    """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training."""
+def dry_run(cfg: Config, out_dir: Path, ranks: int | None = None) -> dict:
+    """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training. With `ranks`:
+    the plan alone for that many (a training run's planned memory), nothing written."""
     import torch
 
     device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
-    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.dry_run_ranks)
     tc, _notes = build_trainer_config(cfg, target, out_dir, {})
     shape = model_shape(cfg)
     published = PUBLISHED_PARAMS if shape == QWEN3_30B_A3B else None  # the full model only
-    r = dryrun.dry_run(tc, shape=shape, world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+    r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
                        published_params=published,
                        label=f"{cfg.preset} ({shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
                              f"top_k {shape['num_experts_per_tok']})")
-    return dryrun.finish(r, out_dir=out_dir,
-                         results={"script": "train_moe_nki.py", "config": cfg, "model_shape": shape},
-                         per_core_gib=cfg.per_core_gib)
+    if ranks:
+        return r
+    return dryrun.finish(r, out_dir=out_dir, per_core_gib=cfg.per_core_gib, results={
+        "script": "train_moe_nki.py", "config": cfg, "model_shape": shape,
+        "projection": dryrun.project(cfg, tc, shape, cfg.dry_run_ranks)})
 
 
 def main(cfg: Config) -> dict:
@@ -303,6 +330,7 @@ def main(cfg: Config) -> dict:
     world_size = launcher.planned_world_size(cfg.nproc_per_node)
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     export.check_replaceable(out_dir)
+    check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
     launch = cfg.nproc_per_node > 1 and not launcher.under_launcher()
     if launch:  # before the inputs' sizing, which shares this host's memory among the processes
         launcher.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
@@ -316,6 +344,9 @@ def main(cfg: Config) -> dict:
         launcher.die_with_parent()
     stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
+    if launcher.is_rank_zero():  # the dry run's memory for this very configuration, beside the measured peak
+        found["planned_gib"] = pilot.planned_gib_in_a_child(
+            lambda: dry_run(cfg, out_dir, ranks=world_size)["total_bytes"], device.resolve_device_type(cfg.device))
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         results = train(cfg, dev, out_dir, found, stop)
@@ -354,12 +385,21 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict, stop:
     log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
+    evals = EvalRecorder().attach(trainer)  # the validator's held-out losses (--eval_every)
     stop.attach(trainer, dev.device, export=cfg.export)
+    shape = checkpoint.hf_config_from_qwen3(tc.model_spec.model)
+    flops, peak = pilot.flops_per_token(shape, cfg.seq_len), pilot.peak_flops(dev.device_type, cfg.dtype,
+                                                                               cfg.peak_tflops)
+    pilot.use_in_torchtitan(trainer, flops, peak)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     history = rec.history()  # the whole curve, steps before a resume included
     stopped = stop.stopped(out_dir)
+    report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=peak,
+                          memory=pilot.peak_memory(dev.device_type, dev.device),
+                          planned_gib=found.get("planned_gib"), price_per_hour=cfg.price_per_hour)
+    log(pilot.format_line(report))
 
     load = torch.tensor(moe_module.expert_load(trainer.model_parts[0]) or [0], dtype=torch.int64)
     torch.distributed.all_reduce(load)  # every rank routed its own tokens
@@ -370,12 +410,12 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict, stop:
         "device": dev.device_type, "world_size": dev.world_size, "model_shape": model_shape(cfg),
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
-        "history": history, "load_check": load_check or None,
+        "history": history, "eval_losses": evals.rows(), "load_check": load_check or None,
         "train_seconds": train_s, "replacements": replacements,
         "expert_load": load.tolist() if not cfg.stock else None,
         "routing_bias": {"load_balance_coeff": cfg.load_balance_coeff or None, "exported": False,
                          "expert_bias_max_abs": max((float(b.abs().max()) for b in bias), default=0.0)},
-        "export_dir": None, "export_check": None, "stopped": stopped,
+        "export_dir": None, "export_check": None, "stopped": stopped, **report,
     }
     if cfg.export and not stopped:
         hf_cfg = checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)

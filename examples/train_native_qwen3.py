@@ -2,6 +2,7 @@
 #   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
 #   common/losses.py common/launcher.py common/resume.py common/checkpoint.py common/export.py
 #   common/torchtitan_fixes.py common/dryrun.py common/preflight.py
+#   common/evaluation.py common/pilot.py
 """Train torchtitan's own Qwen3, chosen through `config.model_spec`, and export HF safetensors.
 
 The second path of the AWS guide: start from torchtitan's `qwen3_32b` builder (torchtitan
@@ -37,11 +38,12 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, dryrun, export, launcher, paths, resume  # noqa: E402
+from common import checkpoint, cli, device, dryrun, export, launcher, paths, pilot, resume  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.preflight import require_stack, wants_neuron  # noqa: E402
 from common.losses import LossRecorder, finish_run, read_reference_losses  # noqa: E402
-from common.results import versions  # noqa: E402
+from common.evaluation import EvalRecorder, apply_eval_settings, eval_dataset  # noqa: E402
+from common.results import check_outputs, versions  # noqa: E402
 
 
 @dataclass
@@ -67,6 +69,11 @@ class Config:
         "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
     dataset_path: str | None = field(
         default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    eval_every: int = field(default=0, metadata={
+        "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on data training never "
+                "reads: the corpus's validation.jsonl, a folder's validation split, else c4_validation from the Hub"})
+    eval_steps: int = field(default=4, metadata={
+        "help": "with --eval_every: batches of held-out data per evaluation (--local_batch_size sequences a rank)"})
     hf_assets: str | None = field(
         default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
     hf_checkpoint: str | None = field(default=None, metadata={
@@ -99,6 +106,16 @@ class Config:
     dry_run: bool = field(default=False, metadata={
         "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
                 "per-rank memory"})
+    peak_tflops: float | None = field(default=None, metadata={
+        "help": "peak TFLOPS of one device for MFU (default: torchtitan's table for an accelerator, a matmul "
+                "measured in this process on CPU)"})
+    price_per_hour: float | None = field(default=None, metadata={
+        "help": "what this run's hardware costs per hour (all nodes): results.json gets the run's cost and the cost "
+                "per million tokens; with --dry_run and --assumed_mfu, the full run's"})
+    assumed_mfu: float | None = field(default=None, metadata={
+        "help": "with --dry_run: project the full run's time (and cost) at this MFU (a fraction, 0.3) of the peak"})
+    tensorboard: bool = field(default=False, metadata={
+        "help": "torchtitan's TensorBoard logging into OUT_DIR/tb (loss, grad norm, memory, throughput, MFU)"})
     dry_run_ranks: int = field(
         default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
     per_core_gib: float = field(
@@ -106,8 +123,8 @@ class Config:
 
     def validate(self) -> None:
         cli.require(self, positive=("steps", "local_batch_size", "seq_len", "nproc_per_node", "loss_tolerance",
-                                    "dry_run_ranks", "per_core_gib", "lnc"),
-                    non_negative=("lr", "warmup_steps", "checkpoint_every", "stop_margin_s"))
+                                    "dry_run_ranks", "per_core_gib", "lnc", "eval_steps"),
+                    non_negative=("lr", "warmup_steps", "checkpoint_every", "stop_margin_s", "eval_every"))
         if self.export_tolerance is None:
             self.export_tolerance = EXPORT_TOLERANCE[self.dtype]
         cli.require(self, positive=("export_tolerance",))
@@ -141,6 +158,8 @@ def preflight(cfg: Config) -> dict:
     if cfg.attn_backend == "flex" and device_type != "cuda":
         raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")
     found = {"dataset": paths.training_dataset(cfg.dataset, cfg.dataset_path)}
+    if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
+        eval_dataset(found["dataset"])
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
@@ -185,6 +204,7 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
     ckpt = Path(cfg.hf_checkpoint).resolve() if cfg.hf_checkpoint else None
     tc.hf_assets_path = str(out_dir / "hf_assets")  # staged by train(): tokenizer (+ checkpoint config)
     tc.dump_folder = str(out_dir)
+    pilot.apply_metrics_settings(tc, cfg.tensorboard)
     if "dataset" in found:  # a dry run reads no data
         tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
 
@@ -202,27 +222,33 @@ def build_trainer_config(cfg: Config, dev: device.DeviceInfo, out_dir: Path, fou
                                     initial_hf=ckpt, dtype=cfg.dtype)
 
     notes = torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
+    if note := apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset")):  # the validator
+        notes.append(note)
     changed = torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend)
     if changed:
         notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
     return tc, notes
 
 
-def dry_run(cfg: Config, out_dir: Path) -> dict:
-    """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training."""
+def dry_run(cfg: Config, out_dir: Path, ranks: int | None = None) -> dict:
+    """Size the preset at --dry_run_ranks ranks on this machine (common/dryrun.py); no training. With `ranks`:
+    the plan alone for that many (a training run's planned memory), nothing written."""
     import torch
 
     device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
     found = {"hf_config": checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)} \
         if cfg.hf_checkpoint else {}
-    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.dry_run_ranks)
     tc, _notes = build_trainer_config(cfg, target, out_dir, found)
-    r = dryrun.dry_run(tc, shape=checkpoint.hf_config_from_qwen3(tc.model_spec.model),
-                       world_size=cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+    shape = checkpoint.hf_config_from_qwen3(tc.model_spec.model)
+    r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
                        published_params=None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor),
                        label=f"{cfg.preset} (Qwen3 {cfg.flavor})")
-    return dryrun.finish(r, out_dir=out_dir, results={"script": "train_native_qwen3.py", "config": cfg},
-                         per_core_gib=cfg.per_core_gib)
+    if ranks:
+        return r
+    return dryrun.finish(r, out_dir=out_dir, per_core_gib=cfg.per_core_gib, results={
+        "script": "train_native_qwen3.py", "config": cfg,
+        "projection": dryrun.project(cfg, tc, shape, cfg.dry_run_ranks)})
 
 
 def main(cfg: Config) -> dict:
@@ -235,6 +261,7 @@ def main(cfg: Config) -> dict:
     world_size = launcher.planned_world_size(cfg.nproc_per_node)
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     export.check_replaceable(out_dir)
+    check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
     launch = cfg.nproc_per_node > 1 and not launcher.under_launcher()
     if launch:  # before the inputs' sizing, which shares this host's memory among the processes
         launcher.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
@@ -248,6 +275,9 @@ def main(cfg: Config) -> dict:
         launcher.die_with_parent()
     stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
+    if launcher.is_rank_zero():  # the dry run's memory for this very configuration, beside the measured peak
+        found["planned_gib"] = pilot.planned_gib_in_a_child(
+            lambda: dry_run(cfg, out_dir, ranks=world_size)["total_bytes"], device.resolve_device_type(cfg.device))
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         results = train(cfg, dev, out_dir, found, stop)
@@ -283,20 +313,29 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict, stop:
                                               is_main=dev.is_main, built_config=built)
     rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
     rec.attach(trainer)
+    evals = EvalRecorder().attach(trainer)  # the validator's held-out losses (--eval_every)
     stop.attach(trainer, dev.device, export=cfg.export)
+    shape = checkpoint.hf_config_from_qwen3(tc.model_spec.model)
+    flops, peak = pilot.flops_per_token(shape, cfg.seq_len), pilot.peak_flops(dev.device_type, cfg.dtype,
+                                                                               cfg.peak_tflops)
+    pilot.use_in_torchtitan(trainer, flops, peak)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
     history = rec.history()  # the whole curve, steps before a resume included
     stopped = stop.stopped(out_dir)
+    report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=peak,
+                          memory=pilot.peak_memory(dev.device_type, dev.device),
+                          planned_gib=found.get("planned_gib"), price_per_hour=cfg.price_per_hour)
+    log(pilot.format_line(report))
 
     results = {
         "script": "train_native_qwen3.py", "config": cfg, "versions": versions(),
         "device": dev.device_type, "world_size": dev.world_size,
         "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "grad_norms": rec.grad_norms, "tokens_per_s": rec.tokens_per_s(),
-        "history": history, "load_check": load_check or None,
-        "train_seconds": train_s, "export_dir": None, "export_check": None, "stopped": stopped,
+        "history": history, "eval_losses": evals.rows(), "load_check": load_check or None,
+        "train_seconds": train_s, "export_dir": None, "export_check": None, "stopped": stopped, **report,
     }
     if cfg.export and not stopped:
         hf_cfg = checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=tc.checkpoint.export_dtype)

@@ -323,3 +323,21 @@ def test_the_trn2_asset_step_needs_only_what_requirements_trn2_installs() -> Non
     assert names == ["tokenizer", "tiny_qwen3"]
     doc = (ROOT / "docs" / "first-hour-trn2.md").read_text()
     assert "python -m tools.prepare_assets prepare --only trn2" in doc
+
+
+def test_corpus_holds_whole_documents_out_of_train_jsonl(corpus_path: Path) -> None:
+    """validation.jsonl (the held-out text of --eval_every): the last documents of each half of the corpus, none
+    of them in train.jsonl; `datasets` names the splits after the files, so torchtitan's c4_test loader
+    (`load_dataset(folder, split="train")`) reads train.jsonl alone."""
+    import datasets
+
+    def texts(name: str) -> list[str]:
+        return [json.loads(line)["text"] for line in (corpus_path / name).read_text(encoding="utf-8").splitlines()]
+
+    train, held_out = texts("train.jsonl"), texts("validation.jsonl")
+    assert datasets.load_dataset(str(corpus_path), split="train")["text"] == train
+    assert datasets.load_dataset(str(corpus_path), split="validation")["text"] == held_out
+    assert not set(train) & set(held_out)
+    source = json.loads((corpus_path / paths.MANIFEST).read_text())["source"]
+    assert (source["documents"], source["held_out_documents"]) == (len(train), len(held_out))
+    assert len(held_out) == 2 * assets.CORPUS_HELD_OUT_PER_HALF  # 3% of the documents

@@ -210,11 +210,12 @@ def test_bad_input_unknown_preset_and_flag(tmp_path):
     proc = run_example(SCRIPT, "--init", "warm", check=False)
     assert_clean_error(proc, "--init")
     # the trn2 preset before its weights are downloaded
-    proc = run_example(SCRIPT, "--preset", "qwen3_4b_instruct", "--dataset_path", str(tmp_path),
+    (tmp_path / "data").mkdir()
+    proc = run_example(SCRIPT, "--preset", "qwen3_4b_instruct", "--dataset_path", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "o"), check=False)
     assert_clean_error(proc, "the trn2 stack is not usable", "torch-neuronx")  # the preflight, first
-    proc = run_example(SCRIPT, "--preset", "qwen3_4b_instruct", "--device", "cpu", "--dataset_path", str(tmp_path),
-                       "--out_dir", str(tmp_path / "o"), check=False)
+    proc = run_example(SCRIPT, "--preset", "qwen3_4b_instruct", "--device", "cpu", "--dataset_path",
+                       str(tmp_path / "data"), "--out_dir", str(tmp_path / "o"), check=False)
     assert_clean_error(proc, "Qwen/Qwen3-4B-Instruct-2507")
 
 

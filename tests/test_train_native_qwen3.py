@@ -141,7 +141,7 @@ def test_compare_losses_reports_the_first_differing_step(tiny_run, tmp_path):
 def test_compare_losses_bad_reference(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    assert_clean_error(run_example(SCRIPT, "--out_dir", str(tmp_path), "--compare_losses", str(bad), check=False),
+    assert_clean_error(run_example(SCRIPT, "--out_dir", str(tmp_path / "o"), "--compare_losses", str(bad), check=False),
                        "not a JSON file with a 'losses' list")
 
 

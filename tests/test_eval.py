@@ -1,0 +1,145 @@
+"""Held-out loss during training (`--eval_every N --eval_steps K`, common/evaluation.py): torchtitan's own
+Validator on data the training stream never holds, its losses in results.json's `eval_losses` and loss.png."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from common import evaluation
+from common.errors import UserError
+from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, run_example
+
+STEPS, EVAL_EVERY, EVAL_STEPS, LOCAL_BATCH, SEQ_LEN = 10, 2, 2, 2, 128  # the tiny preset's batch and length
+WINDOW = 32  # tokens: a held-out window found in the training stream is a leak
+MIN_PIECE = 40  # characters: a held-out paragraph (piece) this long found in the training text is a leak
+
+
+@pytest.fixture(scope="module")
+def native_eval(tmp_path_factory, prepared_assets):
+    out = tmp_path_factory.mktemp("native_eval")
+    proc = run_example("train_native_qwen3.py", "--steps", str(STEPS), "--eval_every", str(EVAL_EVERY),
+                       "--eval_steps", str(EVAL_STEPS), "--no-export", "--out_dir", str(out))
+    return out, json.loads((out / "results.json").read_text()), proc.stdout + proc.stderr
+
+
+def test_held_out_loss_at_step_1_and_every_n_steps_and_it_falls(native_eval):
+    out, res, log = native_eval
+    evals = res["eval_losses"]
+    assert [r["step"] for r in evals] == [1, 2, 4, 6, 8, 10]  # torchtitan validates at step 1 and every freq
+    losses = [r["loss"] for r in evals]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0] - 0.3, losses  # measured 11.92 -> 11.11
+    # the numbers are torchtitan's own: its "validate step" log lines print them (4 decimals)
+    logged = [(int(s), float(x)) for s, x in
+              re.findall(r"validate step:\s*(\d+)\s.*?loss:\s*([\d.]+)", re.sub(r"\x1b\[[0-9;]*m", "", log))]
+    assert [s for s, _ in logged] == [r["step"] for r in evals]
+    assert all(abs(x - r["loss"]) < 1e-4 for (_, x), r in zip(logged, evals)), (logged, evals)
+    # validating changes nothing in training: the training losses are the golden ones of the run without it
+    golden = json.loads((GOLDEN_DIR / "train_native_qwen3.tiny.json").read_text())["losses"]
+    assert max(abs(a - b) for a, b in zip(res["losses"], golden)) <= GOLDEN_TOL
+    assert (out / "loss.png").stat().st_size > 1000
+
+
+def test_off_by_default(shared_run):
+    _, res = shared_run("native_tiny")  # no --eval_every
+    assert res["eval_losses"] == []
+
+
+def _texts(loader, folder: str) -> list[str]:
+    return [row["text"] for row in loader(folder)]
+
+
+def leaks(folder: str, tokenizer_dir: Path, *, steps: int = STEPS, eval_steps: int = EVAL_STEPS) -> list[str]:
+    """Where the held-out data of `folder` (what the validator reads) occurs in its training data: texts read with
+    torchtitan's own dataset loaders (c4_test's for training, the validator's), then the token streams torchtitan's
+    text dataset yields for `steps` training steps and one validation of `eval_steps` batches."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
+
+    evaluation.register_local_validation()
+    train = _texts(DATASETS["c4_test"].loader, folder)
+    held_out = _texts(DATASETS[evaluation.LOCAL_VALIDATION].loader, folder)
+    found = [f"held-out document {i} is a training document" for i, t in enumerate(held_out) if t in set(train)]
+    joined = "\n".join(train)
+    found += [f"held-out text {piece[:50]!r}... is in the training text" for doc in held_out
+              for piece in doc.split("\n") if len(piece) >= MIN_PIECE and piece in joined]
+
+    tok = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_dir))
+
+    def stream(name: str, samples: int) -> list[list[int]]:
+        ds = iter(HuggingFaceTextDataset(name, folder, tok, seq_len=SEQ_LEN, infinite=True))
+        return [next(ds)[0]["input"].tolist() for _ in range(samples)]
+
+    seen = {tuple(s[i:i + WINDOW]) for s in stream("c4_test", steps * LOCAL_BATCH) for i in range(SEQ_LEN - WINDOW + 1)}
+    validated = stream(evaluation.LOCAL_VALIDATION, eval_steps * LOCAL_BATCH)
+    found += [f"validation sample {n} shares {WINDOW} tokens with the training stream" for n, s in enumerate(validated)
+              if any(tuple(s[i:i + WINDOW]) in seen for i in range(SEQ_LEN - WINDOW + 1))]
+    first = tok.decode(validated[0][1:64])  # after the document's first token: the decoded prefix of held-out text
+    if first not in "\n".join(held_out):
+        found.append(f"the validator's first sample {first[:60]!r} is not held-out text")
+    return found
+
+
+def test_held_out_texts_never_occur_in_the_training_stream(native_eval, prepared_assets):
+    out, res, log = native_eval
+    folder = json.loads((out / "checkpoint" / "run.json").read_text())["dataset"][1]  # what the run trained on
+    assert f"the validation split of {folder}" in log  # what its validator read
+    assert leaks(folder, prepared_assets["tokenizer"]) == []
+
+
+def test_the_leak_check_catches_held_out_data_that_training_reads(tmp_path, prepared_assets):
+    """The check above fails when the held-out file is the training file, or shares one document with it."""
+    corpus = prepared_assets["corpus"]
+    same = tmp_path / "same"
+    same.mkdir()
+    shutil.copy(corpus / "train.jsonl", same / "train.jsonl")
+    shutil.copy(corpus / "train.jsonl", same / "validation.jsonl")
+    found = leaks(str(same), prepared_assets["tokenizer"])
+    assert any("is a training document" in f for f in found) and any("tokens with the training" in f for f in found)
+
+    one = tmp_path / "one"
+    one.mkdir()
+    lines = (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (one / "train.jsonl").write_text("".join(lines[:300]), encoding="utf-8")
+    held = (corpus / "validation.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (one / "validation.jsonl").write_text("".join([*held[:5], lines[250]]), encoding="utf-8")
+    found = leaks(str(one), prepared_assets["tokenizer"], steps=1, eval_steps=1)
+    assert found and all("held-out document 5 " in f or "is in the training text" in f for f in found), found
+
+
+@pytest.mark.parametrize("script", ["train_hf_backend.py", "train_moe_nki.py"])
+def test_other_training_paths_record_the_held_out_loss(script, tmp_path, prepared_assets):
+    """2 steps validated at steps 1 and 2, the last step's validation before the export: the export and its check
+    (and the HF backend's tied-embedding check) see the model as training left it (EvalRecorder re-shards)."""
+    run_example(script, "--steps", "2", "--eval_every", "2", "--eval_steps", "1", "--out_dir", str(tmp_path))
+    res = json.loads((tmp_path / "results.json").read_text())
+    evals = res["eval_losses"]
+    assert [r["step"] for r in evals] == [1, 2]
+    assert evals[1]["loss"] < evals[0]["loss"], evals  # measured: HF 11.933 -> 11.868, MoE 11.925 -> 11.885
+    assert res["export_check"]["passed"] is True, res["export_check"]
+
+
+def test_bad_eval_flags_are_one_error_line(tmp_path):
+    assert_clean_error(run_example("train_native_qwen3.py", "--eval_every", "-1", "--out_dir", str(tmp_path),
+                                   check=False), "--eval_every must not be negative")
+    assert_clean_error(run_example("train_moe_nki.py", "--eval_every", "2", "--eval_steps", "0", "--out_dir",
+                                   str(tmp_path), check=False), "--eval_steps must be positive")
+
+
+def test_a_folder_without_a_validation_split_uses_c4_validation_from_the_hub(tmp_path, monkeypatch):
+    """torchtitan's c4_test folder holds data.json only: the validator streams torchtitan's own c4_validation
+    (allenai/c4) there, and refuses in one line when the Hub is off."""
+    (tmp_path / "data.json").write_text(json.dumps({"text": "one document"}) + "\n")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    assert evaluation.eval_dataset(("c4_test", str(tmp_path)))[:2] == ("c4_validation", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="has no validation split"):
+        evaluation.eval_dataset(("c4_test", str(tmp_path)))
+    (tmp_path / "validation.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
+    assert evaluation.eval_dataset(("c4_test", str(tmp_path)))[:2] == (evaluation.LOCAL_VALIDATION, str(tmp_path))

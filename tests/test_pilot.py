@@ -1,0 +1,99 @@
+"""The pilot fields every training script writes into results.json: timing (first step apart from the steady
+steps), FLOPs per token from the model's shape (the same for the HF backend and the native model), MFU against a
+stated peak, memory against the dry run's plan, cost; torchtitan's own TensorBoard logging; the dry run's
+projection of the full run."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import read_results, run_example
+
+PILOT = ("timing", "flops_per_token", "mfu", "peak_flops_per_device", "memory", "cost")
+
+
+def _check_pilot(r: dict, *, ranks: int = 1, priced: bool = False) -> None:
+    assert all(k in r for k in PILOT), sorted(set(PILOT) - set(r))
+    t = r["timing"]
+    assert t["first_step_s"] > t["steady_step_s"] > 0 and t["warmup_steps_excluded"] >= 1
+    assert t["compile_or_warmup_s"] == pytest.approx(t["first_step_s"] - t["steady_step_s"])
+    assert t["steady_tokens_per_s_per_rank"] == pytest.approx(t["steady_tokens_per_s"] / ranks)
+    peak = r["peak_flops_per_device"]
+    assert peak["value"] > 1e9 and peak["source"].startswith("measured:"), peak  # CPU: a matmul in the process
+    assert 0 < r["mfu"] < 1, r["mfu"]  # a fraction, and not torchtitan's 0.00% against an accelerator's peak
+    assert r["mfu"] == pytest.approx(r["flops_per_token"] * t["steady_tokens_per_s"] / (peak["value"] * ranks))
+    m = r["memory"]
+    assert len(m["peak_gib"]) == ranks and all(g > 0 for g in m["peak_gib"]) and m["measured_by"]
+    assert m["planned_gib"] > 0 and m["ratio"] == pytest.approx(max(m["peak_gib"]) / m["planned_gib"], rel=1e-3)
+    if priced:
+        c = r["cost"]
+        assert c["run_cost"] == pytest.approx(c["price_per_hour"] * c["run_hours"])
+        assert c["per_million_tokens"] == pytest.approx(c["price_per_hour"] / (t["steady_tokens_per_s"] * 3600) * 1e6)
+    else:
+        assert r["cost"] is None
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory, prepared_assets):
+    out = tmp_path_factory.mktemp("hf")
+    run_example("train_hf_backend.py", "--steps", "6", "--no-export", "--price_per_hour", "12.5", "--out_dir",
+                str(out))
+    return read_results(out)
+
+
+def test_native_pilot_fields(shared_run):
+    _check_pilot(shared_run("native_tiny")[1])
+    _check_pilot(shared_run("native_tiny_2_ranks")[1], ranks=2)
+
+
+def test_hf_backend_pilot_fields_and_the_same_flops_as_the_native_model(shared_run, hf_run):
+    """The same tiny Qwen3 counts the same FLOPs per token through torchtitan's Transformers backend and its own
+    model (torchtitan's own count for the backend is about a hundredth of it)."""
+    _check_pilot(hf_run, priced=True)
+    native = shared_run("native_tiny")[1]
+    assert hf_run["flops_per_token"] == pytest.approx(native["flops_per_token"], rel=0.01)
+    assert native["flops_per_token"] > 50e6  # 6 x ~9.8 M parameters a token passes through, plus attention
+
+
+def test_moe_pilot_fields_count_active_experts_only(tmp_path, prepared_assets):
+    out = tmp_path / "moe"
+    run_example("train_moe_nki.py", "--steps", "6", "--no-export", "--out_dir", str(out))
+    r = read_results(out)
+    _check_pilot(r)
+    from common.pilot import flops_per_token
+
+    shape, seq = r["model_shape"], r["config"]["seq_len"]
+    all_experts = dict(shape, num_experts_per_tok=shape["num_experts"])
+    assert r["flops_per_token"] == flops_per_token(shape, seq) < flops_per_token(all_experts, seq)
+
+
+def test_tensorboard_losses_equal_results_json(tmp_path, prepared_assets):
+    """--tensorboard: torchtitan's own TensorBoard logger writes OUT_DIR/tb; its loss scalars, read with
+    TensorBoard's own reader, are the losses in results.json."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "o"
+    run_example("train_native_qwen3.py", "--steps", "4", "--no-export", "--tensorboard", "--out_dir", str(out))
+    r = read_results(out)
+    (run_dir,) = list((out / "tb").iterdir())
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    loss = events.Scalars("loss_metrics/global_avg_loss")
+    assert [e.step for e in loss] == r["steps"]
+    assert all(math.isclose(e.value, x, rel_tol=1e-6) for e, x in zip(loss, r["losses"])), (loss, r["losses"])
+    assert "mfu(%)" in events.Tags()["scalars"]
+
+
+def test_dry_run_projects_the_full_runs_time_and_cost(tmp_path):
+    """--dry_run with --assumed_mfu and --price_per_hour: the full run's time from its FLOPs at that MFU of trn2's
+    peak (158 TFLOPS a logical core), and its cost."""
+    out = tmp_path / "dry"
+    proc = run_example("train_native_qwen3.py", "--preset", "qwen3_4b", "--dry_run", "--assumed_mfu", "0.3",
+                       "--price_per_hour", "50", "--out_dir", str(out))
+    p = read_results(out)["projection"]
+    assert p["world_size"] == 64 and p["tokens_per_step"] == 64 * 4096 and p["peak_flops_per_device"] == 158e12
+    seconds = 10 * 64 * 4096 * p["flops_per_token"] / (0.3 * 158e12 * 64)
+    assert p["seconds"] == pytest.approx(seconds) and p["cost"] == pytest.approx(50 * seconds / 3600)
+    assert 25e9 < p["flops_per_token"] < 40e9  # Qwen3-4B: 6 x ~4 B + attention at 4096 tokens
+    assert "[plan] 10 steps x 262,144 tokens" in proc.stdout

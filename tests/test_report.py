@@ -1,0 +1,179 @@
+"""tools/report.py: several runs' results.json in one picture and one table. The results.json files are written
+here by hand (no training): one with every field a pilot run reports, one as the training scripts wrote them
+before those fields (the README's SmolLM2 run), one with held-out losses and only part of `timing`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, assert_clean_error, run_python
+from tools import report
+
+VERSIONS = {"python": "3.11.7", "torch": "2.14.1", "torchtitan": "0.3.0", "transformers": "5.16.0"}
+
+
+def old_style(losses=(4.431163787841797, 3.490324020385742, 4.2129411697387695), tokens_per_s=37.63126349914004,
+              **extra) -> dict:
+    """What train_hf_backend.py --preset smollm2 --init pretrained --steps 3 --no-export wrote in 2026-12."""
+    steps = list(range(1, len(losses) + 1))
+    return {"script": "train_hf_backend.py", "config": {"preset": "smollm2", "device": "auto", "steps": len(steps)},
+            "versions": VERSIONS, "device": "cpu", "world_size": 1, "init": "pretrained",
+            "first_step_loss": losses[0], "steps": steps, "losses": list(losses), "tokens_per_s": tokens_per_s,
+            "history": {"steps": steps, "losses": list(losses)}, "train_seconds": 13.0, "stopped": None, **extra}
+
+
+def full() -> dict:
+    """Every field of a pilot run (docs/pilot-report.md)."""
+    losses = [12.1, 11.6, 11.0, 10.7, 10.4, 10.2, 10.0, 9.9, 9.8, 9.7]
+    steps = list(range(1, 11))
+    return {"script": "train_native_qwen3.py",
+            "config": {"preset": "qwen3_4b", "device": "auto", "steps": 10},
+            "versions": {**VERSIONS, "torch": "2.14.0", "torch_neuronx": "2.14.3.0"},
+            "device": "neuron", "world_size": 64, "steps": steps, "losses": losses,
+            "history": {"steps": steps, "losses": losses}, "tokens_per_s": 15000.0, "train_seconds": 420.0,
+            "timing": {"first_step_s": 412.5, "steady_step_s": 1.25, "warmup_steps_excluded": 2,
+                       "steady_tokens_per_s": 209715.2, "steady_tokens_per_s_per_rank": 3276.8,
+                       "compile_or_warmup_s": 410.0},
+            "flops_per_token": 2.5e10, "mfu": 0.312,
+            "peak_flops_per_device": {"value": 1.3e14, "source": "nominal bf16 per NeuronCore"},
+            "memory": {"peak_gib": [7.1, 7.4, 7.2], "planned_gib": 8.5, "ratio": 0.87, "measured_by": "neuron-monitor"},
+            "eval_losses": [{"step": 5, "loss": 10.9}, {"step": 10, "loss": 9.95}],
+            "cost": {"usd": 12.5, "instance": "trn2.48xlarge"},
+            "stopped": {"reason": "SIGTERM", "step": 10, "checkpoint": "checkpoint/step-10"}}
+
+
+def with_evals() -> dict:
+    """Held-out losses and part of `timing`, no MFU and no memory."""
+    return old_style(losses=(11.172331809997559, 10.371922492980957, 9.306623458862305),
+                     tokens_per_s=46.76587606409043, init="random",
+                     eval_losses=[{"step": 1, "loss": 11.3}, {"step": 3, "loss": 9.5}, "not an entry"],
+                     timing={"first_step_s": 6.25, "steady_step_s": 0.52})
+
+
+def make_run(root: Path, name: str, data) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "results.json").write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return d
+
+
+@pytest.fixture
+def runs(tmp_path) -> list[Path]:
+    return [make_run(tmp_path, "pilot_full", full()), make_run(tmp_path, "smol_pre", old_style()),
+            make_run(tmp_path, "smol_rand", with_evals())]
+
+
+def rows_of(text: str, labels) -> dict[str, list[str]]:
+    """The first table's rows of the printed report, by label (columns split on two spaces or more)."""
+    import re
+
+    first = text.split("\n\n")[0].splitlines()
+    rows = [re.split(r"\s{2,}", line.strip()) for line in first[1:]]
+    return {row[0]: row for row in rows if row[0] in labels}
+
+
+def test_picture_and_table(runs, tmp_path, capsys):
+    out = tmp_path / "cmp" / "report.png"
+    assert report.main([*map(str, runs), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+
+    from matplotlib.image import imread
+
+    img = imread(out)
+    w, h = report.pixel_size(3)
+    assert img.shape[:2] == (h, w)
+    gray = img[..., :3].mean(axis=2)
+    assert gray.std() > 0.05 and (gray < 0.5).mean() > 0.005  # not blank: text, lines and bars drawn
+    assert report._png_text(out)[report.PNG_KEY] == report.PNG_VALUE
+
+    rows = rows_of(text, ["pilot_full", "smol_pre", "smol_rand"])
+    assert set(rows) == {"pilot_full", "smol_pre", "smol_rand"}
+    assert rows["pilot_full"] == ["pilot_full", "train_native_qwen3.py", "qwen3_4b", "neuron", "64", "10", "12.100",
+                                  "9.700", "412", "1.25", "209,715", "31.2%", "7.4 / 8.5 (0.87x)", "2.14.0", "0.3.0",
+                                  "5.16.0"]
+    # the older results.json: its whole-run tokens/s marked, the rest "-"
+    assert rows["smol_pre"] == ["smol_pre", "train_hf_backend.py", "smollm2", "cpu", "1", "3", "4.431", "4.213",
+                                "-", "-", "37.6*", "-", "-", "2.14.1", "0.3.0", "5.16.0"]
+    assert rows["smol_rand"][6:12] == ["11.172", "9.307", "6.25", "0.52", "46.8*", "-"]
+    assert "* tokens/s over the whole run" in text
+
+    details = text.split("\n\n")[1]
+    assert "9.950" in details and "nominal bf16 per NeuronCore" in details and "neuron-monitor" in details
+    assert "usd 12.5, instance trn2.48xlarge" in details and "SIGTERM after step 10" in details and "9.500" in details  # smol_rand's last held-out loss
+
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith(report.MD_MARKER)
+    table = [line for line in md.split("\n\n")[2].splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 3 and "| smol\\_pre | train\\_hf\\_backend.py | smollm2 | cpu | 1 | 3 | 4.431 |" in md
+    assert not list(out.parent.glob(".*.tmp"))  # atomic writes leave nothing behind
+
+    # run again over its own report: replaced
+    before = out.stat().st_mtime_ns
+    assert report.main([str(runs[1]), "--out", str(out), "--label", "again"]) == 0
+    assert out.stat().st_mtime_ns >= before and "again" in out.with_suffix(".md").read_text()
+    assert imread(out).shape[:2] == report.pixel_size(1)[::-1]
+
+
+def test_untrusted_text_is_shown_as_text(tmp_path, capsys):
+    """Labels and strings from results.json are text: no mathtext, no hidden legend entry, no split line, no
+    Markdown; values of the wrong type are "-", never a crash."""
+    odd = old_style(script="a|b\n$x^2$ <b>", config={"preset": ["not", "text"]}, device="\x1b[31mred",
+                    world_size=10**400, versions={"torch": None}, timing={"first_step_s": "fast"}, mfu=True,
+                    memory={"peak_gib": ["x", 3.0], "planned_gib": 0}, eval_losses="none",
+                    history={"steps": [1, 2], "losses": [float("nan"), 2.0]})
+    run = make_run(tmp_path, "odd", odd)
+    out = tmp_path / "odd.png"
+    label = "_$\\frac{1}{0}$ | *x*"
+    assert report.main([str(run), "--out", str(out), "--label", label]) == 0
+    text = capsys.readouterr().out
+    row = rows_of(text, [label])[label]
+    assert row[1:7] == ["a|b\N{REPLACEMENT CHARACTER}$x^2$ <b>", "-", "\N{REPLACEMENT CHARACTER}[31mred", "-",
+                        "2", "nan"]
+    assert row[-3:] == ["-", "-", "-"] and "3 / 0" in " ".join(row)
+    md = out.with_suffix(".md").read_text()
+    assert r"| \_\$\\frac{1}{0}\$ \| \*x\* | a\|b" + "\N{REPLACEMENT CHARACTER}" + r"\$x^2\$ \<b\> |" in md
+    assert report._plot_text(label) == " _\\$\\frac{1}{0}\\$ | *x*"
+
+
+def test_bad_inputs_one_error_line(runs, tmp_path, capsys):
+    """Through the real command line: each refusal is one `error:` line, exit 2, and nothing is written."""
+    bad_json = make_run(tmp_path, "bad_json", "{not json")
+    a_list = make_run(tmp_path, "a_list", "[1, 2]")
+    foreign = tmp_path / "loss.png"  # a PNG this tool did not write (a run's loss plot)
+    from matplotlib import pyplot as plt
+
+    plt.imsave(foreign, np.zeros((4, 4, 3)))
+    foreign_md = tmp_path / "mine.md"
+    foreign_md.write_text("# my notes\n")
+    ok = str(runs[1])
+    assert report.main([ok, "--out", str(tmp_path / "own.png")]) == 0
+    (tmp_path / "mine.png").write_bytes((tmp_path / "own.png").read_bytes())  # ours, but mine.md beside it is not
+    cases = [
+        ([str(tmp_path / "nowhere"), "--out", str(tmp_path / "r.png")], "no results.json"),
+        ([str(bad_json), "--out", str(tmp_path / "r.png")], "not a readable JSON results file"),
+        ([str(a_list), "--out", str(tmp_path / "r.png")], "not a results object"),
+        ([ok, "--out", str(runs[1] / "results.json")], "the report is a PNG"),
+        ([ok, "--out", str(foreign)], "is not a report this tool wrote"),
+        ([ok, "--out", str(tmp_path / "mine.png")], "mine.md exists and is not a report this tool wrote"),
+        ([ok, str(runs[2]), "--out", str(tmp_path / "r.png"), "--label", "one"], "one --label per RUN_DIR"),
+        ([ok, "--out", str(tmp_path / "r.png"), "--lab", "x"], "unrecognized arguments"),
+        ([ok], "--out"),
+    ]
+    before = {p: p.read_bytes() for p in (foreign, foreign_md, runs[1] / "results.json")}
+    for argv, needle in cases:
+        proc = run_python([sys.executable, "-m", "tools.report", *argv], cwd=ROOT, timeout=120)
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert_clean_error(proc, needle)
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (tmp_path / "r.png").exists() and not (tmp_path / "r.md").exists()
+
+
+def test_help_names_the_commands():
+    proc = run_python([sys.executable, "-m", "tools.report", "--help"], cwd=ROOT, timeout=120)
+    assert proc.returncode == 0
+    for needle in ("RUN_DIR", "--out", "--label", "--init pretrained", "--init random", "docs/pilot-report.md"):
+        assert needle in proc.stdout, needle

@@ -1,0 +1,639 @@
+"""Runs side by side: one picture and one table from several training runs' results.json.
+
+    python -m tools.report RUN_DIR [RUN_DIR ...] --out FILE.png [--label NAME ...]
+
+The AWS guide's own experiment, SmolLM2 from its public weights against random initialisation (3 steps each,
+about 30 s each on a 2-core CPU), then both in one picture:
+
+    python examples/train_hf_backend.py --preset smollm2 --init pretrained --steps 3 --no-export --out_dir runs/smol_pre
+    python examples/train_hf_backend.py --preset smollm2 --init random --steps 3 --no-export --out_dir runs/smol_rand
+    python -m tools.report runs/smol_pre runs/smol_rand --out runs/smol_report.png
+
+FILE.png holds four panels, each run in its own colour: (1) training loss per step, the held-out loss
+(`eval_losses`) dashed in the same colour; (2) the first step's time against the steady step's; (3) steady
+tokens/s and MFU (%); (4) peak memory (the largest rank) against the plan, with their ratio; and below them a
+row per run (script, preset, device, world size, steps, versions). The same figures as a table are printed and
+written beside the picture as FILE.md (both replaced atomically). A figure the results.json does not hold (an
+older run, or one on a device that cannot measure it) is shown as "-", never guessed. Each run is labelled by
+its folder name, or by `--label`, given once per RUN_DIR in the same order. What each field means: docs/pilot-report.md.
+
+The tool never writes over a file it did not write: an existing FILE.png or FILE.md that is not one of its own
+reports (one of the inputs, a loss.png) is refused. Bad input (a RUN_DIR without a readable results.json, such an
+--out) is one `error:` line and exit code 2. Set-up tooling: no example imports it, nothing copies it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import stat
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python tools/report.py` as well as `python -m tools.report`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.errors import ArgumentParser, UserError, one_line  # noqa: E402
+from common.results import atomic_path, atomic_write_text  # noqa: E402
+
+# What marks a report as this tool's: a tEXt chunk of the PNG and the first line of the .md.
+PNG_KEY = "Generator"
+PNG_VALUE = "qwen3-trainium-recipes tools.report"
+MD_MARKER = "<!-- generator: qwen3-trainium-recipes tools.report (python -m tools.report); replaced on the next run -->"
+DPI = 100
+MISSING = "-"
+LABEL_CHARS = 28  # a run's label in the picture (the table keeps it whole)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading: every field optional, every value checked for its type (an older or foreign results.json shows "-").
+
+def _num(x) -> float | None:
+    """A JSON number as a float (NaN and infinities kept: a diverged loss is shown as nan), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    try:
+        return float(x)
+    except OverflowError:  # an integer past float's range
+        return None
+
+
+def _finite(x) -> float | None:
+    v = _num(x)
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _dict(x) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def _text(x) -> str | None:
+    """A string (or number) from results.json as one printable line; None when absent or of another type."""
+    if isinstance(x, str):
+        return one_line(x)
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return one_line(str(x))
+    return None
+
+
+@dataclass
+class Run:
+    label: str
+    path: Path
+    script: str | None = None
+    preset: str | None = None
+    device: str | None = None
+    world_size: int | None = None
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+    first_step_s: float | None = None
+    steady_step_s: float | None = None
+    warmup_steps_excluded: int | None = None
+    compile_or_warmup_s: float | None = None
+    steady_tokens_per_s: float | None = None
+    steady_tokens_per_s_per_rank: float | None = None
+    run_tokens_per_s: float | None = None  # the whole run's figure (first step included), from older scripts too
+    flops_per_token: float | None = None
+    mfu: float | None = None
+    peak_flops: float | None = None
+    peak_flops_source: str | None = None
+    peak_gib: float | None = None  # the largest rank's
+    planned_gib: float | None = None
+    memory_ratio: float | None = None
+    measured_by: str | None = None
+    stopped: str | None = None
+    cost: str | None = None
+    versions: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> tuple[float | None, bool]:
+        """(tokens/s, steady): the steady figure when the run measured one, else the whole run's."""
+        if self.steady_tokens_per_s is not None:
+            return self.steady_tokens_per_s, True
+        return self.run_tokens_per_s, False
+
+
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def results_path(run_dir: str) -> Path:
+    """The results.json of a RUN_DIR (a run's folder, or the results.json itself)."""
+    p = Path(run_dir)
+    return p if p.name == "results.json" and not p.is_dir() else p / "results.json"
+
+
+def read_results(run_dir: str) -> dict:
+    path = results_path(run_dir)
+    shown = one_line(str(path))
+    if not os.path.lexists(path):
+        raise UserError(f"{one_line(run_dir)}: no results.json there (a training run writes it when it ends; "
+                        "name the run's --out_dir)")
+    if not _is_regular_file(path):  # a folder, a FIFO (which would block), a dangling link
+        raise UserError(f"{shown} is not a regular file: name a run's --out_dir")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UserError(f"{shown} is not a readable JSON results file ({one_line(type(e).__name__)}: "
+                        f"{one_line(str(e))[:200]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{shown} holds JSON but not a results object (a {type(data).__name__}): "
+                        "name a training run's --out_dir")
+    return data
+
+
+def _steps_and_losses(d: dict) -> tuple[list[int], list[float]]:
+    """The whole loss curve: history {steps, losses} (every step, across resumes), else steps/losses."""
+    for src in (_dict(d.get("history")), d):
+        losses, steps = src.get("losses"), src.get("steps")
+        if isinstance(losses, list) and losses:
+            if not (isinstance(steps, list) and len(steps) == len(losses)):
+                steps = list(range(1, len(losses) + 1))
+            pairs = [(_num(s), _num(v)) for s, v in zip(steps, losses)]
+            pairs = [(int(s), v) for s, v in pairs if s is not None and math.isfinite(s) and v is not None]
+            return [s for s, _ in pairs], [v for _, v in pairs]
+    return [], []
+
+
+def _eval_losses(d: dict) -> tuple[list[int], list[float]]:
+    items = d.get("eval_losses")
+    pairs = []
+    for item in items if isinstance(items, list) else ():
+        item = _dict(item)
+        s, v = _finite(item.get("step")), _num(item.get("loss"))
+        if s is not None and v is not None:
+            pairs.append((int(s), v))
+    pairs.sort()
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _cost(x) -> str | None:
+    """`cost` as `key value` pairs of its scalar fields (its schema is the writing script's)."""
+    if isinstance(x, dict):
+        parts = [f"{one_line(str(k))} {_fmt_any(v)}" for k, v in x.items()
+                 if isinstance(v, (str, int, float)) and not isinstance(v, bool)]
+        return ", ".join(parts) or None
+    return _text(x)
+
+
+def _stopped(x) -> str | None:
+    """`stopped` ({reason, step, checkpoint} when a signal or --time_limit stopped the run) in a few words."""
+    if isinstance(x, dict):
+        reason, step = _text(x.get("reason")), _finite(x.get("step"))
+        return (reason or "stopped") + (f" after step {int(step)}" if step is not None else "")
+    return _text(x) if x else None
+
+
+def _fmt_any(v) -> str:
+    n = _num(v)
+    return _fmt(n, 4) if n is not None else one_line(str(v))
+
+
+def load_run(run_dir: str, label: str) -> Run:
+    d = read_results(run_dir)
+    config, timing, memory = _dict(d.get("config")), _dict(d.get("timing")), _dict(d.get("memory"))
+    peak = memory.get("peak_gib")
+    peaks = [v for v in (peak if isinstance(peak, list) else [peak]) if _finite(v) is not None]
+    run = Run(label=label, path=results_path(run_dir))
+    run.script = _text(d.get("script"))
+    run.preset = _text(config.get("preset"))
+    run.device = _text(d.get("device")) or _text(config.get("device"))
+    ws = _finite(d.get("world_size"))
+    run.world_size = int(ws) if ws is not None else None
+    run.steps, run.losses = _steps_and_losses(d)
+    run.eval_steps, run.eval_losses = _eval_losses(d)
+    run.first_step_s = _finite(timing.get("first_step_s"))
+    run.steady_step_s = _finite(timing.get("steady_step_s"))
+    w = _finite(timing.get("warmup_steps_excluded"))
+    run.warmup_steps_excluded = int(w) if w is not None else None
+    run.compile_or_warmup_s = _finite(timing.get("compile_or_warmup_s"))
+    run.steady_tokens_per_s = _finite(timing.get("steady_tokens_per_s"))
+    run.steady_tokens_per_s_per_rank = _finite(timing.get("steady_tokens_per_s_per_rank"))
+    run.run_tokens_per_s = _finite(d.get("tokens_per_s"))
+    run.flops_per_token = _finite(d.get("flops_per_token"))
+    run.mfu = _finite(d.get("mfu"))
+    pf = d.get("peak_flops_per_device")
+    run.peak_flops = _finite(_dict(pf).get("value")) if isinstance(pf, dict) else _finite(pf)
+    run.peak_flops_source = _text(_dict(pf).get("source"))
+    run.peak_gib = max(float(v) for v in peaks) if peaks else None
+    run.planned_gib = _finite(memory.get("planned_gib"))
+    run.memory_ratio = _finite(memory.get("ratio"))
+    if run.memory_ratio is None and run.peak_gib is not None and run.planned_gib:
+        run.memory_ratio = run.peak_gib / run.planned_gib
+    run.measured_by = _text(memory.get("measured_by"))
+    run.stopped = _stopped(d.get("stopped"))
+    run.cost = _cost(d.get("cost"))
+    versions = _dict(d.get("versions"))
+    run.versions = {k: _text(versions.get(k)) for k in ("torch", "torchtitan", "transformers", "torch_neuronx")}
+    return run
+
+
+def default_labels(run_dirs: list[str]) -> list[str]:
+    """Each run's folder name; the paths as given where two names are the same, and a number where still equal."""
+    names = []
+    for r in run_dirs:
+        p = results_path(r).parent
+        names.append(p.name or p.resolve().name or str(p))
+    labels = [n if names.count(n) == 1 else str(Path(r)) for n, r in zip(names, run_dirs)]
+    seen: dict[str, int] = {}
+    out = []
+    for lab in labels:
+        seen[lab] = seen.get(lab, 0) + 1
+        out.append(lab if labels.count(lab) == 1 else f"{lab} #{seen[lab]}")
+    return [one_line(x) for x in out]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The table: the same rows printed (plain text) and written as FILE.md (Markdown).
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return MISSING
+    if not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if x != 0 and (abs(x) >= 1e6 or abs(x) < 1e-3):
+        return f"{x:.{digits - 1}e}"
+    if abs(x) >= 10 ** digits:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _fmt_loss(x: float | None) -> str:
+    if x is None:
+        return MISSING
+    return f"{x:.3f}" if math.isfinite(x) else _fmt(x)
+
+
+def _fmt_mfu(x: float | None) -> str:
+    if x is None:
+        return MISSING
+    pct = 100 * x
+    return f"{pct:.1f}%" if abs(pct) >= 0.1 or pct == 0 else f"{pct:.2g}%"
+
+
+def _fmt_memory(r: Run) -> str:
+    if r.peak_gib is None and r.planned_gib is None:
+        return MISSING
+    text = f"{_fmt(r.peak_gib)} / {_fmt(r.planned_gib)}"
+    return text + (f" ({r.memory_ratio:.2f}x)" if r.memory_ratio is not None else "")
+
+
+def _fmt_tokens(r: Run) -> str:
+    value, steady = r.tokens_per_s
+    return _fmt(value) + ("" if steady or value is None else "*")
+
+
+COLUMNS = ("run", "script", "preset", "device", "world size", "steps", "first loss", "last loss", "first step s",
+           "steady step s", "tokens/s", "MFU", "peak / planned GiB", "torch", "torchtitan", "transformers")
+DETAIL_COLUMNS = ("run", "last held-out loss", "warm-up steps excluded", "compile/warm-up s", "tokens/s per rank",
+                  "FLOPs/token", "peak FLOP/s per device (source)", "memory measured by", "stopped", "cost")
+
+
+def table_rows(runs: list[Run]) -> list[list[str]]:
+    rows = []
+    for r in runs:
+        rows.append([r.label, r.script or MISSING, r.preset or MISSING, r.device or MISSING,
+                     str(r.world_size) if r.world_size is not None else MISSING,
+                     str(r.steps[-1]) if r.steps else MISSING,
+                     _fmt_loss(r.losses[0] if r.losses else None), _fmt_loss(r.losses[-1] if r.losses else None),
+                     _fmt(r.first_step_s), _fmt(r.steady_step_s), _fmt_tokens(r), _fmt_mfu(r.mfu), _fmt_memory(r),
+                     *(r.versions.get(k) or MISSING for k in ("torch", "torchtitan", "transformers"))])
+    return rows
+
+
+def detail_rows(runs: list[Run]) -> list[list[str]]:
+    rows = []
+    for r in runs:
+        peak = MISSING if r.peak_flops is None else _fmt(r.peak_flops) + (
+            f" ({r.peak_flops_source})" if r.peak_flops_source else "")
+        rows.append([r.label, _fmt_loss(r.eval_losses[-1] if r.eval_losses else None),
+                     str(r.warmup_steps_excluded) if r.warmup_steps_excluded is not None else MISSING,
+                     _fmt(r.compile_or_warmup_s), _fmt(r.steady_tokens_per_s_per_rank), _fmt(r.flops_per_token),
+                     peak, r.measured_by or MISSING, r.stopped or MISSING, r.cost or MISSING])
+    return rows
+
+
+def _footnotes(runs: list[Run]) -> list[str]:
+    notes = []
+    if any(r.tokens_per_s[0] is not None and not r.tokens_per_s[1] for r in runs):
+        notes.append("* tokens/s over the whole run, first step included: that results.json has no steady figure "
+                     "(`timing`)")
+    notes.append('"-" = not in that run\'s results.json')
+    return notes
+
+
+def render_text(runs: list[Run]) -> str:
+    """Plain columns for the terminal."""
+    blocks = []
+    for cols, rows in ((COLUMNS, table_rows(runs)), (DETAIL_COLUMNS, detail_rows(runs))):
+        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n\n" + "\n".join(_footnotes(runs)) + "\n"
+
+
+_MD_SPECIAL = set("\\`*_[]<>|~&$")  # `$`: GitHub reads $...$ as math
+
+
+def md_cell(text: str) -> str:
+    """A value as literal Markdown text: every character Markdown or HTML could read escaped."""
+    return "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in one_line(text))
+
+
+def render_markdown(runs: list[Run], sources: list[Path]) -> str:
+    out = [MD_MARKER, "", f"# {len(runs)} run{'s' * (len(runs) != 1)} side by side", ""]
+    for cols, rows in ((COLUMNS, table_rows(runs)), (DETAIL_COLUMNS, detail_rows(runs))):
+        out.append("| " + " | ".join(cols) + " |")
+        out.append("|" + "---|" * len(cols))
+        out += ["| " + " | ".join(md_cell(v) for v in row) + " |" for row in rows]
+        out.append("")
+    out += [md_cell(n) + "  " for n in _footnotes(runs)]
+    out += ["", "Read from: " + ", ".join(md_cell(str(p)) for p in sources), ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The picture.
+
+def figure_size(n_runs: int) -> tuple[float, float]:
+    """Inches (width, height) of the picture for `n_runs` runs; at DPI pixels per inch."""
+    return 16.0, 10.0 + 0.5 + 0.3 * (n_runs + 1)
+
+
+def pixel_size(n_runs: int) -> tuple[int, int]:
+    w, h = figure_size(n_runs)
+    return round(w * DPI), round(h * DPI)
+
+
+def _plot_text(text: str, limit: int | None = LABEL_CHARS) -> str:
+    """Text for matplotlib shown as it is: never mathtext (`$` escaped), never hidden from a legend (a leading `_`)."""
+    text = one_line(text)
+    if limit and len(text) > limit:
+        text = text[:limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
+    text = text.replace("$", r"\$")  # outside mathtext a backslash is literal, and `\$` shows as `$`
+    return " " + text if text.startswith("_") else text
+
+
+def _grouped(ax, runs: list[Run], colors, groups: list[tuple[list[float | None], list[str], dict]],
+             axes=None) -> None:
+    """Two bars per run, side by side (each group: values, their texts, bar style; `axes`: the axes of each
+    group), a grey '-' on the baseline where a run has no value."""
+    axes = axes or [ax] * len(groups)
+    width = 0.38
+    for k, ((values, texts, style), a) in enumerate(zip(groups, axes)):
+        for i, (v, text) in enumerate(zip(values, texts)):
+            x = i + (k - 0.5) * width
+            if v is None:
+                a.annotate(MISSING, (x, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom",
+                           fontsize=11, color="0.4", xytext=(0, 3), textcoords="offset points")
+                continue
+            a.bar([x], [v], width, color=colors[i], edgecolor=colors[i], **style)
+            a.annotate(text, (x, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.set_xlim(-0.6, len(runs) - 0.4)
+    ax.set_xticks(range(len(runs)), [_plot_text(r.label, 18) for r in runs], rotation=20 if len(runs) > 3 else 0,
+                  ha="right" if len(runs) > 3 else "center", fontsize=8)
+
+
+def _empty(ax, text: str) -> None:
+    """A panel with nothing to draw: its axis hidden, one line saying why."""
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=10, color="0.4")
+
+
+def _scale(ax, values: list[float | None], headroom: float = 1.18) -> None:
+    """A log axis when the bars span more than 30x (a compile step beside a steady one, a trn2 run beside a CPU
+    one), so the small ones stay visible; room above the tallest bar for its figure."""
+    present = [v for v in values if v is not None and v > 0]
+    if not present:
+        return
+    if max(present) / min(present) > 30:
+        ax.set_yscale("log")
+        ax.set_ylim(min(present) / 2, max(present) * 4 * headroom)
+    else:
+        ax.set_ylim(0, max(present) * headroom)
+
+
+SOLID = {"alpha": 0.9}
+HATCHED = {"alpha": 0.35, "hatch": "//"}
+
+
+def draw(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    n = len(runs)
+    cmap = plt.get_cmap("tab10")
+    colors = [cmap(i % 10) for i in range(n)]
+    w, h = figure_size(n)
+    fig = plt.figure(figsize=(w, h), dpi=DPI)
+    grid = fig.add_gridspec(3, 2, height_ratios=[5, 5, 0.3 * (n + 1) + 0.3], hspace=0.4, wspace=0.25,
+                            left=0.06, right=0.95, top=0.94, bottom=0.02)
+    fig.suptitle(f"{n} run{'s' * (n != 1)} side by side (python -m tools.report)", fontsize=12)
+    solid, hatched = Patch(facecolor="0.3", label=""), Patch(facecolor="0.6", alpha=0.35, hatch="//", label="")
+
+    # (1) loss curves
+    ax = fig.add_subplot(grid[0, 0])
+    drawn = False
+    for r, c in zip(runs, colors):
+        if r.losses:
+            ax.plot(r.steps, [v if math.isfinite(v) else math.nan for v in r.losses], color=c, marker="o",
+                    markersize=3, label=_plot_text(r.label))
+            drawn = True
+        if r.eval_losses:
+            ax.plot(r.eval_steps, [v if math.isfinite(v) else math.nan for v in r.eval_losses], color=c,
+                    linestyle="--", marker="s", markersize=3, label=_plot_text(r.label, 20) + " (held-out)")
+            drawn = True
+    ax.set_title("(1) loss per step: training solid, held-out dashed", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        _empty(ax, "no losses in these results.json")
+
+    # (2) first step vs steady step
+    ax = fig.add_subplot(grid[0, 1])
+    firsts, steadies = [r.first_step_s for r in runs], [r.steady_step_s for r in runs]
+    _grouped(ax, runs, colors, [(firsts, [f"{_fmt(v)} s" for v in firsts], HATCHED),
+                                (steadies, [f"{_fmt(v)} s" for v in steadies], SOLID)])
+    ax.set_title("(2) step time: first step (compile, warm-up) vs steady step", fontsize=10)
+    present = [v for v in firsts + steadies if v is not None and v > 0]
+    if present:
+        _scale(ax, firsts + steadies)
+        ax.set_ylabel("seconds")
+        ax.grid(alpha=0.3, axis="y")
+        solid.set_label("steady step")
+        hatched.set_label("first step")
+        ax.legend(handles=[hatched, solid], fontsize=8)
+    else:
+        _empty(ax, "no step times (`timing`) in these results.json")
+
+    # (3) tokens/s and MFU
+    ax = fig.add_subplot(grid[1, 0])
+    ax2 = ax.twinx()
+    tokens = [r.tokens_per_s[0] for r in runs]
+    mfus = [100 * r.mfu if r.mfu is not None else None for r in runs]
+    _grouped(ax, runs, colors, [(tokens, [_fmt_tokens(r) for r in runs], SOLID),
+                                (mfus, [_fmt_mfu(r.mfu) for r in runs], HATCHED)], axes=[ax, ax2])
+    ax.set_title("(3) tokens/s, steady (solid; * whole run) and MFU (hatched)", fontsize=10)
+    for a, values, name in ((ax, tokens, "tokens/s (all ranks)"), (ax2, mfus, "MFU %")):
+        if any(v is not None for v in values):
+            _scale(a, values)
+            a.set_ylabel(name)
+        else:
+            a.set_yticks([])
+    ax.grid(alpha=0.3, axis="y")
+    if all(v is None for v in tokens + mfus):
+        _empty(ax, "no throughput in these results.json")
+
+    # (4) memory against the plan
+    ax = fig.add_subplot(grid[1, 1])
+    peaks, planned = [r.peak_gib for r in runs], [r.planned_gib for r in runs]
+    _grouped(ax, runs, colors, [(peaks, [_fmt(v) for v in peaks], SOLID), (planned, [_fmt(v) for v in planned],
+                                                                            HATCHED)])
+    for i, r in enumerate(runs):
+        if r.memory_ratio is not None:
+            top = max(v for v in (r.peak_gib, r.planned_gib, 0.0) if v is not None)
+            ax.annotate(f"{r.memory_ratio:.2f}x the plan", (i, top), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 14), textcoords="offset points", fontweight="bold")
+    ax.set_title("(4) memory per rank: peak of the largest rank (solid) vs planned (hatched)", fontsize=10)
+    if all(v is None for v in peaks + planned):
+        _empty(ax, "no memory figures in these results.json")
+    else:
+        _scale(ax, peaks + planned, 1.3)
+        ax.set_ylabel("GiB")
+        ax.grid(alpha=0.3, axis="y")
+
+    # a row per run
+    ax = fig.add_subplot(grid[2, :])
+    ax.axis("off")
+    cols = ("run", "script", "preset", "device", "world size", "steps", "loss first -> last", "torch", "torchtitan",
+            "transformers")
+    cells = [[_plot_text(row[0]), _plot_text(row[1]), _plot_text(row[2]), _plot_text(row[3]), row[4], row[5],
+              f"{row[6]} -> {row[7]}", *(_plot_text(v, 24) for v in row[13:16])] for row in table_rows(runs)]
+    table = ax.table(cellText=cells, colLabels=cols, loc="upper center", cellLoc="left", colLoc="left")
+    table.auto_set_font_size(False)
+    table.set_fontsize(9)
+    table.auto_set_column_width(list(range(len(cols))))
+    table.scale(1, 1.2)
+    for i, c in enumerate(colors):
+        table[i + 1, 0].set_facecolor((*c[:3], 0.35))
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=DPI, metadata={PNG_KEY: PNG_VALUE})
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the report goes: never over a file this tool did not write.
+
+def _png_text(path: Path, limit: int = 1 << 20) -> dict[str, str]:
+    """The tEXt chunks before the image data of a PNG (empty for anything else)."""
+    out = {}
+    with open(path, "rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            return out
+        while f.tell() < limit:
+            head = f.read(8)
+            if len(head) < 8:
+                break
+            length, kind = struct.unpack(">I4s", head)
+            if kind in (b"IDAT", b"IEND") or length > limit:
+                break
+            data = f.read(length)
+            f.read(4)  # CRC
+            if kind == b"tEXt" and b"\0" in data:
+                key, value = data.split(b"\0", 1)
+                out[key.decode("latin-1")] = value.decode("latin-1")
+    return out
+
+
+def is_own_report(path: Path) -> bool:
+    """Whether `path` (a regular file) is a PNG or .md this tool wrote."""
+    try:
+        if path.suffix.lower() == ".png":
+            return _png_text(path).get(PNG_KEY) == PNG_VALUE
+        with open(path, "rb") as f:
+            return f.read(len(MD_MARKER.encode()) + 1).decode("utf-8", errors="replace").startswith(MD_MARKER)
+    except OSError:
+        return False
+
+
+def check_out(out: Path, inputs: list[Path]) -> Path:
+    """The .md beside --out; UserError when either would replace something that is not this tool's report."""
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out {one_line(str(out))}: the report is a PNG: name a .png file (the table goes beside "
+                        "it as .md)")
+    md = out.with_suffix(".md")
+    for target in (out, md):
+        shown = one_line(str(target))
+        if not os.path.lexists(target):
+            continue
+        if not _is_regular_file(target):
+            raise UserError(f"--out: {shown} is there and is not a regular file: it is left alone; "
+                            "name a new file for the report")
+        if any(os.path.exists(f) and os.path.samefile(target, f) for f in inputs):
+            raise UserError(f"--out: {shown} is one of the inputs: name a new file for the report")
+        if not is_own_report(target):
+            raise UserError(f"--out: {shown} exists and is not a report this tool wrote: name a new file for the "
+                            "report, or remove that one first")
+    return md
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python -m tools.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Fields and how they are measured: docs/pilot-report.md.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="a training run's --out_dir (its results.json), or the results.json itself")
+    parser.add_argument("--out", required=True, metavar="FILE.png",
+                        help="the picture; the table is written beside it as FILE.md. An existing file is "
+                             "replaced only if this tool wrote it")
+    parser.add_argument("--label", action="append", metavar="NAME", default=None,
+                        help="a run's name in the picture and table, once per RUN_DIR in the same order "
+                             "(default: each run's folder name)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.label is not None and len(args.label) != len(args.run_dirs):
+            raise UserError(f"{len(args.run_dirs)} RUN_DIRs and {len(args.label)} --label: give one --label per "
+                            "RUN_DIR, in the same order, or none")
+        out = Path(args.out)
+        md = check_out(out, [results_path(r) for r in args.run_dirs])
+        labels = [one_line(x) for x in args.label] if args.label else default_labels(args.run_dirs)
+        runs = [load_run(r, lab) for r, lab in zip(args.run_dirs, labels)]
+        try:
+            draw(runs, out)
+            atomic_write_text(md, render_markdown(runs, [r.path for r in runs]))
+        except OSError as e:
+            raise UserError(f"cannot write the report: {one_line(str(e))}") from None
+    except UserError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    print(render_text(runs), end="")
+    print(f"\nwrote {one_line(str(out))} and {one_line(str(md))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
