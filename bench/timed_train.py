@@ -112,6 +112,9 @@ def run_stock(example, args: list[str]) -> None:
                             int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")),
                             int(os.environ["WORLD_SIZE"]))
     tc, _notes = example.build_trainer_config(cfg, dev, out_dir, found)
+    # The scripts keep torchtitan's checkpointer on so that a stop can save any step (common/resume.py), and
+    # save nothing at the end without --export; torchtitan's own loop would write a last save: off, as before.
+    tc.checkpoint.enable = bool(getattr(cfg, "export", False) or getattr(cfg, "checkpoint_every", 0))
     # The example stages its tokenizer into OUT_DIR/hf_assets; torchtitan reads the source folder.
     ckpt = found.get("checkpoint") or (
         Path(cfg.hf_checkpoint).resolve() if getattr(cfg, "hf_checkpoint", None) else None)
