@@ -46,13 +46,11 @@ class Config:
     out_dir: str = field(default="runs/bench/compat", metadata={"help": "results.json and runs/ go here"})
     models: str = field(default="tiny-qwen3,tiny-qwen3-moe,smollm2-135m-instruct,tiny-qwen-vl",
                         metadata={"help": "comma-separated offline asset names or HF folders"})
-    new_tokens: int = field(default=32, metadata={"help": "greedy tokens generated per model"})
+    new_tokens: int = field(default=32, metadata={"help": "greedy tokens generated per model", **cli.bounds(1, 4096)})
     compile: bool = field(default=False, metadata={"help": "compile the forward with inductor (~90 s per model)"})
-    repeats: int = field(default=3, metadata={"help": "alternating rounds"})
+    repeats: int = field(default=3, metadata={"help": "alternating rounds", **cli.bounds(1, 100)})
 
-    def validate(self) -> None:
-        if not 1 <= self.new_tokens <= 4096 or not 1 <= self.repeats <= 100:
-            raise UserError("--new_tokens must be between 1 and 4096 and --repeats between 1 and 100")
+    def validate(self) -> None:  # each number's range is its field's bounds (checked before this)
         if not [m for m in self.models.split(",") if m.strip()]:
             raise UserError("--models is empty")
 

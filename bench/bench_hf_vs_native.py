@@ -35,8 +35,9 @@ COMPARED_WITH = "torchtitan's native Qwen3 on the same model, weights, data and 
 class Config(cb.TrainingBench):
     out_dir: str = field(default="runs/bench/hf_vs_native",
                          metadata={"help": "results.json, logs/, timings/ go here"})
-    steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)"})
-    repeats: int = field(default=3, metadata={"help": "processes of each path, alternating"})
+    steps: int = field(default=8, metadata={"help": "training steps per process (step 1 is not timed)",
+                                            **cli.bounds(3, 10**5, why="step 1 is warm-up, untimed")})
+    repeats: int = field(default=3, metadata={"help": "processes of each path, alternating", **cli.bounds(1, 100)})
     extra_args: str = field(default="", metadata={"help": "flags added to both training commands"})
 
 

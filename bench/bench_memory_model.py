@@ -70,21 +70,18 @@ class Config:
     ranks: str = field(default="1,2", metadata={"help": "comma-separated world sizes (each a separate launch)"})
     sizes_above_one_rank: str = field(default="", metadata={
         "help": "the sizes measured at world sizes above 1 (comma-separated; empty: all of --sizes)"})
-    local_batch_size: int = field(default=4, metadata={"help": "sequences per rank"})
-    seq_len: int = field(default=256, metadata={"help": "tokens per sequence (a multiple of 8: the chunked loss)"})
-    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
+    local_batch_size: int = field(default=4, metadata={"help": "sequences per rank", **cli.bounds(1, 1024)})
+    seq_len: int = field(default=256, metadata={
+        "help": "tokens per sequence (a multiple of 8: the chunked loss)",
+        **cli.bounds(8, 2**16, multiple_of=8, why="torchtitan's chunked loss splits each sequence into 8")})
+    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP, **cli.bounds(0, 1024)})
     measured_steps: int = field(default=3, metadata={
-        "help": "steps measured after the warm-up step; each term's figure is its median over them"})
+        "help": "steps measured after the warm-up step; each term's figure is its median over them",
+        **cli.bounds(1, 1000)})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "compute dtype (FSDP mixed precision), as the example's --dtype"})
     measure_here: bool = field(default=False, metadata={
         "help": "internal: measure in this process (the benchmark launches itself so, under torchrun above 1 rank)"})
-
-    def validate(self) -> None:
-        if self.local_batch_size <= 0 or self.seq_len <= 0 or self.seq_len % 8:
-            raise UserError("--local_batch_size must be positive and --seq_len a positive multiple of 8")
-        if self.measured_steps <= 0:
-            raise UserError(f"--measured_steps must be positive, got {self.measured_steps}")
 
 
 def default() -> Config:

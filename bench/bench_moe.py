@@ -48,21 +48,21 @@ class Config:
     preset: str = "default"
     out_dir: str = field(default="runs/bench/moe", metadata={"help": "results.json goes here"})
     experts: str = field(default="8,16,32,64", metadata={"help": "comma-separated expert counts"})
-    tokens: int = field(default=1024, metadata={"help": "tokens routed (batch x sequence)"})
-    dim: int = field(default=256, metadata={"help": "model width (a multiple of 8 for torch._grouped_mm)"})
-    hidden: int = field(default=256, metadata={"help": "expert hidden size (a multiple of 8)"})
-    top_k: int = field(default=4, metadata={"help": "experts per token"})
-    repeats: int = field(default=3, metadata={"help": "alternating rounds measured per expert count"})
-    warmup: int = field(default=1, metadata={"help": "rounds run first and discarded"})
-    iters: int = field(default=3, metadata={"help": "calls per sample (the sample is their median)"})
-    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
-    seed: int = field(default=0, metadata={"help": "seed for weights and inputs"})
-
-    def validate(self) -> None:
-        if min(self.tokens, self.dim, self.hidden, self.top_k, self.repeats, self.iters) <= 0 or self.warmup < 0:
-            raise UserError("sizes, --repeats and --iters must be positive, --warmup >= 0")
-        if self.dim % 8 or self.hidden % 8:
-            raise UserError("--dim and --hidden must be multiples of 8 (torch._grouped_mm needs 16-byte strides)")
+    tokens: int = field(default=1024, metadata={"help": "tokens routed (batch x sequence)", **cli.bounds(1, 65536)})
+    dim: int = field(default=256, metadata={
+        "help": "model width (a multiple of 8 for torch._grouped_mm)",
+        **cli.bounds(8, 8192, multiple_of=8, why="torch._grouped_mm needs 16-byte strides")})
+    hidden: int = field(default=256, metadata={
+        "help": "expert hidden size (a multiple of 8)",
+        **cli.bounds(8, 8192, multiple_of=8, why="torch._grouped_mm needs 16-byte strides")})
+    top_k: int = field(default=4, metadata={"help": "experts per token", **cli.bounds(1, 64)})
+    repeats: int = field(default=3, metadata={"help": "alternating rounds measured per expert count",
+                                              **cli.bounds(1, 100)})
+    warmup: int = field(default=1, metadata={"help": "rounds run first and discarded", **cli.bounds(0, 100)})
+    iters: int = field(default=3, metadata={"help": "calls per sample (the sample is their median)",
+                                            **cli.bounds(1, 1000)})
+    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP, **cli.bounds(0, 1024)})
+    seed: int = field(default=0, metadata={"help": "seed for weights and inputs", **cli.bounds(0, 2**32 - 1)})
 
 
 def default() -> Config:

@@ -58,15 +58,12 @@ class Config:
     out_dir: str = field(default="runs/bench/rope", metadata={"help": "results.json goes here"})
     shapes: str = field(default="all", metadata={"help": "'all', 'tiny', or comma-separated shape names"})
     dtypes: str = field(default="float32,bfloat16", metadata={"help": "comma-separated: float32, bfloat16"})
-    repeats: int = field(default=5, metadata={"help": "alternating rounds measured per shape"})
-    warmup: int = field(default=1, metadata={"help": "rounds run first and discarded"})
-    iters: int = field(default=5, metadata={"help": "calls per sample (the sample is their median)"})
-    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP})
-    seed: int = field(default=0, metadata={"help": "seed for inputs"})
-
-    def validate(self) -> None:
-        if min(self.repeats, self.iters) <= 0 or self.warmup < 0:
-            raise UserError("--repeats and --iters must be positive, --warmup >= 0")
+    repeats: int = field(default=5, metadata={"help": "alternating rounds measured per shape", **cli.bounds(1, 100)})
+    warmup: int = field(default=1, metadata={"help": "rounds run first and discarded", **cli.bounds(0, 100)})
+    iters: int = field(default=5, metadata={"help": "calls per sample (the sample is their median)",
+                                            **cli.bounds(1, 1000)})
+    threads: int = field(default=1, metadata={"help": cb.THREADS_HELP, **cli.bounds(0, 1024)})
+    seed: int = field(default=0, metadata={"help": "seed for inputs", **cli.bounds(0, 2**32 - 1)})
 
 
 def default() -> Config:

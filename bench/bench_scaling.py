@@ -48,14 +48,15 @@ class Config(cb.TrainingBench):
     out_dir: str = field(default="runs/bench/scaling",
                          metadata={"help": "results.json, models/, logs/, timings/ go here"})
     sizes: str = field(default="small", metadata={"help": "comma-separated larger sizes besides tiny: small, medium"})
-    processes: int = field(default=2, metadata={"help": "process count of the multi-process run (1: none)"})
-    global_batch: int = field(default=4, metadata={"help": "sequences per step, split over the processes"})
-    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
+    processes: int = field(default=2, metadata={"help": "process count of the multi-process run (1: none)",
+                                                **cli.bounds(1, 1024)})
+    global_batch: int = field(default=4, metadata={"help": "sequences per step, split over the processes",
+                                                   **cli.bounds(1, 65536)})
+    seq_len: int = field(default=128, metadata={
+        "help": "tokens per sequence",
+        **cli.bounds(8, 2**16, multiple_of=8, why="torchtitan's chunked loss splits each sequence into 8")})
 
-    def validate(self) -> None:
-        super().validate()
-        if min(self.processes, self.global_batch, self.seq_len) <= 0:
-            raise UserError("--processes, --global_batch and --seq_len must be positive")
+    def validate(self) -> None:  # each number's range is its field's bounds (checked before this)
         if self.global_batch % self.processes:
             raise UserError(f"--global_batch {self.global_batch} is not a multiple of --processes {self.processes}")
 

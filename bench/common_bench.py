@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.errors import UserError  # noqa: E402
+from common import cli  # noqa: E402
 from common.results import atomic_write_text, replace_dir, versions, write_results  # noqa: E402
 
 
@@ -145,13 +145,10 @@ THREADS_HELP = ("torch intra-op threads per process (0: torch's default, one per
 class TrainingBench:
     """The flags of the benchmarks that time training processes; their Config adds its own."""
     preset: str = "default"
-    steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)"})
-    threads: int = field(default=1, metadata={"help": THREADS_HELP})
-    repeats: int = field(default=2, metadata={"help": "processes of each kind, alternating"})
-
-    def validate(self) -> None:
-        if self.steps < 3 or self.repeats <= 0:
-            raise UserError("--steps must be at least 3 (step 1 is warm-up) and --repeats positive")
+    steps: int = field(default=6, metadata={"help": "training steps per process (step 1 is not timed)",
+                                            **cli.bounds(3, 10**5, why="step 1 is warm-up, untimed")})
+    threads: int = field(default=1, metadata={"help": THREADS_HELP, **cli.bounds(0, 1024)})
+    repeats: int = field(default=2, metadata={"help": "processes of each kind, alternating", **cli.bounds(1, 100)})
 
 
 def write_call_bench(out_dir: Path, name: str, cfg, threads: int, table: str, *, baseline: str,

@@ -4,6 +4,12 @@ The dataclass is the one place for defaults: the CLI is generated from its field
 with the same names; a preset is a named function returning a changed copy of the defaults,
 and flags given on the command line override the preset. Unknown flags, wrong types and
 unknown presets are errors with a one-line message.
+
+Every int and float field declares the values it takes where it is declared, in its metadata
+(`field(default=10, metadata={"help": ..., **cli.bounds(1, 10**7)})`): `build_parser` refuses a
+numeric field without bounds (a TypeError: a flag cannot be added without them), and `parse_config`
+checks every numeric value once the preset and the flags are applied, one `error:` line naming the
+flag, the value and what it takes.
 """
 from __future__ import annotations
 
@@ -22,6 +28,76 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from common.errors import ArgumentParser, UserError, one_line
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """What a numeric flag takes: `low` <= value <= `high` (`above` < value instead of `low`: an exclusive
+    lower bound), a multiple of `multiple_of` when set, or one of the values `also` (a sentinel such as -1).
+    `why`: the reason, shown with every refusal. Made by `bounds()`; None is always taken by an optional field."""
+    low: int | float | None
+    high: int | float
+    above: int | float | None = None
+    also: tuple = ()
+    multiple_of: int | None = None
+    why: str = ""
+
+    def describe(self) -> str:
+        """What the flag takes, in words: "1 to 10000000", "-1 or 1 to 16777216", "above 0 and at most 10"."""
+        rng = (f"above {_num(self.above)} and at most {_num(self.high)}" if self.above is not None
+               else f"{_num(self.low)} to {_num(self.high)}")
+        text = " or ".join([*(_num(v) for v in self.also), rng])
+        if self.multiple_of:
+            text += f", a multiple of {self.multiple_of}"
+        return text + (f" ({self.why})" if self.why else "")
+
+    def problem(self, value) -> str | None:
+        """None when `value` is taken; else what is wrong with it, to follow the flag's name."""
+        if value in self.also:
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        either = "".join(f"{_num(v)} or " for v in self.also)
+        if self.above is not None and not value > self.above:
+            return f"must be {either}{'positive' if self.above == 0 else f'above {_num(self.above)}'}, got {value}"
+        if self.low is not None and value < self.low:
+            if self.low == 0 and not either:
+                return f"must not be negative, got {value}"
+            need = "positive" if self.low == 1 and isinstance(value, int) else f"at least {_num(self.low)}"
+            return f"must be {either}{need}, got {value}"
+        if value > self.high:
+            return f"{value} is more than {_num(self.high)}"
+        if self.multiple_of and value % self.multiple_of:
+            return f"must be a multiple of {self.multiple_of}, got {value}"
+        return None
+
+    def refusal(self, name: str, value) -> str | None:
+        """The one-line error for flag `name` set to `value`, or None when the value is taken."""
+        problem = self.problem(value)
+        return None if problem is None else f"--{name} {problem}; it takes {self.describe()}"
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def bounds(low: int | float | None = None, high: int | float | None = None, *, above: int | float | None = None,
+           also: tuple = (), multiple_of: int | None = None, why: str = "") -> dict:
+    """Field metadata for a numeric flag: `field(default=2, metadata={"help": ..., **cli.bounds(1, 4096)})`.
+    low..high inclusive; `above=0` instead of `low` for "a number above 0" (an exclusive lower bound); `also`:
+    other values taken (`also=(-1,)`: -1 means automatic); `multiple_of`: the value must divide by it; `why`: the
+    reason, shown in the refusal. Choose them generous but sane: what a trn2 cluster could need, nothing that
+    allocates absurd memory or overflows."""
+    if (low is None) == (above is None):
+        raise TypeError("cli.bounds takes a lower bound: low (inclusive) or above= (exclusive), not both")
+    if high is None or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                               for x in (low if low is not None else above, high, *also)):
+        raise TypeError("cli.bounds takes finite numbers: low or above, high, also")
+    if (low if low is not None else above) > high:
+        raise TypeError(f"cli.bounds: the lower bound {low if low is not None else above} is above high {high}")
+    if multiple_of is not None and not (isinstance(multiple_of, int) and multiple_of > 0):
+        raise TypeError(f"cli.bounds: multiple_of must be a positive int, got {multiple_of!r}")
+    return {"bounds": Bounds(low, high, above, tuple(also), multiple_of, why)}
 
 
 def _is_union(tp) -> bool:
@@ -71,6 +147,17 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         conv, choices = _field_type(tp)
         flag = "--" + f.name
+        b = f.metadata.get("bounds")
+        if conv in (int, float) and choices is None:  # a programming error: every test that builds the parser fails
+            if not isinstance(b, Bounds):
+                raise TypeError(f"{cls.__name__}.{f.name} is a numeric flag without bounds: declare what it takes, "
+                                f"field(..., metadata={{'help': ..., **cli.bounds(low, high)}})")
+            if default is not None and b.problem(default) is not None:
+                raise TypeError(f"{cls.__name__}.{f.name}: its default {default!r} is outside its own bounds "
+                                f"({b.describe()})")
+            help_text += f"; takes {b.describe()}".replace("%", "%%")
+        elif b is not None:
+            raise TypeError(f"{cls.__name__}.{f.name}: bounds on a flag that is not an int or a float")
         if conv is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 help=f"{help_text} (default: {default})")
@@ -90,12 +177,21 @@ def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[st
     preset = args.pop("preset")
     cfg = presets[preset]()
     cfg = dataclasses.replace(cfg, preset=preset, **args)
-    for name, value in dataclasses.asdict(cfg).items():  # argparse's float() takes "nan" and "inf"
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"--{name} must be a finite number, got {value}")
+    check_bounds(cfg)
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
+
+
+def check_bounds(cfg) -> None:
+    """Every numeric field against the bounds it declares (argparse's float() also takes "nan" and "inf"; the
+    preset's values are checked too): one UserError naming the flag, the value and what it takes. None, an
+    optional field's "not given", is taken."""
+    for f in dataclasses.fields(cfg):
+        b = f.metadata.get("bounds")
+        value = getattr(cfg, f.name)
+        if b is not None and value is not None and (message := b.refusal(f.name, value)):
+            raise UserError(message)
 
 
 def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: str,
@@ -149,16 +245,6 @@ def _behind(e: BaseException, match) -> BaseException | None:
         for failure in (getattr(x, "failures", None) or {}).values():
             todo += [f for f in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(f, BaseException)]
     return None
-
-
-def require(cfg, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
-    """Range checks of numeric flags: one `error:` line naming the flag."""
-    for name in positive:
-        if getattr(cfg, name) <= 0:
-            raise UserError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    for name in non_negative:
-        if getattr(cfg, name) < 0:
-            raise UserError(f"--{name} must not be negative, got {getattr(cfg, name)}")
 
 
 def check_out_dir(out_dir: str, inputs: dict[str, str | None] | None = None) -> Path:

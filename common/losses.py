@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +160,22 @@ class LossRecorder:
             return original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
         mp.log = log
+        # torchtitan checks the loss itself before it logs ("Loss is not finite (global_avg_loss=nan) at step N",
+        # a RuntimeError and a traceback on every rank): the same one line as above. Around train(), not
+        # train_step(): the load check's one-step wrapper puts the original train_step back after step 1.
+        train = trainer.train
+
+        def train_or_one_line(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            except RuntimeError as e:
+                found = re.search(r"Loss is not finite \(global_avg_loss=([^)]*)\) at step (\d+)", str(e))
+                if found is None:
+                    raise
+                raise UserError(f"the loss at step {found[2]} is {found[1]}: training diverged or its weights or data "
+                                "are broken; nothing after this step is trained") from None
+
+        trainer.train = train_or_one_line
         self.times.append(time.perf_counter())  # t0: training starts after attach
 
     def _append_progress(self, step: int, loss: float) -> None:

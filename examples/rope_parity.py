@@ -73,20 +73,24 @@ class Config:
     out_dir: str = field(default="runs/rope_parity", metadata={"help": "results.json goes here"})
     device: Literal["auto", "cpu", "cuda", "neuron"] = field(
         default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
-    seed: int = field(default=0, metadata={"help": "seed for inputs and model weights"})
+    seed: int = field(default=0, metadata={"help": "seed for inputs and model weights", **cli.bounds(0, 2**32 - 1)})
     rope_layers: str = field(default="*", metadata={
         "help": "fnmatch glob on the RoPE module FQN: '*' every layer, '*layers.1.*' layer 1 only"})
     lnc: int = field(default=2, metadata={
-        "help": "Trainium logical NeuronCore size; the kernel needs seq % (128 x LNC) == 0"})
+        "help": "Trainium logical NeuronCore size; the kernel needs seq % (128 x LNC) == 0", **cli.bounds(1, 2)})
     check_kernel_shape: bool = field(default=False, metadata={
         "help": "enforce the NKI kernel's shape rule on any device (always on for neuron)"})
     seq_len: int = field(default=0, metadata={
-        "help": "0: the preset's shapes (256 and 512); otherwise every shape and the model use this length"})
-    model_batch: int = field(default=2, metadata={"help": "sequences in the tiny-model check"})
+        "help": "0: the preset's shapes (256 and 512); otherwise every shape and the model use this length",
+        **cli.bounds(2, 2048, also=(0,), why="the tiny Qwen3 of the model check has 2048 positions")})
+    model_batch: int = field(default=2, metadata={"help": "sequences in the tiny-model check", **cli.bounds(1, 1024)})
 
-    def validate(self) -> None:
-        if self.seq_len < 0 or self.model_batch <= 0 or self.lnc <= 0:
-            raise UserError("--seq_len must be >= 0, --model_batch and --lnc positive")
+    def validate(self) -> None:  # each number's range is its field's bounds (checked before this)
+        tokens = self.model_batch * (self.seq_len or 256)
+        if tokens > 2048:  # measured on CPU: 7.5 GiB peak at 2048 tokens (8 x 256 or 1 x 2048), 2.9 GiB at 512
+            raise UserError(f"--model_batch {self.model_batch} x --seq_len {self.seq_len or 256} is {tokens} tokens "
+                            "for the tiny-model check, more than 2048 (about 3 MiB of memory a token: its logits over "
+                            "the 151,936-token vocabulary, for both models, with their gradients)")
 
 
 def cpu() -> Config:

@@ -50,17 +50,21 @@ from common.results import check_outputs, versions  # noqa: E402
 class Config:
     preset: str = "tiny"
     flavor: str = field(default="tiny", metadata={"help": "torchtitan Qwen3 flavor (0.6B, 4B, 32B, ...) or 'tiny'"})
-    steps: int = field(default=10, metadata={"help": "training steps"})
+    steps: int = field(default=10, metadata={"help": "training steps", **cli.bounds(1, 10**7)})
     out_dir: str = field(default="runs/native_qwen3", metadata={"help": "results.json, loss.png, hf_export/ go here"})
     device: Literal["auto", "cpu", "cuda", "neuron"] = field(
         default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
-    seed: int = field(default=0, metadata={"help": "seed for init and data order"})
-    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
-    warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps"})
-    local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
+    seed: int = field(default=0, metadata={"help": "seed for init and data order", **cli.bounds(0, 2**32 - 1)})
+    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate", **cli.bounds(0.0, 10.0)})
+    warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps", **cli.bounds(0, 10**7)})
+    local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step",
+                                                       **cli.bounds(1, 2**20)})
     global_batch_size: int = field(
-        default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)"})
-    seq_len: int = field(default=128, metadata={"help": "tokens per sequence (at most the model's positions)"})
+        default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)",
+                              **cli.bounds(1, 2**24, also=(-1,))})
+    seq_len: int = field(default=128, metadata={
+        "help": "tokens per sequence (at most the model's positions)",
+        **cli.bounds(8, 2**18, multiple_of=8, why="torchtitan's chunked loss splits each sequence into 8")})
     dtype: Literal["float32", "bfloat16"] = field(
         default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
     attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={
@@ -71,9 +75,11 @@ class Config:
         default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
     eval_every: int = field(default=0, metadata={
         "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on data training never "
-                "reads: the corpus's validation.jsonl, a folder's validation split, else c4_validation from the Hub"})
+                "reads: the corpus's validation.jsonl, a folder's validation split, else c4_validation from the Hub",
+        **cli.bounds(0, 10**7)})
     eval_steps: int = field(default=4, metadata={
-        "help": "with --eval_every: batches of held-out data per evaluation (--local_batch_size sequences a rank)"})
+        "help": "with --eval_every: batches of held-out data per evaluation (--local_batch_size sequences a rank)",
+        **cli.bounds(1, 10**5)})
     hf_assets: str | None = field(
         default=None, metadata={"help": "HF folder with the tokenizer (default: the Qwen3 tokenizer from set-up)"})
     hf_checkpoint: str | None = field(default=None, metadata={
@@ -82,52 +88,55 @@ class Config:
         "help": "with --hf_checkpoint: compare the built model with transformers' load of it before step 1"})
     checkpoint_every: int = field(default=0, metadata={
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
-                "command resumes from the latest"})
+                "command resumes from the latest", **cli.bounds(0, 10**7)})
     time_limit: str | None = field(default=None, metadata={
         "help": "stop before this budget ends, with a checkpoint (exit 75; the same command resumes): minutes (90) "
                 "or an end time with its zone (2026-12-02T18:00:00Z: a capacity block's end)"})
     stop_margin_s: float = field(default=120.0, metadata={
         "help": "with --time_limit: seconds kept for the stop save until a save is measured (then the longest "
-                "save is kept, plus a step)"})
+                "save is kept, plus a step)", **cli.bounds(0.0, 86400.0)})
     export: bool = field(default=True, metadata={
         "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
     export_tolerance: float | None = field(default=None, metadata={
-        "help": "max abs logits difference the export check accepts (none: 1e-5 for float32, 5e-2 for bfloat16)"})
+        "help": "max abs logits difference the export check accepts (none: 1e-5 for float32, 5e-2 for bfloat16)",
+        **cli.bounds(above=0.0, high=1000.0)})
     nproc_per_node: int = field(
-        default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)"})
+        default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)",
+                             **cli.bounds(1, 1024)})
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
-    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
+                                          **cli.bounds(1, 2)})
     compare_losses: str | None = field(default=None, metadata={
         "help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go "
                 "to results.json; a difference over --loss_tolerance is a non-zero exit"})
     loss_tolerance: float = field(default=1e-3, metadata={
-        "help": "largest per-step loss difference --compare_losses calls a match"})
+        "help": "largest per-step loss difference --compare_losses calls a match",
+        **cli.bounds(above=0.0, high=1000.0)})
     dry_run: bool = field(default=False, metadata={
         "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
                 "per-rank memory"})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "peak TFLOPS of one device for MFU (default: torchtitan's table for an accelerator, a matmul "
-                "measured in this process on CPU)"})
+                "measured in this process on CPU)", **cli.bounds(above=0.0, high=1e5)})
     price_per_hour: float | None = field(default=None, metadata={
         "help": "what this run's hardware costs per hour (all nodes): results.json gets the run's cost and the cost "
-                "per million tokens; with --dry_run and --assumed_mfu, the full run's"})
+                "per million tokens; with --dry_run and --assumed_mfu, the full run's", **cli.bounds(0.0, 1e6)})
     assumed_mfu: float | None = field(default=None, metadata={
-        "help": "with --dry_run: project the full run's time (and cost) at this MFU (a fraction, 0.3) of the peak"})
+        "help": "with --dry_run: project the full run's time (and cost) at this MFU (a fraction, 0.3) of the peak",
+        **cli.bounds(above=0.0, high=1.0)})
     tensorboard: bool = field(default=False, metadata={
         "help": "torchtitan's TensorBoard logging into OUT_DIR/tb (loss, grad norm, memory, throughput, MFU)"})
     dry_run_ranks: int = field(
-        default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)"})
+        default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)",
+                              **cli.bounds(1, 100_000)})
     per_core_gib: float = field(
-        default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)"})
+        default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)",
+                                **cli.bounds(above=0.0, high=4096.0)})
 
-    def validate(self) -> None:
-        cli.require(self, positive=("steps", "local_batch_size", "seq_len", "nproc_per_node", "loss_tolerance",
-                                    "dry_run_ranks", "per_core_gib", "lnc", "eval_steps"),
-                    non_negative=("lr", "warmup_steps", "checkpoint_every", "stop_margin_s", "eval_every"))
+    def validate(self) -> None:  # each number's range is its field's bounds (checked before this)
         if self.export_tolerance is None:
             self.export_tolerance = EXPORT_TOLERANCE[self.dtype]
-        cli.require(self, positive=("export_tolerance",))
 
 
 EXPORT_TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}  # exported float32 / bfloat16 weights, re-read

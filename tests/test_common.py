@@ -51,7 +51,7 @@ def test_sdpa_attention_equals_per_document_attention():
 @dataclass
 class _Cfg:
     preset: str = "a"
-    steps: int = field(default=3, metadata={"help": "steps"})
+    steps: int = field(default=3, metadata={"help": "steps", **cli.bounds(1, 100)})
     name: str | None = None
     export: bool = True
     mode: Literal["x", "y"] = "x"

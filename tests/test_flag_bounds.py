@@ -1,0 +1,295 @@
+"""Every numeric flag of every script declares the values it takes where it is declared (`cli.bounds` in its
+field's metadata; `cli.build_parser` refuses a numeric field without them), and one table of hostile values goes
+through every such flag of every script: each value is either inside the declared bounds and accepted, or refused
+with one UserError naming the flag; never accepted outside them, never another exception. In-process: parsing
+takes milliseconds; the command-line rows at the end fail at parsing too."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from common import cli
+from common.errors import UserError
+from common.losses import LossRecorder
+from conftest import ROOT, assert_clean_error, run_example
+
+SANE = 1e10  # no bound reaches this: steps, ranks, seeds, batch sizes and memory all stay far below
+
+
+def _scripts() -> list[str]:
+    """Every script whose command line is generated from a Config dataclass (it calls cli.run_cli): a new
+    script is in the table without being listed here."""
+    return [f"{folder}/{path.name}" for folder in ("examples", "bench")
+            for path in sorted((ROOT / folder).glob("*.py")) if "cli.run_cli(" in path.read_text()]
+
+
+SCRIPTS = _scripts()
+
+
+def _module(script: str):
+    folder, name = script.split("/")
+    return importlib.import_module(name.removesuffix(".py") if folder == "examples" else f"bench.{name[:-3]}")
+
+
+def _numeric(cls) -> list[tuple[dataclasses.Field, type, cli.Bounds]]:
+    """(field, int or float, its bounds) for every numeric flag of a Config."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        conv, choices = cli._field_type(hints[f.name])
+        if conv in (int, float) and choices is None:
+            out.append((f, conv, f.metadata.get("bounds")))
+    return out
+
+
+def _inside(b: cli.Bounds, v) -> bool:
+    """The declared bounds, read on their own (not through cli's check): is `v` a value the flag takes?"""
+    if v in b.also:
+        return True
+    if isinstance(v, float) and not math.isfinite(v):
+        return False
+    above_low = v > b.above if b.above is not None else v >= b.low
+    return above_low and v <= b.high and not (b.multiple_of and v % b.multiple_of)
+
+
+def _hostile(conv: type, b: cli.Bounds) -> list[str]:
+    """Zero, negative, huge, NaN, infinite, both edges and one past each, and a value that is not a multiple of
+    what it must divide by."""
+    lo = b.low if b.low is not None else b.above
+    values = ["0", "-5", "-1", "1", str(10**30), "99999999999999999999999", "1e30", "nan", "inf", "-inf", "0.5",
+              repr(lo), repr(b.high)]
+    if conv is int:
+        values += [str(lo - 1), str(b.high + 1), str(2**63), str(2**64 + 1)]
+    else:
+        values += [repr(b.high * 1.001), repr(lo - 1e-9), "1e-300", "-0.0"]
+    if b.multiple_of and b.multiple_of > 1:
+        values.append(str(next(v for v in range(max(int(lo), 1), int(lo) + 2 * b.multiple_of) if v % b.multiple_of)))
+        values.append(str(b.high - 1))
+    return list(dict.fromkeys(values))
+
+
+def _as(conv: type, text: str):
+    """The value argparse makes of `text` for this flag, or None where it refuses the text itself."""
+    try:
+        return conv(text)
+    except ValueError:
+        return None
+
+
+def test_every_script_is_in_the_table():
+    assert {"examples/train_native_qwen3.py", "examples/train_hf_backend.py", "examples/train_moe_nki.py",
+            "examples/rope_parity.py", "examples/generate_compat_check.py", "bench/bench_moe.py",
+            "bench/bench_rope.py", "bench/bench_scaling.py", "bench/bench_memory_model.py"} <= set(SCRIPTS), SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_numeric_flag_declares_sane_bounds(script):
+    """Bounds on every int and float flag, none so wide that a huge, negative or non-finite value gets through."""
+    mod = _module(script)
+    fields = _numeric(mod.Config)
+    assert fields, f"{script} has no numeric flag?"
+    for f, conv, b in fields:
+        assert isinstance(b, cli.Bounds), f"{script} --{f.name} has no cli.bounds"
+        assert b.high < SANE and (b.low if b.low is not None else b.above) > -5, (f.name, b)
+        for v in (10**30, 1e30, -5, math.nan, math.inf, -math.inf):
+            assert not _inside(b, v), (f.name, v, b)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_preset_parses(script):
+    """Each preset's own values are inside its flags' bounds (parse_config checks them as it checks flags)."""
+    mod = _module(script)
+    for preset in mod.PRESETS:
+        cfg = cli.parse_config(mod.Config, mod.PRESETS, ["--preset", preset], "", mod.Config().preset)
+        for f, _, b in _numeric(mod.Config):
+            value = getattr(cfg, f.name)
+            assert value is None or _inside(b, value), (preset, f.name, value)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_hostile_values_are_taken_inside_the_bounds_and_refused_in_one_line_outside(script, capsys):
+    mod = _module(script)
+    default = mod.Config().preset
+    wrong = []
+    for f, conv, b in _numeric(mod.Config):
+        flag = f"--{f.name}"
+        for text, argv in ((t, a) for t in _hostile(conv, b) for a in ([f"{flag}={t}"], [flag, t])):
+            value = _as(conv, text)
+            try:
+                cfg = cli.parse_config(mod.Config, mod.PRESETS, argv, "", default)
+            except UserError as e:
+                message = str(e)
+                if value is not None and not _inside(b, value):  # refused by the bounds: flag, value, bounds named
+                    if not (message.startswith(f"{flag} ") and str(value) in message and b.describe() in message):
+                        wrong.append(f"{argv}: {message}")
+                elif flag not in message:  # inside the bounds, refused by a check across flags: still named
+                    wrong.append(f"{flag} {text} (inside the bounds) refused without naming the flag: {message}")
+            except SystemExit as e:  # argparse's own refusal, one line naming the flag: text that is not an int, or
+                # `--lr -inf` (a word starting with '-' that is not a plain negative number reads as a flag)
+                err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+                if (value is not None and not (len(argv) == 2 and text.startswith("-"))) or e.code != 2 \
+                        or len(err) != 1 or flag not in err[0]:
+                    wrong.append(f"{argv}: exit {e.code}, {err}")
+            except Exception as e:  # noqa: BLE001  the point: never another exception
+                wrong.append(f"{argv}: {type(e).__name__}: {e}")
+            else:
+                if value is None or not _inside(b, value) or getattr(cfg, f.name) != value:
+                    wrong.append(f"{argv}: accepted as {getattr(cfg, f.name)!r}, bounds {b.describe()}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bounds_hold_for_values_argparse_would_never_make(script):
+    """NaN, infinities and 10**30 set on any numeric field (int ones included, as a preset could) are refused."""
+    mod = _module(script)
+    base = mod.PRESETS[mod.Config().preset]()
+    for f, _, _ in _numeric(mod.Config):
+        for v in (math.nan, math.inf, -math.inf, 10**30, -(10**30)):
+            with pytest.raises(UserError, match=f"^--{f.name} "):
+                cli.check_bounds(dataclasses.replace(base, **{f.name: v}))
+
+
+def test_chunked_loss_scripts_declare_torchtitans_chunk_count():
+    """torchtitan's ChunkedLossWrapper (the loss of the qwen3_32b and qwen3_30b_a3b builders) splits each sequence
+    into num_chunks equal parts: --seq_len must be a multiple of it, read from the installed torchtitan."""
+    tt = Path(importlib.util.find_spec("torchtitan").origin).parent
+    chunks = int(re.search(r"class ChunkedLossWrapper\b.*?num_chunks: int = (\d+)",
+                           (tt / "components" / "loss.py").read_text(), re.S)[1])
+    registry = (tt / "models" / "qwen3" / "config_registry.py").read_text()
+    for builder in ("qwen3_32b", "qwen3_30b_a3b"):
+        body = re.search(rf"def {builder}\(\).*?\n(?=def )", registry, re.S)[0]
+        assert "ChunkedLossWrapper.Config(" in body and "num_chunks" not in body, builder
+    for script in ("examples/train_native_qwen3.py", "examples/train_moe_nki.py", "bench/bench_memory_model.py",
+                   "bench/bench_scaling.py"):
+        b = next(b for f, _, b in _numeric(_module(script).Config) if f.name == "seq_len")
+        assert b.multiple_of == chunks and b.low >= chunks, (script, b)
+
+
+def test_help_shows_what_each_numeric_flag_takes():
+    mod = _module("examples/train_native_qwen3.py")
+    text = " ".join(cli.build_parser(mod.Config, mod.PRESETS, "", "tiny").format_help().split())
+    assert "takes 8 to 262144, a multiple of 8" in text and "takes -1 or 1 to 16777216" in text
+
+
+@dataclass
+class _Unbounded:
+    preset: str = "a"
+    steps: int = field(default=3, metadata={"help": "steps"})
+
+
+@dataclass
+class _UnboundedOptionalFloat:
+    preset: str = "a"
+    rate: float | None = None
+
+
+@dataclass
+class _DefaultOutside:
+    preset: str = "a"
+    steps: int = field(default=0, metadata={"help": "steps", **cli.bounds(1, 10)})
+
+
+@dataclass
+class _BoundedText:
+    preset: str = "a"
+    name: str = field(default="x", metadata={"help": "a name", **cli.bounds(1, 10)})
+
+
+@pytest.mark.parametrize("cls, needle", [(_Unbounded, "_Unbounded.steps is a numeric flag without bounds"),
+                                         (_UnboundedOptionalFloat, "_UnboundedOptionalFloat.rate is a numeric flag"),
+                                         (_DefaultOutside, "its default 0 is outside its own bounds"),
+                                         (_BoundedText, "bounds on a flag that is not an int or a float")])
+def test_a_numeric_flag_cannot_be_declared_without_bounds(cls, needle):
+    """A programming error, at parser build: every test (and every run) of a script with such a field fails."""
+    with pytest.raises(TypeError, match=re.escape(needle)):
+        cli.build_parser(cls, {"a": cls}, "", "a")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"low": 1}, {"low": 1, "above": 0, "high": 2}, {"low": 5, "high": 2},
+                                    {"low": 0, "high": math.inf}, {"low": 0, "high": 8, "multiple_of": 0}])
+def test_bounds_refuses_a_malformed_declaration(kwargs):
+    with pytest.raises(TypeError):
+        cli.bounds(**kwargs)
+
+
+def test_bounds_messages():
+    b = cli.bounds(1, 2**24, also=(-1,))["bounds"]
+    assert b.refusal("global_batch_size", -1) is None and b.refusal("global_batch_size", 64) is None
+    assert b.refusal("global_batch_size", 0) == ("--global_batch_size must be -1 or positive, got 0; "
+                                                 "it takes -1 or 1 to 16777216")
+    b = cli.bounds(above=0.0, high=10.0)["bounds"]
+    assert b.refusal("lr", 0.0) == "--lr must be positive, got 0.0; it takes above 0 and at most 10"
+    assert b.refusal("lr", math.nan) == "--lr must be a finite number, got nan; it takes above 0 and at most 10"
+    b = cli.bounds(8, 64, multiple_of=8, why="eight chunks")["bounds"]
+    assert b.refusal("seq_len", 100) == ("--seq_len 100 is more than 64; "
+                                         "it takes 8 to 64, a multiple of 8 (eight chunks)")
+    assert b.refusal("seq_len", 12).startswith("--seq_len must be a multiple of 8, got 12; ")
+
+
+# --- a loss torchtitan finds non-finite: the documented one line, not its RuntimeError and traceback
+
+class _FakeTrainer:
+    """What LossRecorder.attach touches: the metrics processor's log and train(), which raises as torchtitan's."""
+
+    def __init__(self, error: BaseException):
+        self.metrics_processor = type("MP", (), {"log": lambda *a, **k: None})()
+        self.error = error
+
+    def train(self):
+        raise self.error
+
+
+def test_torchtitans_non_finite_loss_becomes_the_documented_line():
+    tt = Path(importlib.util.find_spec("torchtitan").origin).parent
+    source = (tt / "trainer.py").read_text()  # the text the wrapper reads, as the installed torchtitan raises it
+    assert re.search(r'"Loss is not finite \(global_avg_loss=\{global_avg_loss\}\) at "\s*f"step \{self\.step\}\.',
+                     source)
+
+    trainer = _FakeTrainer(RuntimeError("Loss is not finite (global_avg_loss=nan) at step 3. Stopping training."))
+    LossRecorder().attach(trainer)
+    with pytest.raises(UserError) as e:
+        trainer.train()
+    assert str(e.value).startswith("the loss at step 3 is nan: training diverged"), e.value
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+
+    other = RuntimeError("something else")  # any other error passes through untouched
+    trainer = _FakeTrainer(other)
+    LossRecorder().attach(trainer)
+    with pytest.raises(RuntimeError) as e:
+        trainer.train()
+    assert e.value is other
+
+
+# --- the issue's examples, as a user types them: one `error:` line, exit 2, nothing written
+
+CLI_ROWS = [
+    ("train_native_qwen3.py", ["--global_batch_size", "0"], "--global_batch_size must be -1 or positive, got 0"),
+    ("train_native_qwen3.py", ["--global_batch_size", "-5"], "--global_batch_size must be -1 or positive, got -5"),
+    ("train_native_qwen3.py", ["--seq_len", "100"], "--seq_len must be a multiple of 8, got 100"),
+    ("train_moe_nki.py", ["--seq_len", "1"], "--seq_len must be at least 8, got 1"),
+    ("train_hf_backend.py", ["--seq_len", "1"], "--seq_len must be at least 2, got 1"),
+    ("train_native_qwen3.py", ["--lr", "1e30"], "--lr 1e+30 is more than 10"),
+    ("train_native_qwen3.py", ["--seed", "99999999999999999999999"],
+     "--seed 99999999999999999999999 is more than 4294967295"),
+    ("train_native_qwen3.py", ["--dry_run", "--dry_run_ranks", "1000000000000"],
+     "--dry_run_ranks 1000000000000 is more than 100000"),
+    ("rope_parity.py", ["--seq_len", "1"], "--seq_len must be 0 or at least 2, got 1"),
+    ("rope_parity.py", ["--seq_len", "3000000"], "--seq_len 3000000 is more than 2048"),
+    ("rope_parity.py", ["--model_batch", "1000000"], "--model_batch 1000000 is more than 1024"),
+    ("rope_parity.py", ["--model_batch", "1024"], "--model_batch 1024 x --seq_len 256 is 262144 tokens"),
+]
+
+
+@pytest.mark.parametrize("script, args, needle", CLI_ROWS, ids=[" ".join([r[0], *r[1]]) for r in CLI_ROWS])
+def test_the_issues_examples_are_one_error_line(script, args, needle, tmp_path):
+    proc = run_example(script, *args, "--out_dir", str(tmp_path / "out"), check=False)
+    assert_clean_error(proc, needle)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
