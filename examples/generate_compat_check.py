@@ -1,7 +1,8 @@
 # Copy with this file (all it imports from the repository):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/preflight.py
-#   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, lookup, page)
+#   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, lookup, page,
+#   compile_audit, rankings)
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
 """The Trainium model-compatibility protocol: a short, reproducible generation run per model, kept in Parquet.
 
@@ -29,8 +30,13 @@ replaced under a lock file beside each, so no row is lost, and results.json list
 SIGTERM, SIGHUP or SIGINT stops every process the check started (workers, a training subprocess, and what they
 started), prints one `error: interrupted by SIG...` line and exits 128 + the signal's number; the workers and the
 training subprocess also die with the check if it is SIGKILLed (PR_SET_PDEATHSIG).
-`--task train` runs a few steps of examples/train_hf_backend.py per model instead. docs/compatibility-check.md
-has the details, the lookup and its web page.
+`--task train` runs a few steps of examples/train_hf_backend.py per model instead. Every compiled row (and with
+--compile_audit every row) carries a compile audit: the same generation under Dynamo with a backend that only counts
+(seconds on CPU) gives the graphs the compiler gets (neuronx-cc on Trainium, minutes each), the recompiles after the
+first decode step and the graph breaks, each with its reasons; a decode that recompiles per token says what that
+costs on Trainium. `rankings` writes the Hub's most downloaded and trending models per task; `lookup --rankings`
+shows them in that order, untested ones as "not tested". docs/compatibility-check.md has the details, the lookup
+and its web page.
 
 CPU (preset `offline`: tiny Qwen3, tiny Qwen3-MoE, SmolLM2-135M-Instruct, a tiny Qwen3-VL and a photograph,
 all from `make setup`; `--task auto` picks each model's task from its config):
@@ -41,13 +47,21 @@ all from `make setup`; `--task auto` picks each model's task from its config):
     python examples/generate_compat_check.py lookup runs/compat --name qwen3 [--task image-text-to-text]
     python examples/generate_compat_check.py lookup runs/compat --name smollm2 --run_py   # print a row's script
     python examples/generate_compat_check.py lookup runs/compat --html runs/compat/page.html  # the lookup page
+    python examples/generate_compat_check.py --no_compile --compile_audit --out_dir runs/compat  # with the audit
+Where the Hub is reachable (then offline: the lookup and its page read the file):
+    python examples/generate_compat_check.py rankings --task text-generation --task image-text-to-text \\
+        --limit 100 --out runs/compat/rankings.json
+    python examples/generate_compat_check.py lookup runs/compat --rankings runs/compat/rankings.json \\
+        [--view downloads] [--html runs/compat/page.html]
 One trn2.48xlarge (Neuron DLAMI with the AWS guide's stack; models from the Hub):
     python examples/generate_compat_check.py --preset trn2_selected --out_dir runs/compat_trn2
 
 Expected (offline, --no_compile, idle 2-core CPU, about 1 minute): four rows, all PASS with cpu_match true
 on 1 core (tiny-qwen-vl as image-text-to-text); the judge, run on single-core rows too in this preset, calls
 SmolLM2's text English and not the random tiny models'. Compiling with inductor on CPU costs 1.5-3 minutes per
-model the first time (tiny Qwen3-VL: 170 s of a 180 s wall time), seconds from inductor's cache.
+model the first time (tiny Qwen3-VL: 170 s of a 180 s wall time), seconds from inductor's cache. The compile audit
+(static cache, 32 tokens): 2 graphs (prefill, decode), no recompile, no graph break for the three text models; tiny
+Qwen3-VL 34 graphs (its vision tower split by 27 graph breaks), no recompile; 2-11 s a model on CPU.
 """
 from __future__ import annotations
 
@@ -69,7 +83,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examp
 from common import cli, device, paths, preflight  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
-from compat_check import judge as judging, lookup, measure, processes, rows, sizing, training  # noqa: E402
+from compat_check import compile_audit, judge as judging, lookup, measure, processes, rankings, rows, sizing, \
+    training  # noqa: E402
 
 TASK_HELP = ("auto: image-text-to-text for a vision-language model, text-generation otherwise; "
              "train: a few steps of the HF-backend training recipe per model")
@@ -85,9 +100,13 @@ class Config:
         default="auto", metadata={"help": TASK_HELP})
     device: Literal["auto", "cpu", "cuda", "neuron"] = field(default="auto", metadata={
         "help": "auto: neuron, then cuda, then cpu"})
-    core_memory_gib: float = field(default=24.0, metadata={"help": "memory of one core (24 GiB: an LNC=2 trn2 core)"})
-    max_cores: int = field(default=16, metadata={"help": "most cores a model may use (16 = 4 Trainium2 chips)"})
-    cores: int = field(default=0, metadata={"help": "0: the fewest that hold the weights; N: force N cores"})
+    core_memory_gib: float = field(default=24.0, metadata={
+        "help": "memory of one core (24 GiB: an LNC=2 trn2 core)", **cli.bounds(above=0, high=4096.0)})
+    max_cores: int = field(default=16, metadata={
+        "help": "most cores a model may use (16 = 4 Trainium2 chips)",
+        **cli.bounds(1, 128, why="trn2.48xlarge's physical cores at LNC=1")})
+    cores: int = field(default=0, metadata={"help": "0: the fewest that hold the weights; N: force N cores",
+                                            **cli.bounds(0, 128)})
     sharding: Literal["auto", "tp", "ep"] = field(default="auto", metadata={
         "help": "auto: TP if the model has a plan, else EP for MoE; tp/ep: force one (runs on more than one core)"})
     dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={"help": "auto: the checkpoint's"})
@@ -95,26 +114,35 @@ class Config:
         "help": "skip torch.compile (by default the forward is compiled: neuron on Trainium, inductor elsewhere)"})
     fullgraph: bool = field(default=False, metadata={"help": "torch.compile(fullgraph=True). Off by default: "
                             "transformers 5.16's TP plans hook q_norm/k_norm, which Dynamo cannot trace in one graph"})
-    new_tokens: int = field(default=32, metadata={"help": "greedy tokens generated per model"})
+    compile_audit: bool = field(default=False, metadata={
+        "help": "audit --no_compile rows too (every compiled row is audited): the graphs Dynamo hands the compiler "
+                "over the generation, recompiles and graph breaks, with a counting backend (seconds on CPU)"})
+    cache: Literal["auto", "dynamic"] = field(default="auto", metadata={
+        "help": "auto: static cache (and compile) where the model supports them; dynamic: the dynamic cache and "
+                "eager, as for a model that does not (with --compile_audit: what compiling that would recompile)"})
+    new_tokens: int = field(default=32, metadata={"help": "greedy tokens generated per model", **cli.bounds(1, 4096)})
     prompt: str = field(default="Once upon a time, in a small village by the sea,",
                         metadata={"help": "text-generation prompt"})
     image_prompt: str = field(default="Describe this photograph.", metadata={"help": "image-text-to-text prompt"})
     image: str | None = field(default=None, metadata={
         "help": "image-text-to-text: an image file (default: the photograph of the tiny-qwen-vl asset)"})
     timeout_s: int = field(default=1800, metadata={
-        "help": "per-model limit (load, compile, generate); past it every process of the run is killed, a FAIL row"})
+        "help": "per-model limit (load, compile, generate); past it every process of the run is killed, a FAIL row",
+        **cli.bounds(1, 7 * 24 * 3600)})
     judge_model: str | None = field(default=None, metadata={
         "help": "English judge: folder or Hub id (default: SmolLM2-135M-Instruct from set-up)"})
-    judge_max_perplexity: float = field(default=judging.JudgeLimits.max_perplexity,
-                                        metadata={"help": "highest judge perplexity counted as fluent"})
+    judge_max_perplexity: float = field(default=judging.JudgeLimits.max_perplexity, metadata={
+        "help": "highest judge perplexity counted as fluent", **cli.bounds(above=0, high=1e9)})
     judge_single_core: bool = field(default=False, metadata={
         "help": "also judge single-core runs for English (recorded, not part of their verdict)"})
     trust_remote_code: bool = field(default=False, metadata={
         "help": "allow checkpoints that ship their own model code (refused by default)"})
-    train_steps: int = field(default=4, metadata={"help": "--task train: steps per model"})
-    train_lr: float = field(default=3e-4, metadata={"help": "--task train: peak learning rate"})
+    train_steps: int = field(default=4, metadata={"help": "--task train: steps per model", **cli.bounds(1, 10_000)})
+    train_lr: float = field(default=3e-4, metadata={"help": "--task train: peak learning rate",
+                                                    **cli.bounds(above=0, high=1.0)})
     redo: bool = field(default=False, metadata={"help": "run models already recorded for this version stack again"})
-    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)"})
+    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
+                                          **cli.bounds(1, 2)})
 
     def validate(self) -> None:
         """Every number is checked before anything runs: a bad flag must never become a stored verdict."""
@@ -296,9 +324,10 @@ def generate_on_device(job: dict) -> dict:
     tok, inputs = model_inputs(job)
     load_s = time.perf_counter() - start
     # transformers' own flag for "static cache and torch.compile work": where it is False, dynamic cache, eager.
-    static = bool(getattr(model, "_can_compile_fullgraph", False))
+    static = bool(getattr(model, "_can_compile_fullgraph", False)) and job["cache"] != "dynamic"
     compiled = job["compile"] and static
     model.generation_config.disable_compile = True  # compiled explicitly below, or not at all
+    eager_forward = model.forward  # what the compile audit hands to Dynamo
     if compiled:
         backend = "neuron" if dev.device_type == "neuron" else "inductor"
         model.forward = torch.compile(model.forward, backend=backend, fullgraph=job["fullgraph"])
@@ -306,10 +335,10 @@ def generate_on_device(job: dict) -> dict:
               "return_dict_in_generate": True,
               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
     prompt_len = inputs["input_ids"].shape[1]
+    generate_kwargs = {**inputs.to(dev.device), **({"cache_implementation": "static"} if static else {}), **greedy}
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**inputs.to(dev.device), **({"cache_implementation": "static"} if static else {}),
-                             **greedy)
+        out = model.generate(**generate_kwargs)
     measure.synchronize(dev.device_type)
     end = time.perf_counter()
     tokens = out.sequences[0, prompt_len:].tolist()
@@ -319,15 +348,39 @@ def generate_on_device(job: dict) -> dict:
               "peak_bytes": device.peak_memory_bytes(dev.device_type),
               "nonfinite": nonfinite or measure.nonfinite_logits(out.logits),
               "timings": {"load_s": load_s, "generate_s": end - t0}}
+    if compiled or job["compile_audit"]:  # after the timed run: its wall and compile times do not include it
+        report["audit"] = audit_compile(model, eager_forward, generate_kwargs, job, tokens, prompt_len)
+        report["timings"]["compile_audit_s"] = report["audit"].get("seconds")
     if job["runner"] == "single":  # the reference: the same checkpoint, CPU, eager, default (dynamic) cache
+        ref_start = time.perf_counter()
         del model
         ref = auto_class.from_pretrained(job["folder"], **load).eval()
         with torch.no_grad():
             ref_out = ref.generate(**inputs.to("cpu"), **greedy)
         report["cpu_tokens"] = ref_out.sequences[0, prompt_len:].tolist()
         report["nonfinite"] = report["nonfinite"] or measure.nonfinite_logits(ref_out.logits)
-        report["timings"]["reference_s"] = time.perf_counter() - end
+        report["timings"]["reference_s"] = time.perf_counter() - ref_start
     return report
+
+
+def audit_compile(model, forward, generate_kwargs: dict, job: dict, tokens: list[int], prompt_len: int) -> dict:
+    """The same generation under Dynamo with a counting backend (compat_check/compile_audit.py): graphs,
+    recompiles, graph breaks. A failure of the audit is recorded as such, never the model's verdict."""
+    import torch
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(**generate_kwargs)
+
+    try:
+        audit = compile_audit.audit_generation(model, forward, generate, fullgraph=job["fullgraph"],
+                                               new_tokens=job["new_tokens"])
+    except Exception as e:  # noqa: BLE001  Dynamo's Unsupported (fullgraph), anything: the audit's, not the row's
+        first = (str(e).strip().splitlines() or [""])[0]
+        return {"error": f"{type(e).__name__}: {first}"[:500]}
+    out = audit.pop("output")
+    audit["same_tokens"] = out.sequences[0, prompt_len:].tolist() == tokens  # it audited the run it reports on
+    return audit
 
 
 # ------------------------------------------------------------------------------------------ one model
@@ -397,7 +450,7 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
     job = {"folder": str(folder), "cores": plan.cores, "runner": plan.runner, "device": dev_type, "task": task,
            "dtype": cfg.dtype, "compile": not cfg.no_compile, "fullgraph": cfg.fullgraph, "prompt": prompt,
            "new_tokens": cfg.new_tokens, "timeout_s": cfg.timeout_s, "lnc": cfg.lnc,
-           "trust_remote_code": cfg.trust_remote_code}
+           "trust_remote_code": cfg.trust_remote_code, "compile_audit": cfg.compile_audit, "cache": cfg.cache}
     if vision:
         job["image"] = str(image_file(cfg))
         row["image"] = f"{job['image']} (sha256 {hashlib.sha256(Path(job['image']).read_bytes()).hexdigest()})"
@@ -409,9 +462,12 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
                generated_text=rep["text"], timings=rep["timings"],
                compile_cache=rep["compile_cache"] or "nothing compiled: eager run")
     how = f"compiled ({'neuron' if dev_type == 'neuron' else 'inductor'})" if rep["compiled"] else "eager"
-    cache = "static cache" if rep["static"] else \
+    cache = "static cache" if rep["static"] else "dynamic cache (--cache dynamic)" if cfg.cache == "dynamic" else \
         "dynamic cache: the model does not support static cache and compile (_can_compile_fullgraph is False)"
     row["notes"] += f"; {plan.runner} on {plan.cores} {dev_type} process(es), {how}, {cache}"
+    if rep.get("audit"):
+        row.update(compile_audit.row_columns(rep["audit"]))
+        row["notes"] += "; " + compile_audit.note(rep["audit"])
     if dev_type == "cpu":
         row["notes"] += "; hbm_peak_gb is the peak resident memory of a process (CPU has no HBM)"
     if plan.runner == "single":
@@ -447,7 +503,8 @@ def rerun_args(cfg: Config, row: dict) -> str:
     defaults = Config()
     names = ("train_steps", "train_lr") if row["task"] == "train" else (
         "dtype", "new_tokens", "core_memory_gib", "max_cores", "sharding", "trust_remote_code", "no_compile",
-        "fullgraph", "image_prompt" if row["task"] == "image-text-to-text" else "prompt", "image")
+        "fullgraph", "compile_audit", "cache", "image_prompt" if row["task"] == "image-text-to-text" else "prompt",
+        "image")
     args += ["--cores", str(row["tp"])] if row.get("tp") and row["task"] != "train" else []
     for f in fields(Config):
         value = getattr(cfg, f.name)
@@ -576,12 +633,15 @@ def main(cfg: Config) -> dict:
         else:
             rows.write_row(path, row)
         keys = ("task", "result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb",
-                "train_losses", "exclusion", "error", "unavailable")
+                "train_losses", "exclusion", "error", "unavailable", "compile_graphs", "compile_recompiles",
+                "compile_graph_breaks")
         summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
         tqdm.write(lookup.printable(
             f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
             f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
             f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
+            + (f" graphs={row['compile_graphs']} recompiles={row['compile_recompiles']} graph_breaks="
+               f"{row['compile_graph_breaks']}" if row.get("compile_graphs") is not None else "")
             + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
             + (f" excluded: {row['exclusion']}" if row.get("exclusion") else "")))
         results["models"] = summary
@@ -596,6 +656,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["lookup"]:
         sys.exit(lookup.lookup_main(sys.argv[2:], prog="generate_compat_check.py lookup",
                                     selected=tuple(model_specs(trn2_selected().models)), rerun=rerun_argv))
+    if sys.argv[1:2] == ["rankings"]:  # the Hub's own rankings per task, for lookup --rankings
+        sys.exit(rankings.rankings_main(sys.argv[2:], prog="generate_compat_check.py rankings"))
     processes.stop_on_signals()  # SIGTERM, SIGHUP, SIGINT: every process below this one stopped, one error line
     try:
         code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")

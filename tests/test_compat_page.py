@@ -241,3 +241,126 @@ def test_ten_thousand_rows_open_and_filter(browser, tmp_path):
     browser.find_element("id", "q").send_keys("model-00042-")
     assert all("model-00042-" in m for m in _shown_ids(browser)) and len(_shown_ids(browser)) == 1
     assert _console_errors(browser) == []
+
+
+# --------------------------------------------------------------------------- Trending and Downloads
+def _ranked_page(tmp_path: Path, with_rankings: bool = True) -> Path:
+    """The ranked fixture of tests/test_compat_rankings.py (rows for some ranked models, a rankings file in another
+    order, untested models, a hostile id), plus a record whose task, and a fetched_at, are markup; written by the
+    example's own command, `lookup RESULTS --rankings FILE --html PAGE`."""
+    from conftest import run_example
+    from test_compat_rankings import ranked_fixture
+
+    results, ranks = ranked_fixture(tmp_path / "ranked")
+    doc = json.loads(ranks.read_text())
+    doc["fetched_at"] = HOSTILE[1]
+    doc["models"].append({"model_id": HOSTILE[2], "task": HOSTILE[0], "downloads_rank": 1, "trending_rank": 1,
+                          "downloads": 3, "trending_score": 1, "likes": 0, "fetched_at": HOSTILE[1]})
+    ranks.write_text(json.dumps(doc))
+    html = tmp_path / "ranked.html"
+    args = ["lookup", str(results), "--html", str(html)] + (["--rankings", str(ranks)] if with_rankings else [])
+    run_example("generate_compat_check.py", *args)
+    return html
+
+
+def _lines(browser) -> list[tuple[str, str, str]]:
+    """(rank, model id, result) of each drawn line."""
+    out = []
+    for tr in browser.find_elements("css selector", "#rows tr.row"):
+        rank = tr.find_element("css selector", "td.rank-col").text
+        model = tr.find_element("css selector", ".model").text
+        out.append((rank, model, tr.find_element("css selector", ".badge").text))
+    return out
+
+
+def test_trending_and_downloads_views_follow_the_rankings(browser, tmp_path):
+    from test_compat_rankings import HOSTILE_ID
+    from selenium.webdriver.support.ui import Select
+
+    html = _ranked_page(tmp_path)
+    _open(browser, html)
+    assert browser.find_element("id", "table").get_attribute("class") == ""  # Selected: no rank column
+    assert not browser.find_element("css selector", "thead th.rank-col").is_displayed()
+
+    browser.find_element("id", "view-trending").click()  # the rankings' first task, in trending order
+    assert browser.find_element("id", "view-trending").get_attribute("aria-pressed") == "true"
+    assert browser.find_element("id", "table").get_attribute("class") == "ranked"
+    assert _lines(browser) == [("1", "org/dynamic-cache", "PASS"), ("2", HOSTILE_ID, "not tested"),
+                               ("3", "Qwen/Qwen3-0.6B", "PASS"), ("4", "org/excluded", "EXCLUDED")]
+    count = browser.find_element("id", "count").text
+    assert count.startswith("Trending for text-generation: 4 ranked model(s), 4 line(s): 2 PASS, 0 FAIL, 1 EXCLUDED, "
+                            "1 not tested (neither PASS nor FAIL; EXCLUDED and not tested are not failures)")
+    untested = browser.find_elements("css selector", "#rows tr.row.untested")
+    assert len(untested) == 1 and "5,000,000" in untested[0].text  # its downloads, beside its rank
+    badge = untested[0].find_element("css selector", ".badge")
+    assert "untested" in badge.get_attribute("class") and "pass" not in badge.get_attribute("class")
+    assert badge.value_of_css_property("background-color") != browser.find_element(
+        "css selector", "#rows .badge.pass").value_of_css_property("background-color")
+    assert not untested[0].find_elements("css selector", "button")  # nothing to open: no row
+    shot = tmp_path / "rankings-trending.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    browser.set_window_size(390, 844)  # a phone: ranked lines become cards too, rank and downloads labelled
+    try:
+        assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1")
+        shown = [td.get_attribute("data-label") for td in untested[0].find_elements("css selector", "td")
+                 if td.is_displayed()]
+        assert shown[:5] == ["Rank", "Model", "Result", "Downloads", "Trending score"], shown
+        browser.save_screenshot(str(tmp_path / "rankings-trending-phone.png"))
+    finally:
+        browser.set_window_size(1280, 1000)
+
+    browser.find_element("id", "view-downloads").click()  # the other order, Llama (not trending) included
+    assert [m for _, m, _ in _lines(browser)] == ["Qwen/Qwen3-0.6B", HOSTILE_ID, "meta-llama/Llama-3.2-1B-Instruct",
+                                                  "org/dynamic-cache", "org/excluded"]
+    assert [r for r, _, _ in _lines(browser)] == ["1", "2", "3", "4", "5"]
+    Select(browser.find_element("id", "result")).select_by_value("not tested")
+    assert _lines(browser) == [("2", HOSTILE_ID, "not tested")]
+    Select(browser.find_element("id", "result")).select_by_value("")
+    Select(browser.find_element("id", "audit")).select_by_value("compiles once")  # audited, no decode recompile
+    assert [m for _, m, _ in _lines(browser)] == ["Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B-Instruct"]
+    Select(browser.find_element("id", "audit")).select_by_value("")
+    Select(browser.find_element("id", "task")).select_by_value("image-text-to-text")
+    assert _lines(browser) == [("1", "Qwen/Qwen3-VL-2B-Instruct", "not tested")]
+    browser.execute_script(  # a task that is markup (selenium cannot build a selector for its value): text
+        "const s = document.getElementById('task'); s.value = arguments[0]; s.dispatchEvent(new Event('change'));",
+        HOSTILE[0])
+    assert HOSTILE[0] in [o.get_attribute("value") for o in Select(browser.find_element("id", "task")).options]
+    assert _lines(browser) == [("1", HOSTILE[2], "not tested")]
+    browser.save_screenshot(str(tmp_path / "rankings-hostile-task.png"))
+    Select(browser.find_element("id", "task")).select_by_value("")
+
+    # the compile audit in a row: counts in the table, the guard reasons (markup here) as text in its detail
+    browser.find_element("id", "view-all").click()
+    cells = {tr.find_element("css selector", ".model").text: tr.find_element("css selector", "td.audit")
+             for tr in browser.find_elements("css selector", "#rows tr.row")}
+    assert cells["Qwen/Qwen3-0.6B"].text == "2 graph(s), compiles once"
+    assert cells["org/dynamic-cache"].text == "32 graph(s), 30 recompile(s)"
+    assert "recompiles" in cells["org/dynamic-cache"].get_attribute("class") and cells["org/excluded"].text == "-"
+    browser.find_element("id", "q").send_keys("dynamic")
+    browser.find_element("css selector", "#rows button.model").click()
+    reasons = browser.find_element("css selector", "pre.recompile-reasons").get_attribute("textContent")
+    assert reasons.split("\n")[0] == "forward call 3: <b>guard</b> size mismatch" and len(reasons.split("\n")) == 30
+    assert "later decode steps 30" in browser.find_element("css selector", "tr.detail").text
+
+    assert browser.execute_script("return window.pwned === undefined")
+    assert browser.execute_script("return document.querySelectorAll('img, svg, b').length") == 0
+    assert browser.execute_script("return document.scripts.length") == 2
+    assert HOSTILE[1] in browser.find_element("id", "footer").text  # the hostile fetched_at, as text
+    assert browser.title == "Trainium compatibility lookup"
+    assert _console_errors(browser) == []
+
+
+def test_ranked_views_without_rankings_say_where_to_get_them(browser, tmp_path):
+    html = _ranked_page(tmp_path, with_rankings=False)
+    _open(browser, html)
+    for view in ("trending", "downloads"):
+        browser.find_element("id", f"view-{view}").click()
+        assert _shown_ids(browser) == [] and not browser.find_elements("css selector", "#rows tr")
+        note = browser.find_element("id", "empty-note")
+        assert note.is_displayed() and note.text.startswith("No rankings in this page.")
+        assert "generate_compat_check.py rankings --task text-generation" in note.text
+    browser.save_screenshot(str(tmp_path / "no-rankings.png"))
+    browser.find_element("id", "view-all").click()  # the other views as before
+    assert len(_shown_ids(browser)) == 4 and not browser.find_element("id", "empty-note").is_displayed()
+    assert _console_errors(browser) == []

@@ -75,12 +75,14 @@ def _kill_after_first_row(args: tuple, out: Path, timeout: float = 300) -> pd.Da
 def offline_run(tmp_path_factory, model_assets):
     """The offline preset's four models, with a broken one slipped in second: it crashes in its
     worker, gets a FAIL row with its error, and the models after it still run. The first attempt
-    is SIGKILLed once a row is written; the same command then skips the recorded models."""
+    is SIGKILLed once a row is written; the same command then skips the recorded models. Eager, with the
+    compile audit (--compile_audit: what compiling would hand the compiler, counted by Dynamo, seconds a model)."""
     tmp = tmp_path_factory.mktemp("compat_offline")
     broken = _broken_copy(model_assets["tiny_qwen3_moe"], tmp / "broken-moe")
     models = [OFFLINE[0], str(broken), *OFFLINE[1:]]
     out = tmp / "out"
-    args = ("--preset", "offline", "--no_compile", "--models", ",".join(models), "--out_dir", str(out))
+    args = ("--preset", "offline", "--no_compile", "--compile_audit", "--models", ",".join(models), "--out_dir",
+            str(out))
     killed = _kill_after_first_row(args, out)
     run_example(SCRIPT, *args)
     return out, args, models, killed
@@ -97,7 +99,7 @@ def test_killed_check_keeps_its_rows_and_the_rerun_skips_them(offline_run):
     assert after.iloc[: len(killed)][kept].to_dict("records") == killed[kept].to_dict("records")
 
 
-def test_offline_preset_rows(offline_run):
+def test_offline_preset_rows(offline_run, capsys):
     out, _, models, _ = offline_run
     path = _only_file(out)
     stack = rows.stack_versions()
@@ -114,12 +116,13 @@ def test_offline_preset_rows(offline_run):
     crashed = by_id.pop(models[1])
     assert crashed["result"] == "FAIL" and "ignore_mismatched_sizes" in crashed["error"], crashed["error"]
     assert crashed["run_py"] and crashed["torch"] == stack["torch"] and crashed["tp"] == 1
+    assert pd.isna(crashed["compile_graphs"]) and pd.isna(crashed["compile_audit"])  # nothing ran: nothing audited
 
     for model_id, r in by_id.items():
         assert r["result"] == "PASS" and bool(r["cpu_match"]) is True, (model_id, r["notes"], r["error"])
         assert r["task"] == ("image-text-to-text" if model_id == "tiny-qwen-vl" else "text-generation")
         assert "static cache" in r["notes"] and r["compile_cache"] == "nothing compiled: eager run"
-        assert "--no_compile" in r["run_args"] and json.loads(r["timings"])["reference_s"] > 0
+        assert "--no_compile --compile_audit" in r["run_args"] and json.loads(r["timings"])["reference_s"] > 0
         assert (r["tp"], r["runner"], r["device"], r["library"]) == (1, "single", "cpu", "transformers"), model_id
         assert r["wall_s"] > 0 and r["hbm_peak_gb"] > 0 and r["compile_s"] == 0.0
         assert r["hbm_capacity_gb"] == 24.0
@@ -128,6 +131,28 @@ def test_offline_preset_rows(offline_run):
         assert r["tested_at"].tzinfo is not None
         # the exact source of the script that ran, byte for byte
         assert r["run_py"] == (ROOT / "examples" / SCRIPT).read_text()
+    # The compile audit of each (static cache, 32 tokens): a prefill graph and a decode graph, no recompile while
+    # the cache fills; the text models in one graph each, tiny Qwen3-VL's vision tower in pieces (graph breaks).
+    schema = pq.read_schema(path)  # the counts are integer columns, their reasons text beside them
+    assert [str(schema.field(c).type) for c in ("compile_graphs", "compile_recompiles", "compile_graph_breaks",
+                                                 "compile_recompile_reasons")] == ["int64"] * 3 + ["string"]
+    for model_id, r in by_id.items():
+        audit = json.loads(r["compile_audit"])
+        assert r["compile_recompiles"] == 0 and json.loads(r["compile_recompile_reasons"]) == [], model_id
+        assert audit["phases"]["first_decode_step"] == 1 and audit["phases"]["later_decode_steps"] == 0, audit
+        assert audit["forward_calls"] == 32 and audit["compiles_once"] and audit["same_tokens"], (model_id, audit)
+        assert "no recompile over 32 tokens: compiles once" in r["notes"], r["notes"]
+        assert json.loads(r["timings"])["compile_audit_s"] > 0 and r["compile_s"] == 0.0  # not in the row's times
+        breaks = json.loads(r["compile_graph_break_reasons"])
+        assert r["compile_graph_breaks"] == sum(breaks.values()), (model_id, breaks)
+        if model_id == "tiny-qwen-vl":
+            assert r["compile_graphs"] > 2 and r["compile_graph_breaks"] > 0 and audit["phases"]["prefill"] > 1
+            assert all(reason.strip() and "\n" not in reason for reason in breaks), breaks
+        else:
+            assert (r["compile_graphs"], r["compile_graph_breaks"]) == (2, 0), model_id
+    assert lookup.lookup_main([str(out), "--compiles_once"]) == 0  # the crashed model's row was not audited
+    assert capsys.readouterr().out.splitlines()[-1] == "4 row(s): 4 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
+
     # The offline preset also asks the judge about single-core runs: the real pretrained model
     # writes English, the random tiny models do not.
     assert bool(by_id["smollm2-135m-instruct"]["english"]) is True, by_id["smollm2-135m-instruct"]["judge"]

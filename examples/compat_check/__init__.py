@@ -8,4 +8,6 @@ processes.py  a time-limited process that leaves nothing behind (its whole tree 
 lookup.py   the `lookup` subcommand: search, filter, print a table or a row's run_py, write the page
 page.py     the static HTML lookup page (one self-contained file, data embedded, shown as text)
 training.py  `--task train`: a few steps of examples/train_hf_backend.py per model, its loss and export check
+compile_audit.py  the compile audit: graphs, recompiles and graph breaks of a generation, counted by Dynamo
+rankings.py  the `rankings` subcommand: the Hub's most downloaded and trending models per task, for lookup's views
 """

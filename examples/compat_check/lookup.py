@@ -3,6 +3,8 @@
     python examples/generate_compat_check.py lookup runs/compat --name qwen3            # a table
     python examples/generate_compat_check.py lookup runs/compat --name tiny-qwen3 --run_py   # one row's script
     python examples/generate_compat_check.py lookup runs/compat public/ --html page.html     # the static page
+    python examples/generate_compat_check.py lookup runs/compat --rankings rankings.json --view downloads
+    python examples/generate_compat_check.py lookup runs/compat --compiles_once   # audited, no decode recompile
 
 A file that cannot be read is reported on one line and skipped; the others are still shown. A folder is searched
 for *.parquet files (a Spark-style `x.parquet/` folder counts by its part files, once; hidden and `_`-prefixed
@@ -12,6 +14,12 @@ it as a dictionary of its distinct texts, so a 200,000-row public file stays a f
 `run_py` is printed or shown as text, never run. Every string from a file or a path reaches the terminal as
 printable text (`printable`), error lines included. `--html` never writes over a file it reads or over an
 existing file that is not a page it wrote (page.check_target).
+
+With `--rankings FILE` (written by the `rankings` subcommand: rankings.py) the Trending and Downloads views list one
+task's ranked models in the file's order, each with its rows, and a ranked model without a row as "not tested"
+(neither PASS nor FAIL, not a failure), with its rank and downloads; the page holds both views. The compile audit's
+counts (graphs, recompiles, graph breaks) are columns of the table; `--compiles_once` keeps the rows audited with no
+recompile after the first decode step.
 """
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from common.errors import ArgumentParser, UserError
-from compat_check import page
+from compat_check import page, rankings as ranking
 from compat_check.rows import COLUMNS, TASKS, read_cell, read_table
 
 
@@ -84,7 +92,9 @@ def load_results(sources: Iterable[str | os.PathLike], columns: tuple[str, ...] 
 
 
 def filter_results(df, name: str | None = None, compiler: str | None = None, transformers: str | None = None,
-                   task: str | None = None):
+                   task: str | None = None, compiles_once: bool = False):
+    if compiles_once:  # audited, and no recompile after the first decode step (NaN: not audited)
+        df = df[df["compile_recompiles"] == 0]
     if task:
         df = df[df["task"] == task]
     if name:
@@ -96,10 +106,19 @@ def filter_results(df, name: str | None = None, compiler: str | None = None, tra
     return df
 
 
+AUDIT_SHOW = (("compile_graphs", "graphs", 6), ("compile_recompiles", "recompiles", 10),
+              ("compile_graph_breaks", "graph_breaks", 12))
 SHOW = (("model_id", "model_id", 50), ("task", "task", 18), ("result", "result", 8), ("tp", "cores", 5),
         ("runner", "runner", 16), ("wall_s", "wall_s", 8), ("hbm_peak_gb", "hbm_peak_gb", 11),
-        ("cpu_match", "cpu_match", 9), ("english", "english", 7), ("neuronx_cc", "neuronx_cc", 12),
+        ("cpu_match", "cpu_match", 9), ("english", "english", 7), *AUDIT_SHOW, ("neuronx_cc", "neuronx_cc", 12),
         ("transformers", "transformers", 12), ("exclusion", "exclusion", 50), ("error", "error", 60))
+# The Trending and Downloads views: rank first, the Hub's figures, then what the rows say ("not tested": none).
+RANKED_SHOW = (("rank", "rank", 5), ("model_id", "model_id", 50), ("result", "result", 10),
+               ("downloads", "downloads", 11), ("trending_score", "trending", 8), ("likes", "likes", 7),
+               ("tp", "cores", 5), ("wall_s", "wall_s", 8), *AUDIT_SHOW, ("neuronx_cc", "neuronx_cc", 12),
+               ("transformers", "transformers", 12), ("exclusion", "exclusion", 40), ("error", "error", 50))
+WHOLE = ("tp", "rank", "downloads", "trending_score", "likes", "compile_graphs", "compile_recompiles",
+         "compile_graph_breaks")  # shown without decimals
 
 
 def printable(text: str, keep: str = "") -> str:
@@ -115,22 +134,57 @@ def _shown(value, col: str) -> str:
         return "-"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (int, float)) and col in WHOLE:
+        return f"{value:.0f}"
     if isinstance(value, float):
-        return f"{value:.0f}" if col == "tp" else f"{value:.2f}" if col == "hbm_peak_gb" else f"{value:.1f}"
+        return f"{value:.2f}" if col == "hbm_peak_gb" else f"{value:.1f}"
     lines = [line for line in str(value).strip().splitlines() if line.strip()]
     return printable(lines[0] if lines else "-")
 
 
 def format_results(df) -> str:
-    if df.empty:
+    return format_table([list(values) for values in df[[c for c, _, _ in SHOW]].itertuples(index=False)], SHOW)
+
+
+def format_table(records: list[list], show: tuple) -> str:
+    """One printable line per record (its values in `show`'s order), under a header of `show`'s titles."""
+    if not records:
         return "(no matching rows)"
-    cells = [[_shown(v, col) for v, (col, _, _) in zip(values, SHOW)]
-             for values in df[[c for c, _, _ in SHOW]].itertuples(index=False)]
-    cells = [[c if len(c) <= w else c[: w - 1] + "\N{HORIZONTAL ELLIPSIS}" for c, (_, _, w) in zip(row, SHOW)]
+    cells = [[_shown(v, col) for v, (col, _, _) in zip(values, show)] for values in records]
+    cells = [[c if len(c) <= w else c[: w - 1] + "\N{HORIZONTAL ELLIPSIS}" for c, (_, _, w) in zip(row, show)]
              for row in cells]
-    header = [title for _, title, _ in SHOW]
+    header = [title for _, title, _ in show]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *cells])
+
+
+def ranked_lines(df, rankings: ranking.Rankings, view: str, task: str, name: str | None = None,
+                 keep_untested: bool = True) -> list[dict]:
+    """The Trending or Downloads view: `task`'s ranked models in the rankings' order, each with its rows in `df`
+    (already filtered), or one "not tested" line (result None) where it has none."""
+    by_model: dict[str, list[dict]] = {}
+    for rec in df[df["task"] == task].to_dict("records"):
+        by_model.setdefault(rec["model_id"], []).append(rec)
+    lines = []
+    for e in rankings.ranked(view, task):
+        if name and name.lower() not in e["model_id"].lower():
+            continue
+        hub = {"rank": e[ranking.ORDERS[view][1]], "downloads": e["downloads"], "trending_score": e["trending_score"],
+               "likes": e["likes"], "model_id": e["model_id"], "task": task}
+        found = by_model.get(e["model_id"], [])
+        lines += [dict(rec, **hub) for rec in found]
+        if not found and keep_untested:
+            lines.append(dict(hub, result="not tested", tested=False))
+    return lines
+
+
+def ranked_summary(lines: list[dict], rankings: ranking.Rankings, view: str, task: str) -> str:
+    counts = {k: sum(line.get("result") == k for line in lines) for k in ("PASS", "FAIL", "EXCLUDED")}
+    untested = sum(line.get("tested") is False for line in lines)
+    return (f"{view} for {task} ({len({line['model_id'] for line in lines})} ranked model(s), {rankings.source}, "
+            f"fetched {rankings.fetched_at or 'at an unrecorded time'}): {counts['PASS']} PASS, {counts['FAIL']} "
+            f"FAIL, {counts['EXCLUDED']} EXCLUDED, {untested} not tested (neither PASS nor FAIL; EXCLUDED and not "
+            "tested are not failures)")
 
 
 def summary_line(df) -> str:
@@ -154,11 +208,27 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
                    help="print the run_py (script source) of the one matching row instead of the table; "
                         "it is printed, never executed")
     p.add_argument("--html", metavar="FILE", help="also write the matching rows as one self-contained HTML page")
+    p.add_argument("--compiles_once", action="store_true",
+                   help="only rows whose compile audit found no recompile after the first decode step")
+    p.add_argument("--rankings", metavar="FILE", help="the Hub's rankings (the rankings subcommand writes them): "
+                   "the Trending and Downloads views, here and on the page")
+    p.add_argument("--view", choices=("rows", "trending", "downloads"),
+                   help="rows: the table of rows (default without --rankings); trending, downloads: one task's "
+                        "ranked models in the rankings' order, untested ones as 'not tested' (default with "
+                        "--rankings: trending; the task: --task, else the rankings' first)")
     args = p.parse_args(argv)
     try:
+        view = args.view or ("trending" if args.rankings else "rows")
+        if view != "rows" and not args.rankings:
+            raise UserError(f"--view {view} needs --rankings FILE: {ranking.HOW}")
+        if args.run_py and view != "rows":
+            raise UserError("--run_py prints one row's script: leave --view and --rankings out")
         files = find_result_files(args.sources)
         if args.html:  # before anything is read: the page never replaces an input or a file it did not write
-            page.check_target(args.html, files)
+            page.check_target(args.html, files + ([Path(args.rankings)] if args.rankings else []))
+        ranks = ranking.read_rankings(args.rankings) if args.rankings else None
+        if ranks is not None and ranks.skipped:
+            print(f"skipped: {ranks.skipped} record(s) of the rankings without a model id or task", file=sys.stderr)
         if args.html:  # every column the page shows; run_py as its distinct texts
             columns, dictionary = PAGE_READS + ("run_py",), ("run_py",)
         else:  # the table, or --run_py's one row: run_py is read for that row alone, below
@@ -166,7 +236,20 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
         df, problems = load_results(files, columns, dictionary)
         for problem in problems:
             print(printable(f"skipped: {problem}"), file=sys.stderr)
-        df = filter_results(df, args.name, args.compiler, args.transformers, args.task)
+        if view != "rows":  # one task's ranked models; the filters apply to their rows
+            task = args.task or (ranks.tasks[0] if ranks.tasks else "text-generation")
+            rows = filter_results(df, None, args.compiler, args.transformers, task, args.compiles_once)
+            lines = ranked_lines(rows, ranks, view, task, args.name, keep_untested=not args.compiles_once)
+            print(format_table([[line.get(c) for c, _, _ in RANKED_SHOW] for line in lines], RANKED_SHOW))
+            print(printable(ranked_summary(lines, ranks, view, task)))
+            if task not in ranks.tasks:
+                print(printable(f"note: the rankings hold no {task} models (they hold: "
+                                f"{', '.join(ranks.tasks) or 'none'})"), file=sys.stderr)
+            if args.html:
+                write_page_or_fail(filter_results(df, args.name, args.compiler, args.transformers, args.task,
+                                                  args.compiles_once), args, selected, rerun, ranks)
+            return 0
+        df = filter_results(df, args.name, args.compiler, args.transformers, args.task, args.compiles_once)
         if args.run_py:
             if len(df) != 1:
                 ids = ", ".join(f"{m} ({f})" for m, f in zip(df["model_id"], df["source_file"]))
@@ -186,12 +269,16 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
         print(format_results(df))
         print(summary_line(df))
         if args.html:
-            try:
-                path = page.write_page(df, args.html, selected, [str(s) for s in args.sources], rerun)
-            except OSError as e:
-                raise UserError(f"--html {args.html} cannot be written: {e.strerror or e}") from None
-            print(printable(f"page: {path} ({len(df)} rows)"))
+            write_page_or_fail(df, args, selected, rerun, ranks)
     except UserError as e:
         print(printable(f"error: {e}"), file=sys.stderr)
         return 2
     return 0
+
+
+def write_page_or_fail(df, args, selected: tuple[str, ...], rerun, ranks) -> None:
+    try:
+        path = page.write_page(df, args.html, selected, [str(s) for s in args.sources], rerun, ranks)
+    except OSError as e:
+        raise UserError(f"--html {args.html} cannot be written: {e.strerror or e}") from None
+    print(printable(f"page: {path} ({len(df)} rows)"))

@@ -1,7 +1,9 @@
 """The static lookup page: one self-contained HTML file (data embedded, no server, no network) that
 offers what the public lookup does: search by part of a model id, filters for the neuronx-cc and
-Transformers versions and the task, a "Selected" view (a curated list) and an "All" view, and per
-model the result, cores, wall time, memory, version stack, packages, error, run.py and how to
+Transformers versions, the task, the result and the compile audit, a "Selected" view (a curated list), an "All"
+view, and "Trending" and "Downloads" views that follow the Hub's rankings for one task (a rankings file: a ranked
+model without a row is "not tested", neither PASS nor FAIL; without the file those views say how to get one), and
+per model the result, cores, wall time, memory, compile audit, version stack, packages, error, run.py and how to
 reproduce the run.
 
 Every value from a results file is untrusted. The data travels as JSON inside a
@@ -44,7 +46,18 @@ def _cell(v):
     return v if isinstance(v, (str, int, float, bool)) else str(v)
 
 
-def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None) -> dict:
+def rankings_data(rankings) -> dict | None:
+    """The rankings the page embeds (rankings.Rankings), or None: the Trending and Downloads views then say how to
+    write a rankings file."""
+    if rankings is None:
+        return None
+    from compat_check.rankings import FIELDS
+
+    return {"source": rankings.source, "fetched_at": rankings.fetched_at, "tasks": rankings.tasks,
+            "columns": list(FIELDS), "entries": [[_cell(e[c]) for c in FIELDS] for e in rankings.entries]}
+
+
+def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None, rankings=None) -> dict:
     """The JSON the page embeds: column names, one list per row, distinct run_py texts, the curated list.
     `rerun(run_args)` gives the argv that reruns a row, or None where run_args are not a plain list of the
     script's flags: the row's `rerun` cell is then null ("not reproducible from this row"), else the command,
@@ -63,7 +76,7 @@ def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None) -> 
         row.append(texts.setdefault(run_py, len(texts)) if isinstance(run_py, str) and run_py else None)
         rows.append(row)
     return {"columns": [*PAGE_COLUMNS, "rerun", "run_py"], "rows": rows, "texts": list(texts),
-            "selected": list(selected), "sources": sources,
+            "selected": list(selected), "sources": sources, "rankings": rankings_data(rankings),
             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -102,11 +115,12 @@ def check_target(path: str | Path, inputs: list[Path]) -> None:
                         "or remove that one first")
 
 
-def write_page(df, path: str | Path, selected: tuple[str, ...], sources: list[str], rerun=None) -> Path:
+def write_page(df, path: str | Path, selected: tuple[str, ...], sources: list[str], rerun=None,
+               rankings=None) -> Path:
     from common.results import atomic_write_text
 
     path = Path(path)
-    atomic_write_text(path, render(page_data(df, selected, sources, rerun)))
+    atomic_write_text(path, render(page_data(df, selected, sources, rerun, rankings)))
     return path
 
 
@@ -132,6 +146,8 @@ long outputs. Wall time includes compilation.</p>
 <div class="views" role="group" aria-label="View">
 <button id="view-selected" type="button" aria-pressed="true">Selected</button>
 <button id="view-all" type="button" aria-pressed="false">All</button>
+<button id="view-trending" type="button" aria-pressed="false">Trending</button>
+<button id="view-downloads" type="button" aria-pressed="false">Downloads</button>
 </div>
 <form id="filters" class="filters" autocomplete="off">
 <label>Model <input id="q" type="search" placeholder="part of a model id, e.g. qwen3"></label>
@@ -139,12 +155,15 @@ long outputs. Wall time includes compilation.</p>
 <label>Transformers <select id="transformers"></select></label>
 <label>Task <select id="task"></select></label>
 <label>Result <select id="result"></select></label>
+<label>Compile audit <select id="audit"></select></label>
 </form>
 <p id="count" class="count" aria-live="polite"></p>
 <p id="empty-note" class="note" hidden></p>
-<table>
-<thead><tr><th>Model</th><th>Task</th><th>Result</th><th>Cores</th><th>Wall time (s, incl. compilation)</th>
-<th>Peak device memory (GiB)</th><th>neuronx-cc</th><th>Transformers</th></tr></thead>
+<table id="table">
+<thead><tr><th class="rank-col">Rank</th><th>Model</th><th class="task-col">Task</th><th>Result</th>
+<th class="rank-col">Downloads</th><th class="rank-col">Trending score</th><th>Cores</th>
+<th>Wall time (s, incl. compilation)</th><th>Peak device memory (GiB)</th><th>Compile audit (graphs)</th>
+<th>neuronx-cc</th><th>Transformers</th></tr></thead>
 <tbody id="rows"></tbody>
 </table>
 <p><button id="more" type="button" hidden>Show more</button></p>
@@ -162,7 +181,7 @@ STYLE = """
 body{margin:0;font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg)}
 header,main,footer{max-width:1200px;margin:0 auto;padding:0 16px}
 h1{font-size:1.4rem;margin:16px 0 4px}
-.lede,.count,.note,footer{color:var(--muted);font-size:.9rem}
+.lede,.count,.note,footer{color:var(--muted);font-size:.9rem;overflow-wrap:anywhere}
 .views button{font:inherit;padding:6px 14px;border:1px solid var(--line);background:var(--alt);cursor:pointer}
 .views button[aria-pressed=true]{background:var(--fg);color:#fff}
 .filters{display:flex;flex-wrap:wrap;gap:8px 16px;margin:12px 0}
@@ -178,6 +197,13 @@ button.model{font:inherit;background:none;border:0;padding:0;color:#0969da;curso
 .badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:.8rem;font-weight:600;color:#fff}
 .badge.pass{background:var(--pass)}.badge.fail{background:var(--fail)}.badge.excluded{background:var(--excl)}
 .badge.unknown{background:var(--muted)}
+.badge.untested{background:#fff;color:var(--muted);border:1px dashed var(--muted)}
+tr.untested td{color:var(--muted);font-style:italic}
+.rank-col{display:none}
+table.ranked .rank-col{display:table-cell}
+table.ranked .task-col{display:none}
+.filters select{max-width:20rem}
+td.audit.recompiles{color:var(--fail);font-weight:600}
 .why{display:block;color:var(--muted);font-size:.8rem}
 tr.detail td{background:var(--alt)}
 .detail h3{font-size:.95rem;margin:12px 0 4px}
@@ -191,6 +217,7 @@ pre{background:#fff;border:1px solid var(--line);padding:8px;overflow:auto;max-h
  tr.row{border:1px solid var(--line);border-radius:6px;margin:8px 0;padding:4px}
  td{border:0;padding:2px 6px}
  td[data-label]::before{content:attr(data-label) ": ";color:var(--muted);font-size:.8rem}
+ table.ranked .rank-col{display:block}
  .detail dl{grid-template-columns:1fr}
 }
 """
@@ -203,11 +230,18 @@ SCRIPT = r"""
   DATA.columns.forEach(function (c, i) { COL[c] = i; });
   const ROWS = DATA.rows;
   const SELECTED = new Set(DATA.selected);
+  const RANKS = DATA.rankings;  // null: no rankings file was given
+  const RCOL = {};
+  if (RANKS) RANKS.columns.forEach(function (c, i) { RCOL[c] = i; });
+  const RANKED = {trending: "trending_rank", downloads: "downloads_rank"};  // view -> the rank it follows
+  const VIEWS = ["selected", "all", "trending", "downloads"];
+  const NAMES = {selected: "Selected", all: "All", trending: "Trending", downloads: "Downloads"};
   const PAGE = 200;
-  const state = {view: "selected", q: "", compiler: "", transformers: "", task: "", result: "", shown: PAGE,
-                 open: new Set()};
+  const state = {view: "selected", q: "", compiler: "", transformers: "", task: "", result: "", audit: "",
+                 shown: PAGE, open: new Set()};
   const $ = function (id) { return document.getElementById(id); };
   function get(r, c) { const v = r[COL[c]]; return v === undefined ? null : v; }
+  function rget(e, c) { const v = e[RCOL[c]]; return v === undefined ? null : v; }
   function text(v) { return v === null || v === undefined || v === "" ? "-" : String(v); }
   function el(tag, cls, content) {
     const e = document.createElement(tag);
@@ -219,44 +253,90 @@ SCRIPT = r"""
   function transformersOf(r) { return get(r, "transformers") || get(r, "library_version") || "unknown"; }
   function taskOf(r) { return get(r, "task") || "text-generation"; }
   function resultOf(r) { return get(r, "result") || "unknown"; }
+  function auditOf(r) {
+    if (typeof get(r, "compile_graphs") !== "number") return "not audited";
+    return get(r, "compile_recompiles") === 0 ? "compiles once" : "recompiles";
+  }
   const BADGE = {PASS: "pass", FAIL: "fail", EXCLUDED: "excluded"};
+  const UNTESTED = "not tested";
 
-  function fillSelect(id, label, values) {
+  function fillSelect(id, label, values, extra) {
     const s = $(id);
-    s.appendChild(new Option("any " + label, ""));
-    Array.from(new Set(values)).sort().forEach(function (v) { s.appendChild(new Option(v, v)); });
+    s.appendChild(new Option(label ? "any " + label : "any", ""));
+    Array.from(new Set(values)).sort().concat(extra || []).forEach(function (v) { s.appendChild(new Option(v, v)); });
     s.addEventListener("change", function () { state[id] = s.value; state.shown = PAGE; render(); });
   }
+  const rankedTasks = RANKS ? RANKS.tasks : [];
   fillSelect("compiler", "version", ROWS.map(compilerOf));
   fillSelect("transformers", "version", ROWS.map(transformersOf));
-  fillSelect("task", "task", ROWS.map(taskOf));
-  fillSelect("result", "result", ROWS.map(resultOf));
+  fillSelect("task", "task", ROWS.map(taskOf).concat(rankedTasks));
+  fillSelect("result", "result", ROWS.map(resultOf), RANKS ? [UNTESTED] : []);
+  fillSelect("audit", "", ["compiles once", "recompiles", "not audited"]);
   $("q").addEventListener("input", function () { state.q = $("q").value.trim().toLowerCase(); state.shown = PAGE;
                                                  render(); });
   $("filters").addEventListener("submit", function (e) { e.preventDefault(); });
   function setView(v) {
     state.view = v; state.shown = PAGE;
-    $("view-selected").setAttribute("aria-pressed", String(v === "selected"));
-    $("view-all").setAttribute("aria-pressed", String(v === "all"));
+    VIEWS.forEach(function (w) { $("view-" + w).setAttribute("aria-pressed", String(v === w)); });
     render();
   }
-  $("view-selected").addEventListener("click", function () { setView("selected"); });
-  $("view-all").addEventListener("click", function () { setView("all"); });
+  VIEWS.forEach(function (w) { $("view-" + w).addEventListener("click", function () { setView(w); }); });
   $("more").addEventListener("click", function () { state.shown += PAGE; render(); });
 
+  function tested(r) {  // a row of the versions asked for: the model is tested with them
+    if (state.compiler && compilerOf(r) !== state.compiler) return false;
+    return !(state.transformers && transformersOf(r) !== state.transformers);
+  }
+  function verdict(r) { return (!state.result || resultOf(r) === state.result) &&
+                               (!state.audit || auditOf(r) === state.audit); }
   function matches(r) {
     if (state.view === "selected" && !SELECTED.has(get(r, "model_id"))) return false;
     if (state.q && String(get(r, "model_id") || "").toLowerCase().indexOf(state.q) < 0) return false;
-    if (state.compiler && compilerOf(r) !== state.compiler) return false;
-    if (state.transformers && transformersOf(r) !== state.transformers) return false;
     if (state.task && taskOf(r) !== state.task) return false;
-    if (state.result && resultOf(r) !== state.result) return false;
-    return true;
+    return tested(r) && verdict(r);
+  }
+  // The task a ranked view shows: the Task filter's, else the rankings' first (the Hub ranks one task at a time).
+  function rankedTask() { return state.task || (rankedTasks.length ? rankedTasks[0] : "text-generation"); }
+  const BY_MODEL = new Map();  // task + NUL + model id -> row indices, in file order
+  ROWS.forEach(function (r, i) {
+    const k = taskOf(r) + "\u0000" + get(r, "model_id");
+    if (!BY_MODEL.has(k)) BY_MODEL.set(k, []);
+    BY_MODEL.get(k).push(i);
+  });
+  // Lines of a view: {row: index or null ("not tested"), entry: a ranking entry or null}.
+  function lines() {
+    const out = [];
+    if (!RANKED[state.view]) {
+      for (let i = 0; i < ROWS.length; i++) if (matches(ROWS[i])) out.push({row: i, entry: null});
+      return out;
+    }
+    if (!RANKS) return out;
+    const key = RANKED[state.view], task = rankedTask();
+    const entries = RANKS.entries.filter(function (e) {
+      return rget(e, "task") === task && typeof rget(e, key) === "number";
+    });
+    entries.sort(function (a, b) { return rget(a, key) - rget(b, key); });
+    entries.forEach(function (e) {
+      const id = String(rget(e, "model_id"));
+      if (state.q && id.toLowerCase().indexOf(state.q) < 0) return;
+      const rows = (BY_MODEL.get(task + "\u0000" + id) || []).filter(function (i) { return tested(ROWS[i]); });
+      rows.forEach(function (i) { if (verdict(ROWS[i])) out.push({row: i, entry: e}); });
+      const untestedShown = (!state.result || state.result === UNTESTED) &&
+                            (!state.audit || state.audit === "not audited");
+      if (!rows.length && untestedShown) out.push({row: null, entry: e});  // no row with these versions
+    });
+    return out;
   }
   function num(v, digits) { return typeof v === "number" ? v.toFixed(digits) : "-"; }
+  function count(v) { return typeof v === "number" ? Math.round(v).toLocaleString("en-US") : "-"; }
   function badge(r) {
     const td = el("td");
     td.setAttribute("data-label", "Result");
+    if (r === null) {
+      td.appendChild(el("span", "badge untested", UNTESTED));
+      td.appendChild(el("span", "why", "no row for this model and task: neither PASS nor FAIL"));
+      return td;
+    }
     td.appendChild(el("span", "badge " + (BADGE[resultOf(r)] || "unknown"), resultOf(r)));
     if (get(r, "unavailable") === true) td.appendChild(el("span", "why", "not fetched: no verdict"));
     else if (resultOf(r) === "EXCLUDED") td.appendChild(el("span", "why", "excluded, not a failure"));
@@ -267,25 +347,46 @@ SCRIPT = r"""
     td.setAttribute("data-label", label);
     return td;
   }
-  function row(i) {
-    const r = ROWS[i];
-    const tr = el("tr", "row");
+  function auditText(r) {
+    const g = get(r, "compile_graphs");
+    if (typeof g !== "number") return "-";
+    const rc = get(r, "compile_recompiles"), b = get(r, "compile_graph_breaks");
+    return g + " graph(s), " + (rc ? rc + " recompile(s)" : "compiles once") +
+           (typeof b === "number" && b ? ", " + b + " graph break(s)" : "");
+  }
+  function row(line, k) {
+    const i = line.row, e = line.entry, r = i === null ? null : ROWS[i];
+    const tr = el("tr", r === null ? "row untested" : "row");
+    tr.appendChild(cell("Rank", e ? text(rget(e, RANKED[state.view])) : "-", "num rank-col"));
     const first = el("td");
     first.setAttribute("data-label", "Model");
-    const b = el("button", "model", text(get(r, "model_id")));
-    b.type = "button";
-    b.setAttribute("aria-expanded", String(state.open.has(i)));
-    b.addEventListener("click", function () {
-      if (state.open.has(i)) state.open.delete(i); else state.open.add(i);
-      render();
-    });
-    first.appendChild(b);
+    if (r === null) {
+      first.appendChild(el("span", "model", text(rget(e, "model_id"))));
+    } else {
+      const b = el("button", "model", text(get(r, "model_id")));
+      b.type = "button";
+      b.setAttribute("aria-expanded", String(state.open.has(i)));
+      b.addEventListener("click", function () {
+        if (state.open.has(i)) state.open.delete(i); else state.open.add(i);
+        render();
+      });
+      first.appendChild(b);
+    }
     tr.appendChild(first);
-    tr.appendChild(cell("Task", taskOf(r)));
+    tr.appendChild(cell("Task", r === null ? text(rget(e, "task")) : taskOf(r), "task-col"));
     tr.appendChild(badge(r));
+    tr.appendChild(cell("Downloads", e ? count(rget(e, "downloads")) : "-", "num rank-col"));
+    tr.appendChild(cell("Trending score", e ? count(rget(e, "trending_score")) : "-", "num rank-col"));
+    if (r === null) {
+      ["Cores", "Wall time (s, incl. compilation)", "Peak device memory (GiB)", "Compile audit (graphs)",
+       "neuronx-cc", "Transformers"].forEach(function (label) { tr.appendChild(cell(label, "-")); });
+      return tr;
+    }
     tr.appendChild(cell("Cores", typeof get(r, "tp") === "number" ? String(get(r, "tp")) : "-", "num"));
     tr.appendChild(cell("Wall time (s, incl. compilation)", num(get(r, "wall_s"), 1), "num"));
     tr.appendChild(cell("Peak device memory (GiB)", num(get(r, "hbm_peak_gb"), 2), "num"));
+    tr.appendChild(cell("Compile audit (graphs)", auditText(r),
+                        "audit" + (auditOf(r) === "recompiles" ? " recompiles" : "")));
     tr.appendChild(cell("neuronx-cc", compilerOf(r)));
     tr.appendChild(cell("Transformers", transformersOf(r)));
     return tr;
@@ -295,16 +396,46 @@ SCRIPT = r"""
     pairs.forEach(function (p) { d.appendChild(el("dt", null, p[0])); d.appendChild(el("dd", null, text(p[1]))); });
     return d;
   }
+  function json(raw) {  // a JSON cell, or null where it is not JSON (then shown as recorded)
+    if (typeof raw !== "string" || !raw) return null;
+    try { return JSON.parse(raw); } catch (e) { return null; }
+  }
   function packages(r) {
     const raw = get(r, "packages");
     if (!raw) return [["recorded", null]];
-    try {
-      const p = JSON.parse(raw);
-      if (p && typeof p === "object" && !Array.isArray(p)) {
-        return Object.keys(p).map(function (k) { return [k, p[k]]; });
-      }
-    } catch (e) { /* shown as it is below */ }
+    const p = json(raw);
+    if (p && typeof p === "object" && !Array.isArray(p)) return Object.keys(p).map(function (k) { return [k, p[k]]; });
     return [["as recorded", raw]];
+  }
+  function auditDetail(r, box) {
+    box.appendChild(el("h3", null, "Compile audit"));
+    if (typeof get(r, "compile_graphs") !== "number" && !get(r, "compile_audit")) {
+      box.appendChild(el("p", "note", "not audited (--compile_audit audits a --no_compile row; compiled rows always)"));
+      return;
+    }
+    const a = json(get(r, "compile_audit")) || {};
+    const phases = a.phases && typeof a.phases === "object" ? Object.keys(a.phases).map(function (k) {
+      return k.replace(/_/g, " ") + " " + a.phases[k]; }).join(", ") : null;
+    box.appendChild(dl([["graphs compiled", get(r, "compile_graphs")], ["per phase", phases],
+                        ["recompiles after the first decode step", get(r, "compile_recompiles")],
+                        ["graph breaks", get(r, "compile_graph_breaks")],
+                        ["forward calls", typeof a.forward_calls === "number" ? a.forward_calls : null],
+                        ["audit time", typeof a.seconds === "number" ? a.seconds.toFixed(1) + " s" : null],
+                        ["how", typeof a.mode === "string" ? a.mode : get(r, "compile_audit")],
+                        ["error", typeof a.error === "string" ? a.error : null]]));
+    function listing(cls, title, raw, fmt) {
+      const v = json(raw);
+      let lines = null;
+      if (Array.isArray(v)) lines = v.map(String);
+      else if (v && typeof v === "object") lines = Object.keys(v).map(function (k) { return fmt(k, v[k]); });
+      else if (raw) lines = [String(raw)];
+      if (!lines || !lines.length) return;
+      box.appendChild(el("h3", null, title));
+      box.appendChild(el("pre", cls, lines.join("\n")));
+    }
+    listing("recompile-reasons", "Recompile reasons (the guard that failed)", get(r, "compile_recompile_reasons"));
+    listing("break-reasons", "Graph-break reasons", get(r, "compile_graph_break_reasons"),
+            function (k, n) { return n + " x " + k; });
   }
   function quote(s) { return /^[A-Za-z0-9_.,:\/=+-]+$/.test(s) ? s : "'" + s.replace(/'/g, "'\"'\"'") + "'"; }
   function reproduce(r) {
@@ -349,7 +480,7 @@ SCRIPT = r"""
     const r = ROWS[i];
     const tr = el("tr", "detail");
     const td = el("td");
-    td.colSpan = 8;
+    td.colSpan = RANKED[state.view] ? 11 : 9;
     const box = el("div", "detail");
     box.appendChild(el("h3", null, "Verdict"));
     box.appendChild(dl([["result", resultOf(r)], ["exclusion", get(r, "exclusion")],
@@ -371,6 +502,7 @@ SCRIPT = r"""
                         ["compiled graphs cached in", get(r, "compile_cache")],
                         ["rerun flags (as recorded)", get(r, "run_args")],
                         ["results file", get(r, "source_file")]]));
+    auditDetail(r, box);
     box.appendChild(el("h3", null, "Version stack"));
     box.appendChild(dl(["neuronx_cc", "torch_neuronx", "nki", "neuron_driver", "library", "library_version",
                         "transformers", "accelerate", "torch", "python"].map(function (c) { return [c, get(r, c)]; })));
@@ -390,20 +522,45 @@ SCRIPT = r"""
     return tr;
   }
   function render() {
-    const hits = [];
-    for (let i = 0; i < ROWS.length; i++) if (matches(ROWS[i])) hits.push(i);
+    const ranked = Boolean(RANKED[state.view]);
+    $("table").className = ranked ? "ranked" : "";
+    const hits = lines();
     const counts = {PASS: 0, FAIL: 0, EXCLUDED: 0};
-    hits.forEach(function (i) { const k = resultOf(ROWS[i]); if (k in counts) counts[k] += 1; });
-    $("count").textContent = hits.length + " of " + ROWS.length + " rows (" +
-      (state.view === "selected" ? "Selected" : "All") + "): " + counts.PASS + " PASS, " + counts.FAIL + " FAIL, " +
-      counts.EXCLUDED + " EXCLUDED (excluded or not fetched; not counted as failures)";
+    let untested = 0;
+    hits.forEach(function (h) {
+      if (h.row === null) { untested += 1; return; }
+      const k = resultOf(ROWS[h.row]);
+      if (k in counts) counts[k] += 1;
+    });
+    const tally = counts.PASS + " PASS, " + counts.FAIL + " FAIL, " + counts.EXCLUDED + " EXCLUDED";
+    if (ranked) {
+      const models = new Set(hits.map(function (h) { return rget(h.entry, "model_id"); })).size;
+      $("count").textContent = NAMES[state.view] + " for " + rankedTask() + ": " + models + " ranked model(s), " +
+        hits.length + " line(s): " + tally + ", " + untested + " " + UNTESTED + " (neither PASS nor FAIL; " +
+        "EXCLUDED and not tested are not failures)" +
+        (RANKS ? "; the Hub's rankings from " + RANKS.source + ", fetched " + text(RANKS.fetched_at) : "");
+    } else {
+      $("count").textContent = hits.length + " of " + ROWS.length + " rows (" + NAMES[state.view] + "): " + tally +
+        " (excluded or not fetched; not counted as failures)";
+    }
     const note = $("empty-note");
-    note.hidden = !(state.view === "selected" && hits.length === 0);
-    note.textContent = "None of these rows is in the curated list (the trn2_selected preset's models): see All.";
+    if (ranked && !RANKS) {
+      note.hidden = false;
+      note.textContent = "No rankings in this page. Write a rankings file where the Hub is reachable: python " +
+        "examples/generate_compat_check.py rankings --task text-generation --task image-text-to-text --limit 100 " +
+        "--out rankings.json, then lookup SOURCES --rankings rankings.json --html PAGE.";
+    } else if (ranked && rankedTasks.indexOf(rankedTask()) < 0) {
+      note.hidden = false;
+      note.textContent = "The rankings hold no " + rankedTask() + " models: pick " + rankedTasks.join(" or ") +
+        " with Task.";
+    } else {
+      note.hidden = !(state.view === "selected" && hits.length === 0);
+      note.textContent = "None of these rows is in the curated list (the trn2_selected preset's models): see All.";
+    }
     const body = document.createDocumentFragment();
-    hits.slice(0, state.shown).forEach(function (i) {
-      body.appendChild(row(i));
-      if (state.open.has(i)) body.appendChild(detail(i));
+    hits.slice(0, state.shown).forEach(function (h, k) {
+      body.appendChild(row(h, k));
+      if (h.row !== null && state.open.has(h.row)) body.appendChild(detail(h.row));
     });
     const tbody = $("rows");
     tbody.replaceChildren(body);
@@ -411,7 +568,8 @@ SCRIPT = r"""
     $("more").textContent = "Show more (" + Math.min(PAGE, hits.length - state.shown) + " of " +
                             (hits.length - state.shown) + " left)";
   }
-  $("footer").textContent = "Written " + DATA.written_at + " from " + DATA.sources.join(", ") + ".";
+  $("footer").textContent = "Written " + DATA.written_at + " from " + DATA.sources.join(", ") +
+    (RANKS ? "; rankings " + RANKS.source + " (fetched " + text(RANKS.fetched_at) + ")" : "") + ".";
   const anySelected = ROWS.some(function (r) { return SELECTED.has(get(r, "model_id")); });
   setView(anySelected ? "selected" : "all");
   document.body.setAttribute("data-ready-ms", String(Math.round(performance.now())));  // since navigation start

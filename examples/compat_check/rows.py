@@ -48,6 +48,11 @@ EXTRA_COLUMNS = (
     "timings",  # JSON {load_s, generate_s, reference_s, judge_s}: where the time went
     "unavailable",  # true: the model could not be fetched; no verdict, a rerun tries it again
     "train_losses", "train_tokens_per_s", "export_max_abs_logit_diff",  # --task train
+    # The compile audit (compile_audit.py): graphs Dynamo hands the compiler over the generation, recompilations
+    # after the first decode step and graph breaks, as integers, each with its reasons beside it (JSON lists);
+    # compile_audit: JSON {mode, phases, forward_calls, seconds, compiles_once, ...}. Null where not audited.
+    "compile_graphs", "compile_recompiles", "compile_recompile_reasons", "compile_graph_breaks",
+    "compile_graph_break_reasons", "compile_audit",
 )
 COLUMNS = PUBLIC_COLUMNS + EXTRA_COLUMNS
 # A row's task. Files in the public schema have no `task` column: their rows read as text-generation.
@@ -55,8 +60,10 @@ TASKS = ("text-generation", "image-text-to-text", "train")
 # A row's result: PASS, FAIL (with `error` set where the run crashed, timed out or was non-finite) or EXCLUDED.
 VERSION_COLUMNS = ("neuronx_cc", "library_version", "transformers", "accelerate", "torch_neuronx",
                    "torch", "nki", "python", "neuron_driver")
+# Whole numbers, stored as int64; read as float64 like every number (NaN where not recorded).
+INT_COLUMNS = ("tp", "compile_graphs", "compile_recompiles", "compile_graph_breaks")
 FLOAT_COLUMNS = ("tp", "wall_s", "hbm_peak_gb", "hbm_capacity_gb", "compile_s", "train_tokens_per_s",
-                 "export_max_abs_logit_diff")
+                 "export_max_abs_logit_diff", "compile_graphs", "compile_recompiles", "compile_graph_breaks")
 BOOL_COLUMNS = ("cpu_match", "english", "unavailable")
 
 
@@ -64,7 +71,7 @@ def _arrow_schema():
     import pyarrow as pa
 
     types = {c: pa.float64() for c in FLOAT_COLUMNS} | {c: pa.bool_() for c in BOOL_COLUMNS}
-    types |= {"tp": pa.int64(), "tested_at": pa.timestamp("us", tz="UTC")}
+    types |= {c: pa.int64() for c in INT_COLUMNS} | {"tested_at": pa.timestamp("us", tz="UTC")}
     return pa.schema([(c, types.get(c, pa.string())) for c in COLUMNS])
 
 
