@@ -115,17 +115,66 @@ def peak_memory(device_type: str, device) -> dict:
     return {"peak_gib": [round(float(t.item()) / GIB, 4) for t in every], "measured_by": by}
 
 
-def planned_gib_in_a_child(plan, device_type: str) -> float | None:
+def _plan_cache(key: dict) -> "Path":
+    """Where the plan of `key` (the run record and world size) is kept: the dry run is deterministic for a
+    configuration, its torch and torchtitan, and its own source, so a rerun or a sibling run reads it back."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from common import dryrun
+    from common.paths import CACHE_DIR
+    from common.results import versions
+
+    source = Path(dryrun.__file__).read_bytes() + Path(__file__).read_bytes()
+    blob = json.dumps({"key": key, "versions": {k: versions().get(k) for k in ("torch", "torchtitan")},
+                       "source": hashlib.sha256(source).hexdigest()}, sort_keys=True, default=str)
+    return CACHE_DIR.parent / "plans" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
+
+
+def planned_gib_in_a_child(plan, device_type: str, key: dict | None = None) -> float | None:
     """The dry run's per-rank total for this configuration, in GiB: `plan()` runs in a forked child (the dry run
     makes a process group of its own and may plan once per process), before this process has one. On CPU torchtitan
     is routed first, so the child finds it imported; on an accelerator the child routes its own copy to the CPU
-    (the model is on the meta device) and this process routes later. None if the child fails; the run goes on."""
+    (the model is on the meta device) and this process routes later. None if the child fails; the run goes on.
+    With `key` the result is kept in the cache folder and read back for the same key."""
     import json
 
     from common.device import route_torchtitan_device
+    from common.results import atomic_write_text
 
+    cached = _plan_cache(key) if key is not None else None
+    if cached is not None and cached.is_file():
+        try:
+            return float(json.loads(cached.read_text())["planned_gib"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # planned again below
+    got = _plan_in_a_child(plan, device_type, route_torchtitan_device)
+    if got is not None and cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cached, json.dumps({"planned_gib": got, "key": key}, default=str) + "\n")
+        except OSError:
+            pass  # a read-only cache only costs the plan next time
+    return got
+
+
+PLAN_TIMEOUT_S = 300
+
+
+def _plan_in_a_child(plan, device_type: str, route) -> float | None:
+    """None where a fork is not safe: a process with other Python threads (a thread holding a lock at the fork
+    would leave the child waiting on it forever); and None, the child killed, if it has not answered in
+    PLAN_TIMEOUT_S."""
+    import json
+    import select
+    import signal
+    import threading
+
+    if threading.active_count() > 1:
+        return None
     if device_type == "cpu":
-        route_torchtitan_device("cpu")
+        route("cpu")
 
     read, write = os.pipe()
     pid = os.fork()
@@ -138,9 +187,15 @@ def planned_gib_in_a_child(plan, device_type: str) -> float | None:
         os.write(write, payload.encode())
         os._exit(0)
     os.close(write)
-    chunks = []
-    while chunk := os.read(read, 65536):
+    chunks, deadline = [], time.monotonic() + PLAN_TIMEOUT_S
+    while select.select([read], [], [], max(deadline - time.monotonic(), 0))[0]:
+        chunk = os.read(read, 65536)
+        if not chunk:
+            break
         chunks.append(chunk)
+    else:  # no answer in time: the run goes on without a plan
+        os.kill(pid, signal.SIGKILL)
+        chunks = []
     os.close(read)
     os.waitpid(pid, 0)
     try:

@@ -286,7 +286,8 @@ def main(cfg: Config) -> dict:
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     if launcher.is_rank_zero():  # the dry run's memory for this very configuration, beside the measured peak
         found["planned_gib"] = pilot.planned_gib_in_a_child(
-            lambda: dry_run(cfg, out_dir, ranks=world_size)["total_bytes"], device.resolve_device_type(cfg.device))
+            lambda: dry_run(cfg, out_dir, ranks=world_size)["total_bytes"], device.resolve_device_type(cfg.device),
+            key=found["record"])
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         results = train(cfg, dev, out_dir, found, stop)
