@@ -11,6 +11,7 @@ import importlib.util
 import os
 import platform
 import resource
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,31 @@ from common.errors import UserError
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "neuron")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
 GIB = 1 << 30
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None):
+    """A function that makes the process calling it get `sig` when its parent dies (Linux: prctl PR_SET_PDEATHSIG),
+    however the parent ends (kill -9 included), and `sig` at once if the parent (`parent_pid`; by default the
+    process that calls die_with_parent) is already gone. Pass it as Popen's preexec_fn, or call it first thing in a
+    worker with its parent's pid. prctl is looked up here, before any fork: the child only calls it. Elsewhere only
+    the parent check."""
+    parent = os.getpid() if parent_pid is None else parent_pid
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            pass
+
+    def arm() -> None:
+        if prctl is not None:
+            prctl(ctypes.c_int(1), ctypes.c_ulong(int(sig)), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return arm
 
 
 @dataclass(frozen=True)
@@ -175,6 +201,8 @@ def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
 def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> DeviceInfo:
     """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to the device, and
     create the process group (torchtitan reuses it). Neuron settings first: the runtime reads them at start."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
+        die_with_parent(parent_pid=os.getppid())()
     device_type = resolve_device_type(requested)
     if device_type == "neuron":
         print(f"[neuron] {set_neuron_env(lnc, os.environ.get('TORCH_NEURONX_NEFF_CACHE_DIR'))}", flush=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from common import results
 from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
+from common.device import die_with_parent
 from common.errors import ArgumentParser, UserError, one_line
 
 
@@ -310,7 +311,7 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
     # The verifier dies with this process, however it ends (a SIGKILL included: the kernel's parent-death signal),
     # and is killed when this one is interrupted or fails while waiting: it never outlives the run.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_die_with_parent())
+                            preexec_fn=die_with_parent())
     try:
         _, stderr = proc.communicate()
     except BaseException:
@@ -416,31 +417,6 @@ def _refuse_foreign(folder: Path, step_dir: Path) -> None:
     if os.path.lexists(folder) and not (folder.is_symlink() and not folder.exists()) and not owned(folder):
         raise UserError(f"{folder} exists and was not made by these scripts: it is left alone (the new export stays in "
                         f"{step_dir}); move it or choose another --out_dir")
-
-
-def _die_with_parent():
-    """Popen's preexec_fn (Linux; None elsewhere): the child asks the kernel for SIGKILL when the thread that
-    started it ends (PR_SET_PDEATHSIG), so it dies with its parent however the parent ends, a SIGKILL included.
-    A parent already gone before the request (the child then belongs to another process) is checked after it.
-    prctl is looked up here, before the fork: the child only calls it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    import signal
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent, pr_set_pdeathsig = os.getpid(), 1
-
-    def preexec() -> None:
-        prctl(ctypes.c_int(pr_set_pdeathsig), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
-              ctypes.c_ulong(0))
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 REFERENCE_TENSORS = {"input_ids": ("I64", "I32"), "position_ids": ("I64", "I32"),

@@ -1,5 +1,6 @@
-"""Launching a training run on this host: the world size it will have, whether the batch splits over it,
-and the self-launch under torchrun (`--nproc_per_node N` without torchrun) with its checks of cores and memory.
+"""Launching a training run: the world size it will have, whether the batch splits over it, and the self-launch
+under torchrun (`--nproc_per_node N` without torchrun, on one host or, with `--nnodes`, the same command on each
+host) with its checks of cores and memory.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.device import GIB
+from common.device import GIB, die_with_parent
 from common.errors import UserError, one_line
 from common.resume import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_SIGNALS
 
@@ -22,9 +23,14 @@ def under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def planned_world_size(nproc_per_node: int) -> int:
-    """The world size this run will have: the launcher's, or --nproc_per_node for a self-launch."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if under_launcher() else nproc_per_node
+def planned_world_size(cfg) -> int:
+    """The world size this run will have: the launcher's, or --nproc_per_node x --nnodes for a self-launch."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if under_launcher() else cfg.nproc_per_node * cfg.nnodes
+
+
+def launches(cfg) -> bool:
+    """This process starts the run's workers (torchrun below it): more than one process, and no launcher above."""
+    return (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and not under_launcher()
 
 
 def check_batch_split(global_batch: int, local_batch: int, world_size: int) -> None:
@@ -38,14 +44,21 @@ def check_batch_split(global_batch: int, local_batch: int, world_size: int) -> N
 PROCESS_GIB = 1.5  # one tiny-preset training process on CPU: torchtitan logs about 1.4 GiB resident at step 1
 
 
-def check_nproc(nproc_per_node: int, device_type: str, oversubscribe: bool = False) -> None:
-    """Before a self-launch: no more processes than the host has cores (CPU) or GPUs, and memory for their
-    start-up, unless `oversubscribe`."""
-    if nproc_per_node <= 1 or oversubscribe:
+def check_nproc(cfg) -> None:
+    """Before a self-launch: a node rank below --nnodes, no more processes than the host has cores (CPU) or GPUs,
+    and memory for their start-up, unless --oversubscribe."""
+    if cfg.node_rank >= cfg.nnodes:
+        raise UserError(f"--node_rank {cfg.node_rank} is not below --nnodes {cfg.nnodes} (node ranks are 0 to "
+                        f"{cfg.nnodes - 1})")
+    nproc_per_node = cfg.nproc_per_node
+    if not launches(cfg) or nproc_per_node <= 1 or cfg.oversubscribe:
         return
     import psutil
     import torch
 
+    from common.device import resolve_device_type
+
+    device_type = resolve_device_type(cfg.device)
     have = {"cpu": os.cpu_count() or 1, "cuda": torch.cuda.device_count() if device_type == "cuda" else 0}
     free = psutil.virtual_memory().available / GIB
     if device_type in have and nproc_per_node > have[device_type]:
@@ -61,11 +74,11 @@ LOCK = ".run.lock"  # in OUT_DIR: flock'd for the whole run; holds who holds it
 _held: list[int] = []  # this process's lock descriptors, open until it exits
 
 
-def hold_out_dir(out_dir: Path) -> None:
+def hold_out_dir(out_dir: Path, node_rank: int = 0) -> None:
     """An exclusive lock on OUT_DIR for the whole run, released by the OS however the holder ends; a second run
-    into the same folder refuses in one line naming the holder. The holder is the process the user started (a
-    self-launch's torchrun inherits it), or rank 0 under a torchrun of the user's."""
-    if os.environ.get(SELF_LAUNCHED) == "1" or int(os.environ.get("RANK", "0")) != 0:
+    into the same folder refuses in one line naming the holder. The holder is the process the user started on node
+    0 (a self-launch's torchrun inherits it), or rank 0 under a torchrun of the user's."""
+    if os.environ.get(SELF_LAUNCHED) or int(os.environ.get("RANK", "0")) != 0 or node_rank != 0:
         return
     fd = os.open(Path(out_dir) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -81,26 +94,16 @@ def hold_out_dir(out_dir: Path) -> None:
     _held.append(fd)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Linux: this process gets `sig` when its parent dies (prctl PR_SET_PDEATHSIG), so a worker never outlives its
-    launcher, however that ends (kill -9 included). Elsewhere nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent was gone before the call (reparented to init or a subreaper)
-        os.kill(os.getpid(), sig)
-
-
-def self_launch(nproc_per_node: int, argv: list[str], out_dir: Path, deadline: float | None = None) -> int:
-    """Re-run this script under torchrun with `nproc_per_node` workers on this host; returns the exit code.
-    A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) to this process is passed to the workers, which finish their
-    step, save it and end (common/resume.py); the run then exits EXIT_STOPPED. A second signal kills every process
-    of the run at once. torchrun gets SIGTERM if this process dies (however), the workers SIGKILL if torchrun does:
-    nothing outlives the launch."""
+def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = None) -> int:
+    """Re-run this script under torchrun with --nproc_per_node workers on this host (with --nnodes > 1: this host's
+    share of a run that the same command with another --node_rank starts on each other host); returns the exit
+    code. A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) to this process is passed to the workers, which finish
+    their step, agree with every other rank (on every node) to stop there, save it and end (common/resume.py); each
+    node's launch then exits EXIT_STOPPED. A second signal kills every process of this node's share at once.
+    torchrun gets SIGTERM if this process dies (however), the workers SIGKILL if torchrun does: nothing outlives
+    the launch."""
     import subprocess
+    import tempfile
 
     rest, skip = [], False
     for arg in argv:  # drop our own --nproc_per_node (both `--flag N` and `--flag=N`)
@@ -110,41 +113,37 @@ def self_launch(nproc_per_node: int, argv: list[str], out_dir: Path, deadline: f
             skip = True
         elif not arg.startswith("--nproc_per_node="):
             rest.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc_per_node}", "--local-ranks-filter=0", *rest]
-    env = dict(os.environ, **{SELF_LAUNCHED: "1"}, **({DEADLINE: repr(deadline)} if deadline else {}))
-    started = time.time()
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
-                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-    first = []
+    where = (["--standalone"] if cfg.nnodes == 1 else  # torchrun's static rendezvous at node 0's address
+             [f"--nnodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
+              f"--master_port={cfg.master_port}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.nproc_per_node}",
+           "--local-ranks-filter=0", *rest]
+    with tempfile.TemporaryDirectory(prefix="qwen3-launch-") as tmp:
+        marker = Path(tmp) / "stopped"  # on this host: a worker that stopped the run says so here, and exits 0
+        env = dict(os.environ, **{SELF_LAUNCHED: str(marker)}, **({DEADLINE: repr(deadline)} if deadline else {}))
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
+                                preexec_fn=die_with_parent(signal.SIGTERM))
+        first = []
 
-    def stop(signum, _frame):  # only signals here: the main thread's wait() below sees the exit
-        now = time.monotonic()
-        if not first:
-            first.append(now)
-            _signal_workers(proc.pid, signal.SIGTERM)
-        elif now - first[0] > 1.0:  # not the same signal sent to the whole process group
-            os.write(2, f"error: {signal.Signals(signum).name} again: every process of the run killed at once; the "
-                        "last complete checkpoint stays usable\n".encode())
-            _kill_tree(proc.pid)
-            os._exit(128 + signum)
+        def stop(signum, _frame):  # only signals here: the main thread's wait() below sees the exit
+            now = time.monotonic()
+            if not first:
+                first.append(now)
+                _signal_workers(proc.pid, signal.SIGTERM)
+            elif now - first[0] > 1.0:  # not the same signal sent to the whole process group
+                os.write(2, f"error: {signal.Signals(signum).name} again: every process of the run killed at once; "
+                            "the last complete checkpoint stays usable\n".encode())
+                _kill_tree(proc.pid)
+                os._exit(128 + signum)
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, stop)
-    code = proc.wait()
-    if code == 0 and _stopped_since(Path(out_dir), started):
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, stop)
+        code = proc.wait()
+        if code != 0 or not marker.exists():
+            return code
+        if cfg.node_rank:  # node 0's rank 0 has said it; another node's own output says it here
+            print(marker.read_text(errors="replace").strip(), flush=True)
         return EXIT_STOPPED
-    return code
-
-
-def _stopped_since(out_dir: Path, started: float) -> bool:
-    import json
-
-    path = out_dir / "results.json"
-    try:
-        return path.stat().st_mtime >= started and bool(json.loads(path.read_text()).get("stopped"))
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _signal_workers(pid: int, sig: int) -> None:

@@ -28,13 +28,14 @@ from common.results import atomic_write_text
 
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped at a step boundary with a checkpoint; run the same command again
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-SELF_LAUNCHED = "QWEN3_RECIPES_SELF_LAUNCHED"  # set by common.launcher for its workers: the launcher reports a stop
+SELF_LAUNCHED = "QWEN3_RECIPES_SELF_LAUNCHED"  # set by common.launcher for its workers: where a stop is reported
 DEADLINE = "QWEN3_RECIPES_DEADLINE"  # --time_limit as an absolute time, set once by the launcher for every worker
 RECORD = "run.json"
 TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its number)
 # Flags a resume may change: they do not change what the next step computes.
 MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "export_tolerance", "compare_losses",
-              "loss_tolerance", "load_check", "time_limit", "stop_margin_s", "nproc_per_node", "oversubscribe",
+              "loss_tolerance", "load_check", "time_limit", "stop_margin_s", "nproc_per_node", "nnodes", "node_rank",
+              "master_addr", "master_port", "oversubscribe",
               "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "tensorboard",
               "peak_tflops", "price_per_hour", "assumed_mfu"}
 
@@ -248,7 +249,12 @@ def write_record(out_dir: Path, record: dict) -> None:
 
 
 def exit_if_stopped(results: dict) -> None:
-    """A stopped run exits EXIT_STOPPED; a worker of the scripts' own launch exits 0 and its launcher reports it
-    (torchrun would print a failure report for a worker's non-zero exit)."""
-    if results.get("stopped") and os.environ.get(SELF_LAUNCHED) != "1":
-        raise SystemExit(EXIT_STOPPED)
+    """A stopped run exits EXIT_STOPPED; a worker of the scripts' own launch leaves a mark in its launcher's folder
+    and exits 0, and the launcher (on each node) exits EXIT_STOPPED (torchrun would print a failure report for a
+    worker's non-zero exit)."""
+    if not results.get("stopped"):
+        return
+    if os.environ.get(SELF_LAUNCHED):
+        atomic_write_text(Path(os.environ[SELF_LAUNCHED]), resume_line(results["stopped"]) + "\n")
+        return
+    raise SystemExit(EXIT_STOPPED)

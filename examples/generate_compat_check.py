@@ -265,7 +265,7 @@ def image_file(cfg: Config) -> Path:
 def worker(rank: int, job: dict, results) -> None:
     """One rank of a model's run (spawned). Reports ("ok", measurements) or ("error", traceback). It dies with the
     check, however the check ends, and leaves Ctrl-C to the check (which stops every rank)."""
-    processes.die_with_parent(job["parent_pid"])
+    device.die_with_parent(parent_pid=job["parent_pid"])()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["cores"]),
                       LOCAL_WORLD_SIZE=str(job["cores"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))

@@ -19,7 +19,7 @@ real Qwen3 tokenizer and offline English text, all prepared by `make setup`):
 One trn2.48xlarge (64 logical NeuronCores at LNC=2, one process each):
     torchrun --nproc_per_node 64 examples/train_native_qwen3.py --preset qwen3_4b \
         --dataset_path /path/to/torchtitan/tests/assets/c4_test
-Several nodes: torchrun --nnodes N --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:29500 ...
+Several nodes: the same command on each, with --nnodes N --node_rank R --master_addr NODE0 (or torchrun's own)
 
 Start from an HF checkpoint (any dense Qwen3; the model shape comes from its config.json):
     python examples/train_native_qwen3.py --hf_checkpoint runs/native/hf_export --out_dir runs/ft
@@ -103,6 +103,15 @@ class Config:
     nproc_per_node: int = field(
         default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)",
                              **cli.bounds(1, 1024)})
+    nnodes: int = field(default=1, metadata={
+        "help": ">1: hosts of a multi-node launch; run the same command on each host with its own --node_rank",
+        **cli.bounds(1, 4096)})
+    node_rank: int = field(default=0, metadata={"help": "with --nnodes: this host's rank, 0 to nnodes-1",
+                                                **cli.bounds(0, 4095)})
+    master_addr: str = field(default="127.0.0.1", metadata={
+        "help": "with --nnodes: node 0's address, reachable from every host"})
+    master_port: int = field(default=29500, metadata={"help": "with --nnodes: a free TCP port on node 0",
+                                                      **cli.bounds(1, 65535)})
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
@@ -182,7 +191,7 @@ def preflight(cfg: Config) -> dict:
                         f"{shape['max_position_embeddings']} positions")
     if shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
         dryrun.check_fits(shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
-                          world_size=launcher.planned_world_size(cfg.nproc_per_node), device_type=device_type,
+                          world_size=launcher.planned_world_size(cfg), device_type=device_type,
                           per_core_gib=cfg.per_core_gib)
     return found
 
@@ -264,24 +273,21 @@ def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={
         "--hf_checkpoint": cfg.hf_checkpoint, "--hf_assets": cfg.hf_assets, "--compare_losses": cfg.compare_losses,
         "--dataset": paths.dataset_folder(cfg.dataset, cfg.dataset_path)}).resolve()
-    launcher.hold_out_dir(out_dir)
+    launcher.hold_out_dir(out_dir, cfg.node_rank)
     if cfg.dry_run:
         return dry_run(cfg, out_dir)
-    world_size = launcher.planned_world_size(cfg.nproc_per_node)
+    world_size = launcher.planned_world_size(cfg)
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     export.check_replaceable(out_dir)
     check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
-    launch = cfg.nproc_per_node > 1 and not launcher.under_launcher()
-    if launch:  # before the inputs' sizing, which shares this host's memory among the processes
-        launcher.check_nproc(cfg.nproc_per_node, device.resolve_device_type(cfg.device), cfg.oversubscribe)
+    launch = launcher.launches(cfg)
+    launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = resume.deadline(cfg.time_limit)
     found = preflight(cfg)  # every input checked before a launch: one error line, not one per rank
     found["record"] = resume.run_record("train_native_qwen3.py", cfg, world_size=world_size, dataset=found["dataset"])
     resume.check_resume(out_dir, found["record"], cfg.steps)  # the same run, with steps left, or refused
     if launch:
-        raise SystemExit(launcher.self_launch(cfg.nproc_per_node, sys.argv, out_dir, end))
-    if launcher.under_launcher():
-        launcher.die_with_parent()
+        raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, end))
     stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     if launcher.is_rank_zero():  # the dry run's memory for this very configuration, beside the measured peak

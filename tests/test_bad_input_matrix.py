@@ -206,6 +206,7 @@ CLI_ROWS = [
     ("train_hf_backend.py", ["--local_batch_size", "100000"], "activations"),
     ("train_moe_nki.py", ["--local_batch_size", "100000", "--seq_len", "4096"], "lower them, or see --dry_run"),
     ("train_native_qwen3.py", ["--nproc_per_node", "64"], "--nproc_per_node 64 starts more processes than this host"),
+    ("train_hf_backend.py", ["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is not below --nnodes 2"),
     ("train_moe_nki.py", ["--nproc_per_node", "2", "--hf_checkpoint", "/nonexistent"], "does not exist"),
     ("train_hf_backend.py", ["--nproc_per_node", "2", "--hf_checkpoint", "/nonexistent"], "does not exist"),
 ]

@@ -53,19 +53,6 @@ def kill_tree(pid: int, include_root: bool = True) -> None:
     psutil.wait_procs([p for p in procs if p.pid not in own], timeout=10)
 
 
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Linux: this process is SIGKILLed when its parent dies, however the parent ends (kill -9 included:
-    prctl PR_SET_PDEATHSIG); a parent already gone (this process's parent is no longer `parent_pid`) ends it at
-    once. Called first thing in a spawned worker, or as a Popen's preexec_fn (in the child, before exec; the
-    setting survives exec). Elsewhere only the parent check."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the call
-        os._exit(1)
-
-
 class Interrupted(BaseException):
     """A stop signal reached the check (stop_on_signals). A BaseException, like KeyboardInterrupt: no
     `except Exception` turns it into a model's row, and every `finally` on the way out still runs."""
@@ -113,9 +100,10 @@ def exit_interrupted(e: Interrupted):
 def run_limited(cmd: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) whose timeout kills the whole tree
     (raises subprocess.TimeoutExpired after that). The subprocess dies with this process (die_with_parent)."""
-    parent = os.getpid()
+    from common.device import die_with_parent
+
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: die_with_parent(parent), **kwargs) as proc:
+                          preexec_fn=die_with_parent(), **kwargs) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except BaseException:  # the time limit, Ctrl-C, anything: nothing it started may outlive us

@@ -1,0 +1,153 @@
+"""Stopping a one-process training run and resuming only the same run: --time_limit stops it before the budget
+ends; a second signal during the stop save ends it at once and the previous checkpoint stays usable; a rerun that
+differs from the run that wrote the checkpoints is refused in one line before anything is built, and --steps at or
+below the newest checkpoint trains nothing."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from common.resume import EXIT_STOPPED, whole_checkpoints
+from conftest import assert_clean_error, example_command, read_results, run_example
+from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory, prepared_assets) -> tuple[Path, tuple[str, ...], dict]:
+    """One process, 6 steps, never stopped: a whole checkpoint at step 3 (--checkpoint_every 3; without an export
+    nothing is saved at the last step) and the losses of an uninterrupted run, as its results.json had them
+    (tests below rerun into the folder)."""
+    out = tmp_path_factory.mktemp("checkpointed")
+    run = (*ONE_RANK, "--checkpoint_every", "3", "--out_dir", str(out))
+    run_example(SCRIPT, *run)
+    assert whole_checkpoints(out) == [3]
+    return out, run, read_results(out)
+
+
+def test_time_limit_stops_before_the_budget_ends_and_the_run_resumes(checkpointed, tmp_path):
+    """--time_limit 0.01 (0.6 s, spent before step 1 ends) with no margin: the run stops after step 1 with a
+    checkpoint, exit 75; the same command without the limit trains on to the losses of a run that never stopped."""
+    _, _, straight = checkpointed
+    out = tmp_path / "o"
+    run = (*ONE_RANK, "--out_dir", str(out))
+    proc = run_example(SCRIPT, *run, "--time_limit", "0.01", "--stop_margin_s", "0", check=False)
+    assert proc.returncode == EXIT_STOPPED, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stopped = read_results(out)["stopped"]
+    assert stopped == {"reason": "time_limit", "step": 1, "checkpoint": str(out / "checkpoint" / "step-1")}
+    assert "run the same command again" in proc.stdout
+    run_example(SCRIPT, *run)
+    resumed = read_results(out)
+    assert resumed["resumed_from_step"] == 1 and close(resumed["history"]["losses"], straight["losses"])
+
+
+def test_a_second_signal_during_the_stop_save_ends_the_run_at_once(checkpointed, tmp_path):
+    """SIGTERM, then SIGTERM again while the stop save is being written: the run ends at once with one line (exit
+    143), the half-written step folder is never loaded, and the same command resumes from the last whole
+    checkpoint to the uninterrupted losses. The process is paused while the second signal is sent, so the signal
+    arrives mid-save and after the one-second window in which a repeat counts as the same signal."""
+    _, _, straight = checkpointed
+    out = tmp_path / "o"
+    run = (*ONE_RANK, "--checkpoint_every", "2", "--out_dir", str(out))
+    for attempt in range(3):  # the pause must land inside a save of ~0.3 s; retried, never weakened
+        shutil.rmtree(out, ignore_errors=True)
+        proc = start(example_command(SCRIPT, *run), tmp_path / f"log{attempt}")
+        wait_for_step(proc, out, 3)
+        proc.send_signal(signal.SIGTERM)
+        caught = None
+        while proc.poll() is None and caught is None:
+            folders = sorted((out / "checkpoint").glob("step-*"))
+            partial = [f for f in folders if int(f.name[5:]) > 2 and not (f / ".metadata").exists()]
+            if partial:
+                proc.send_signal(signal.SIGSTOP)
+                caught = partial[0] if not (partial[0] / ".metadata").exists() else None
+                if caught is None:
+                    proc.send_signal(signal.SIGCONT)
+                    break
+                time.sleep(1.2)
+                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)
+            time.sleep(0.002)
+        err = finish(proc)
+        if caught is not None:
+            break
+    assert caught is not None, "no stop save caught in progress in three runs"
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        "error: SIGTERM again: ended at once; the last complete checkpoint in the out_dir stays usable"]
+    assert not (caught / ".metadata").exists()
+    run_example(SCRIPT, *run)
+    resumed = read_results(out)
+    assert resumed["resumed_from_step"] < int(caught.name[5:])
+    assert close(resumed["history"]["losses"], straight["losses"])
+
+
+# ---- a resume is the same run, or it is refused ------------------------------------------------------------
+
+
+
+
+def _other_data(tmp_path: Path) -> Path:
+    folder = tmp_path / "other_data"
+    folder.mkdir()
+    (folder / "data.jsonl").write_text("".join(json.dumps({"text": f"Another sentence, number {i}."}) + "\n"
+                                               for i in range(200)))
+    return folder
+
+
+def _other_weights(tmp_path: Path, prepared_assets) -> Path:
+    folder = tmp_path / "other_weights"
+    shutil.copytree(prepared_assets["tiny_qwen3"], folder)
+    return folder
+
+
+REFUSED = [  # (flags changed on the rerun, what the error line names)
+    (("--lr", "0.03"), "--lr 0.03 (checkpoint: 0.003)"),
+    (("--seq_len", "64"), "--seq_len 64 (checkpoint: 128)"),
+    (("--local_batch_size", "4"), "--local_batch_size 4 (checkpoint: 2)"),
+    (("--global_batch_size", "4"), "--global_batch_size 4 (checkpoint: -1)"),
+    (("--dtype", "bfloat16"), '--dtype "bfloat16" (checkpoint: "float32")'),
+    (("--seed", "7"), "--seed 7 (checkpoint: 0)"),
+    (("--warmup_steps", "1"), "--warmup_steps 1 (checkpoint: 2)"),
+    (("--flavor", "0.6B"), '--flavor "0.6B" (checkpoint: "tiny")'),
+    (("--dataset", "{other_data}"), "--dataset"),
+    (("--hf_checkpoint", "{other_weights}"), "--hf_checkpoint"),
+    (("--nproc_per_node", "2"), "world size 2 (checkpoint: 1"),
+]
+
+
+@pytest.mark.parametrize("changed, named", REFUSED, ids=[" ".join(r[0][:1]) for r in REFUSED])
+def test_a_rerun_that_is_not_the_same_run_is_refused(checkpointed, tmp_path, prepared_assets, changed, named):
+    out, run, _ = checkpointed
+    before = sorted(p.name for p in (out / "checkpoint").iterdir())
+    values = {"other_data": str(_other_data(tmp_path)) if "{other_data}" in changed else "",
+              "other_weights": str(_other_weights(tmp_path, prepared_assets)) if "{other_weights}" in changed else ""}
+    args = [a.format(**values) for a in changed]
+    proc = run_example(SCRIPT, *run, "--steps", "8", *args, check=False)
+    assert_clean_error(proc, "was written by another run, so this one cannot resume it", named,
+                       "start anew with another --out_dir")
+    assert proc.returncode == 2
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == before  # nothing moved or deleted
+
+
+@pytest.mark.parametrize("script", ["train_hf_backend.py", "train_moe_nki.py"])
+def test_another_training_script_on_the_same_out_dir_is_refused(checkpointed, script):
+    out, _, _ = checkpointed
+    proc = run_example(script, "--steps", "8", "--no-export", "--out_dir", str(out), check=False)
+    assert_clean_error(proc, "written by train_native_qwen3.py, this is " + script)
+
+
+def test_steps_at_or_below_the_newest_checkpoint_train_nothing_and_a_larger_steps_continues(checkpointed):
+    out, run, _ = checkpointed
+    for steps in ("1", "3"):
+        proc = run_example(SCRIPT, *run, "--steps", steps, check=False)
+        assert_clean_error(proc, f"nothing to train: {out / 'checkpoint' / 'step-3'} is at step 3 and --steps is "
+                                 f"{steps}")
+    assert (out / "checkpoint" / "step-3" / ".metadata").is_file()
+    run_example(SCRIPT, *run, "--steps", "5", "--checkpoint_every", "4")  # the interval may change
+    resumed = read_results(out)
+    assert resumed["resumed_from_step"] == 3 and resumed["steps"] == [4, 5]
