@@ -1,8 +1,10 @@
 """common/preflight.py: the stack check passes on this CPU stack, names what is missing for trn2 (torch-neuronx)
 without a traceback, and names a required module or keyword that a shadowing torchtitan lacks.
 
-The shadow packages below are fixtures for the check itself (a few files in tmp_path, put first on PYTHONPATH of a
-subprocess); nothing stands in for the Neuron stack.
+The shadow packages below are fixtures for the check itself (a few files in tmp_path, first on the path of the
+preflight's process); nothing stands in for the Neuron stack. The preflight runs as `python -m common.preflight`
+through the tests' pre-forked runner (tests/prefork.py: torch and transformers already imported, torchtitan and
+nkilib not); a shadow of transformers needs an interpreter of its own.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,13 +21,25 @@ import torch
 from common import preflight
 from common.errors import UserError
 from common.kernels import moe_nki
-from conftest import ROOT, script_env
+from conftest import ROOT, run_python, script_env
 
 
-def _preflight(*args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+def _preflight(*args: str, shadow: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m common.preflight ARGS` from the repository, or with `shadow` from that folder beside a link to
+    common/: the packages in the folder come first on the path (`-m` puts the working folder first), and the
+    preflight still reads this repository's requirements.txt (the link resolves to it)."""
+    cwd = ROOT
+    if shadow is not None:
+        (shadow / "common").symlink_to(ROOT / "common", target_is_directory=True)
+        cwd = shadow
+    return run_python([sys.executable, "-m", "common.preflight", *args], cwd=cwd, timeout=300)
+
+
+def _fresh_preflight(*args: str, pythonpath: Path) -> subprocess.CompletedProcess:
+    """The preflight in a new interpreter with `pythonpath` first on PYTHONPATH: for a shadow of a package that the
+    pre-forked runner has imported already (transformers)."""
     env = script_env()
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([pythonpath, str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(ROOT)])
     return subprocess.run([sys.executable, "-m", "common.preflight", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -48,7 +63,7 @@ def _shadow_torchtitan(root, config_init: str, override_py: str | None = None):
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
-    return str(root)
+    return root
 
 
 def test_cpu_stack_passes_and_prints_the_table():
@@ -68,7 +83,7 @@ def test_trn2_target_names_torch_neuronx_without_a_traceback():
 
 def test_a_shadowing_torchtitan_without_config_override_is_named(tmp_path):
     shadow = _shadow_torchtitan(tmp_path, "def derive(*a, **k): pass\ndef apply_overrides(*a, **k): pass\n")
-    proc = _preflight("--target", "cpu", pythonpath=shadow)
+    proc = _preflight("--target", "cpu", shadow=shadow)
     line = _error_line(proc)
     assert "torchtitan.config:override: missing override" in line
     assert "torchtitan.config.override:OverrideConfig: no module torchtitan.config.override" in line
@@ -86,7 +101,7 @@ def test_a_shadowing_torchtitan_whose_override_lacks_a_keyword_is_named(tmp_path
                 def __init__(self, imports=()):
                     self.imports = imports
             """)
-    line = _error_line(_preflight("--target", "cpu", pythonpath=shadow))
+    line = _error_line(_preflight("--target", "cpu", shadow=shadow))
     assert "torchtitan.config:override: does not take fqns" in line
     assert "OverrideConfig" not in line  # present, with the keyword our calls pass
 
@@ -208,7 +223,7 @@ def test_a_shadowing_torchtitan_without_a_config_field_is_named_before_anything_
             global_batch_size: int = -1
             mixed_precision_param: str = "float32"
         """))
-    proc = _preflight("--target", "cpu", pythonpath=shadow)
+    proc = _preflight("--target", "cpu", shadow=shadow)
     rows = {r.split(" fields ")[1].split()[0]: r for r in proc.stdout.splitlines()
             if r.startswith("torchtitan.config.configs:TrainingConfig fields ")}
     assert "no field disable_cuda_graphs in torchtitan.config.configs: left unset" in rows["disable_cuda_graphs?"]
@@ -230,28 +245,47 @@ def test_the_table_names_which_nkilib_is_imported(tmp_path, installed):
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nki-library\nVersion: 2.33.0\n")
         (info / "RECORD").write_text("nkilib/__init__.py,,\nnki_library-2.33.0.dist-info/METADATA,,\n")
         (info / "top_level.txt").write_text("nkilib\n")
-    proc = _preflight("--target", "trn2", pythonpath=str(tmp_path))
+    proc = _preflight("--target", "trn2", shadow=tmp_path)
     row = next(r for r in proc.stdout.splitlines() if r.startswith("nkilib imported from "))
     owner = "nki-library 2.33.0" if installed else "no installed distribution: a folder on the path"
     assert f"{tmp_path / 'nkilib'} ({owner})" in row and row.split()[-3:] == ["info", "train_moe_nki.py",
                                                                                 "rope_parity.py"], row
 
 
+EXITS = "import sys\nsys.exit(0)\n"
+
+
+@pytest.fixture(scope="module")
+def exiting_packages(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One preflight run with a torchtitan and a transformers that both call sys.exit(0) at import, first on
+    PYTHONPATH of a new interpreter (the pre-forked runner has transformers imported already); each has its own
+    rows in the table."""
+    root = tmp_path_factory.mktemp("exiting_packages")
+    for package in ("torchtitan", "transformers"):
+        (root / package).mkdir()
+        (root / package / "__init__.py").write_text(EXITS)
+    return _fresh_preflight("--target", "cpu", pythonpath=root)
+
+
 @pytest.mark.parametrize("package, init, row, needle", [
-    ("torchtitan", "import sys\nsys.exit(0)\n", "import torchtitan ", "import torchtitan: the import called sys.exit(0)"),
-    ("transformers", "import sys\nsys.exit(0)\n", "transformers:AutoConfig ",
+    ("torchtitan", EXITS, "import torchtitan ", "import torchtitan: the import called sys.exit(0)"),
+    ("transformers", EXITS, "transformers:AutoConfig ",
      "transformers:AutoConfig AutoModelForCausalLM AutoTokenizer Qwen3Config Qwen3ForCausalLM Qwen3MoeForCausalLM: "
      "the import called sys.exit(0)"),
     ("torchtitan", "raise ValueError('not this torchtitan')\n", "import torchtitan ",
      "import torchtitan: ValueError: not this torchtitan"),
 ], ids=["torchtitan-sys-exit", "transformers-sys-exit", "torchtitan-value-error"])
-def test_a_shadow_package_that_exits_or_raises_at_import_is_an_error_row(tmp_path, package, init, row, needle):
-    """A package on PYTHONPATH whose __init__ calls sys.exit(0), or raises what an import does not usually raise:
-    the preflight could not check what it imports, so those rows are ERROR and the run is not a pass (before: no
-    output and exit 0, or a traceback)."""
-    (tmp_path / package).mkdir()
-    (tmp_path / package / "__init__.py").write_text(init)
-    proc = _preflight("--target", "cpu", pythonpath=str(tmp_path))
+def test_a_shadow_package_that_exits_or_raises_at_import_is_an_error_row(request, tmp_path, package, init, row,
+                                                                        needle):
+    """A package first on the path whose __init__ calls sys.exit(0), or raises what an import does not usually
+    raise: the preflight could not check what it imports, so those rows are ERROR and the run is not a pass (not an
+    empty output and exit 0, nor a traceback). The two sys.exit(0) packages share one run (`exiting_packages`)."""
+    if init == EXITS:
+        proc = request.getfixturevalue("exiting_packages")
+    else:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(init)
+        proc = _preflight("--target", "cpu", shadow=tmp_path)
     line = _error_line(proc)
     assert needle in line, line
     assert "checks passed" not in proc.stdout
@@ -261,7 +295,7 @@ def test_a_shadow_package_that_exits_or_raises_at_import_is_an_error_row(tmp_pat
 
 def _preflight_with_requirements(tmp_path, content: bytes | None) -> subprocess.CompletedProcess:
     """The preflight run from a copy of common/ beside a requirements.txt holding `content` (None: a folder of that
-    name), with nothing of the repository on the path: it reads the requirements.txt beside its package."""
+    name), that folder first on the path: it reads the requirements.txt beside its package."""
     import shutil
 
     shutil.copytree(ROOT / "common", tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
@@ -272,8 +306,8 @@ def _preflight_with_requirements(tmp_path, content: bytes | None) -> subprocess.
         req.write_bytes(content)
     env = script_env()
     env.pop("PYTHONPATH", None)
-    return subprocess.run([sys.executable, "-m", "common.preflight", "--target", "cpu"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_python([sys.executable, "-m", "common.preflight", "--target", "cpu"], cwd=tmp_path, env=env,
+                      timeout=300)
 
 
 @pytest.mark.parametrize("content, needle", [
