@@ -88,6 +88,9 @@ def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT,
     own, without the seconds of imports. Commands a test signals or kills start with Popen instead."""
     global _prefork
     assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
+    if env is not None and env.get("PYTHONPATH") != script_env().get("PYTHONPATH"):
+        raise ValueError("run_python cannot change PYTHONPATH (the pre-forked runner's path is set when it starts): "
+                         "start such a command with subprocess")
     if _prefork is None or _prefork.proc.poll() is not None:
         _prefork = _Prefork()
     return _prefork.run(cmd, Path(cwd), script_env() if env is None else env, timeout)

@@ -3,13 +3,14 @@ repository and with nothing of it on the path: what the header lists is all a us
 the header check of test_layout.py cannot see: a file read or a script run beside the repository at run time."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, read_results, script_env
+from conftest import ROOT, read_results, run_python, script_env
 from test_layout import header_files
 
 # The shortest run of each example that still reaches its run-time paths: the HF export and its check in a
@@ -40,10 +41,12 @@ def copy_example(name: str, dest):
 def test_example_runs_from_a_copy(name, tmp_path, prepared_assets):
     script = copy_example(name, tmp_path / "project")
     out_dir = tmp_path / "run"
-    env = script_env()
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, str(script), *RUNS[name], "--out_dir", str(out_dir)],
-                          cwd=tmp_path / "project", env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(script), *RUNS[name], "--out_dir", str(out_dir)]
+    if "PYTHONPATH" in os.environ:  # the pre-forked runner's path would hold it: a process of its own without it
+        env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
+        proc = subprocess.run(cmd, cwd=tmp_path / "project", env=env, capture_output=True, text=True, timeout=600)
+    else:  # the pre-forked runner: none of this repository imported, the script's own folder first on the path
+        proc = run_python(cmd, cwd=tmp_path / "project")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = read_results(out_dir)
     if name == "train_native_qwen3.py":
