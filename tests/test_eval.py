@@ -1,5 +1,6 @@
 """Held-out loss during training (`--eval_every N --eval_steps K`, common/evaluation.py): torchtitan's own
-Validator on data the training stream never holds, its losses in results.json's `eval_losses` and loss.png."""
+Validator on data the training stream never holds, its losses in results.json's `eval_losses` and loss.png; and
+the same run's TensorBoard log (--tensorboard)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ MIN_PIECE = 40  # characters: a held-out paragraph (piece) this long found in th
 def native_eval(tmp_path_factory, prepared_assets):
     out = tmp_path_factory.mktemp("native_eval")
     proc = run_example("train_native_qwen3.py", "--steps", str(STEPS), "--eval_every", str(EVAL_EVERY),
-                       "--eval_steps", str(EVAL_STEPS), "--no-export", "--out_dir", str(out))
+                       "--eval_steps", str(EVAL_STEPS), "--no-export", "--tensorboard", "--out_dir", str(out))
     return out, json.loads((out / "results.json").read_text()), proc.stdout + proc.stderr
 
 
@@ -43,6 +44,21 @@ def test_held_out_loss_at_step_1_and_every_n_steps_and_it_falls(native_eval):
     golden = json.loads((GOLDEN_DIR / "train_native_qwen3.tiny.json").read_text())["losses"]
     assert max(abs(a - b) for a, b in zip(res["losses"], golden)) <= GOLDEN_TOL
     assert (out / "loss.png").stat().st_size > 1000
+
+
+def test_tensorboard_losses_equal_results_json(native_eval):
+    """--tensorboard: torchtitan's own TensorBoard logger writes OUT_DIR/tb; its loss scalars, read with
+    TensorBoard's own reader, are the losses in results.json."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, r, _ = native_eval
+    (run_dir,) = list((out / "tb").iterdir())
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    loss = events.Scalars("loss_metrics/global_avg_loss")
+    assert [e.step for e in loss] == r["steps"]
+    assert all(math.isclose(e.value, x, rel_tol=1e-6) for e, x in zip(loss, r["losses"])), (loss, r["losses"])
+    assert "mfu(%)" in events.Tags()["scalars"]
 
 
 def test_off_by_default(shared_run):

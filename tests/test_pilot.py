@@ -1,10 +1,8 @@
 """The pilot fields every training script writes into results.json: timing (first step apart from the steady
 steps), FLOPs per token from the model's shape (the same for the HF backend and the native model), MFU against a
-stated peak, memory against the dry run's plan, cost; torchtitan's own TensorBoard logging; the dry run's
-projection of the full run."""
+stated peak, memory against the dry run's plan, cost; the dry run's projection of the full run (TensorBoard:
+tests/test_eval.py)."""
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -66,23 +64,6 @@ def test_moe_pilot_fields_count_active_experts_only(tmp_path, prepared_assets):
     shape, seq = r["model_shape"], r["config"]["seq_len"]
     all_experts = dict(shape, num_experts_per_tok=shape["num_experts"])
     assert r["flops_per_token"] == flops_per_token(shape, seq) < flops_per_token(all_experts, seq)
-
-
-def test_tensorboard_losses_equal_results_json(tmp_path, prepared_assets):
-    """--tensorboard: torchtitan's own TensorBoard logger writes OUT_DIR/tb; its loss scalars, read with
-    TensorBoard's own reader, are the losses in results.json."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = tmp_path / "o"
-    run_example("train_native_qwen3.py", "--steps", "4", "--no-export", "--tensorboard", "--out_dir", str(out))
-    r = read_results(out)
-    (run_dir,) = list((out / "tb").iterdir())
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    loss = events.Scalars("loss_metrics/global_avg_loss")
-    assert [e.step for e in loss] == r["steps"]
-    assert all(math.isclose(e.value, x, rel_tol=1e-6) for e, x in zip(loss, r["losses"])), (loss, r["losses"])
-    assert "mfu(%)" in events.Tags()["scalars"]
 
 
 def test_dry_run_projects_the_full_runs_time_and_cost(tmp_path):
