@@ -50,11 +50,12 @@ def example_command(script: str, *args: str, torchrun: int = 0) -> list[str]:
 
 
 class _Prefork:
-    """The client of tests/prefork.py: one server per test process, started on first use."""
+    """The client of tests/prefork.py: one server per test process and kind, started on first use."""
 
-    def __init__(self):
+    def __init__(self, torchtitan: bool):
         self.lock = threading.Lock()
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "prefork.py")], cwd=ROOT, env=script_env(),
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "prefork.py"),
+                                      *(["--torchtitan"] if torchtitan else [])], cwd=ROOT, env=script_env(),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self.proc.stdout.readline()
         if not ready:
@@ -78,22 +79,23 @@ class _Prefork:
         return subprocess.CompletedProcess(cmd, reply["rc"], stdout, stderr)
 
 
-_prefork: _Prefork | None = None
+_prefork: dict[bool, _Prefork] = {}
 
 
-def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT,
-               timeout: float = 600) -> subprocess.CompletedProcess:
+def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600,
+               torchtitan: bool = True) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True)` for a `python SCRIPT ...` or
     `python -m MODULE ...` command, served by tests/prefork.py: the same script in a process of its
-    own, without the seconds of imports. Commands a test signals or kills start with Popen instead."""
-    global _prefork
+    own, without the seconds of imports (`torchtitan=False`: torchtitan not imported yet, for a command
+    that must find a shadow of it first on its path). Commands a test signals or kills start with Popen."""
     assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
     if env is not None and env.get("PYTHONPATH") != script_env().get("PYTHONPATH"):
         raise ValueError("run_python cannot change PYTHONPATH (the pre-forked runner's path is set when it starts): "
                          "start such a command with subprocess")
-    if _prefork is None or _prefork.proc.poll() is not None:
-        _prefork = _Prefork()
-    return _prefork.run(cmd, Path(cwd), script_env() if env is None else env, timeout)
+    server = _prefork.get(torchtitan)
+    if server is None or server.proc.poll() is not None:
+        server = _prefork[torchtitan] = _Prefork(torchtitan)
+    return server.run(cmd, Path(cwd), script_env() if env is None else env, timeout)
 
 
 def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,

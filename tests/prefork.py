@@ -23,16 +23,20 @@ import signal
 import sys
 import time
 
-# What the examples import, less torchtitan: torchtitan picks its device when it is first imported,
-# and the examples route it to theirs before that (common/device.py), so each child imports it.
+# What the examples import. torchtitan binds its device when it is first imported, and the examples route
+# it to theirs before that (common/device.py); with `--torchtitan` it is imported here too, routed to the
+# CPU by the repository's own route_torchtitan_device (every test runs on the CPU), and each child's
+# route then finds it there. Without the flag each child imports it (a shadow torchtitan on the path).
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torch.distributed.tensor", "numpy", "safetensors.torch", "transformers",
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
            "transformers.models.llama.modeling_llama", "datasets", "tokenizers", "pyarrow", "pyarrow.parquet",
            "pandas", "matplotlib", "matplotlib.pyplot", "psutil")
+TORCHTITAN = ("torchtitan.trainer", "torchtitan.models.qwen3", "torchtitan.components.validate",
+              "torchtitan.hf_datasets.text_datasets", "torchtitan.experiments.transformers_modeling_backend")
 
 
-def _preload() -> None:
+def _preload(torchtitan: bool) -> None:
     import importlib
     import threading
 
@@ -43,6 +47,17 @@ def _preload() -> None:
             print(f"prefork: {name} not preloaded: {exc!r}", file=sys.stderr, flush=True)
     if any(name.startswith("torchtitan") for name in sys.modules):
         raise SystemExit("prefork: a preloaded module imported torchtitan")
+    if torchtitan:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.path.insert(0, root)
+        try:
+            importlib.import_module("common.device").route_torchtitan_device("cpu")
+        finally:  # none of the repository stays loaded: each child imports its own common/
+            sys.path.remove(root)
+            for name in [n for n in sys.modules if n == "common" or n.startswith("common.")]:
+                del sys.modules[name]
+        for name in TORCHTITAN:
+            importlib.import_module(name)
     # Forking is only safe while this process has one thread (a lock held by another thread would
     # stay held in every child).
     if threading.active_count() != 1:
@@ -128,7 +143,7 @@ def serve() -> None:
     proto_in = os.dup(0)
     proto_out = os.dup(1)
     os.dup2(2, 1)  # anything printed here goes to stderr, never into the replies
-    _preload()
+    _preload(torchtitan="--torchtitan" in sys.argv[1:])
     reader = os.fdopen(proto_in, "r")
     writer = os.fdopen(proto_out, "w")
     writer.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")

@@ -4,7 +4,7 @@ without a traceback, and names a required module or keyword that a shadowing tor
 The shadow packages below are fixtures for the check itself (a few files in tmp_path, first on the path of the
 preflight's process); nothing stands in for the Neuron stack. The preflight runs as `python -m common.preflight`
 through the tests' pre-forked runner (tests/prefork.py: torch and transformers already imported, torchtitan and
-nkilib not); a shadow of transformers needs an interpreter of its own.
+nkilib not: `torchtitan=False`); a shadow of transformers needs an interpreter of its own.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _preflight(*args: str, shadow: Path | None = None) -> subprocess.CompletedPr
     if shadow is not None:
         (shadow / "common").symlink_to(ROOT / "common", target_is_directory=True)
         cwd = shadow
-    return run_python([sys.executable, "-m", "common.preflight", *args], cwd=cwd, timeout=300)
+    return run_python([sys.executable, "-m", "common.preflight", *args], cwd=cwd, timeout=300, torchtitan=False)
 
 
 def _fresh_preflight(*args: str, pythonpath: Path) -> subprocess.CompletedProcess:
