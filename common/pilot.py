@@ -165,7 +165,7 @@ PLAN_TIMEOUT_S = 300
 def _plan_in_a_child(plan, device_type: str, route) -> float | None:
     """None where a fork is not safe: a process with other Python threads (a thread holding a lock at the fork
     would leave the child waiting on it forever); and None, the child killed, if it has not answered in
-    PLAN_TIMEOUT_S."""
+    PLAN_TIMEOUT_S. The child plans on one torch thread (the parent's OpenMP threads are not in it)."""
     import json
     import select
     import signal
@@ -181,6 +181,11 @@ def _plan_in_a_child(plan, device_type: str, route) -> float | None:
     if pid == 0:  # the child: plan, report, leave without running anything of the parent's
         os.close(read)
         try:
+            import torch
+
+            # One intra-op thread before any op: the parent's OpenMP pool (torch's default threads, once an op has
+            # run) is not in the child, and a parallel region there would wait for it forever.
+            torch.set_num_threads(1)
             payload = json.dumps({"planned_bytes": plan()})
         except BaseException as e:  # noqa: BLE001  reported to the parent as text
             payload = json.dumps({"error": f"{type(e).__name__}: {e}"})

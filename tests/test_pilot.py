@@ -78,3 +78,32 @@ def test_dry_run_projects_the_full_runs_time_and_cost(tmp_path):
     assert p["seconds"] == pytest.approx(seconds) and p["cost"] == pytest.approx(50 * seconds / 3600)
     assert 25e9 < p["flops_per_token"] < 40e9  # Qwen3-4B: 6 x ~4 B + attention at 4096 tokens
     assert "[plan] 10 steps x 262,144 tokens" in proc.stdout
+
+
+PLAN_AFTER_THREADED_OPS = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from common import pilot
+torch.set_num_threads(2)
+x = torch.randn(2000, 2000)
+torch.nn.functional.gelu(x @ x).sum()  # the parent's OpenMP pool now has a second thread
+plan = lambda: int(torch.nn.functional.gelu(torch.randn(2000, 2000)).numel())  # a parallel region in the child
+print(pilot._plan_in_a_child(plan, "cpu", lambda device_type: None))
+"""
+
+
+def test_the_plan_is_made_in_a_child_after_the_parent_ran_ops_on_several_threads(tmp_path):
+    """torch's default threads: once an op has run, a forked child's first parallel region waits forever for the
+    parent's OpenMP threads (the plan then came back only at PLAN_TIMEOUT_S, as None). The child plans on one
+    thread and answers."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, script_env
+
+    env = dict(script_env(), OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-c", PLAN_AFTER_THREADED_OPS.format(root=str(ROOT))], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [str(round(4_000_000 / (1 << 30), 4))], proc.stdout
+
