@@ -4,9 +4,10 @@ really holds, at several model sizes and at 1 and 2 ranks.
 Each size is a dense Qwen3 with the real 151,936-token vocabulary (the tiny Qwen3 from set-up, or a
 seeded random HF folder of a larger shape), trained with `--hf_checkpoint`. For each size and world size:
   - estimated: `examples/train_native_qwen3.py --dry_run --dry_run_ranks N` for the same flags (its
-    `dry_run` function; above one rank in a process of its own);
+    `dry_run` function, in the measuring process before its process group; above one rank in a process
+    of its own, forked from rank 0);
   - measured on rank 0, over training steps after a warm-up step (each figure the median of
-    --measured_steps steps), on torchtitan's Trainer built by
+    --measured_steps steps; --measured_steps_one_rank at one rank), on torchtitan's Trainer built by
     the example's own `build_trainer_config` (FSDP over gloo, full activation checkpointing, chunked
     loss, `--dtype`):
       parameters, gradients, optimizer state: bytes of the local shards (numel x element size): exact;
@@ -36,9 +37,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -67,7 +70,8 @@ class Config:
     preset: str = "default"
     out_dir: str = field(default="runs/bench/memory_model", metadata={"help": "results.json, models/, logs/ go here"})
     sizes: str = field(default="tiny,small_untied,medium", metadata={"help": f"comma-separated: {', '.join(SIZES)}"})
-    ranks: str = field(default="1,2", metadata={"help": "comma-separated world sizes (each a separate launch)"})
+    ranks: str = field(default="1,2", metadata={
+        "help": "comma-separated world sizes (1: measured in this process; above: a torchrun launch per size)"})
     sizes_above_one_rank: str = field(default="", metadata={
         "help": "the sizes measured at world sizes above 1 (comma-separated; empty: all of --sizes)"})
     local_batch_size: int = field(default=4, metadata={"help": "sequences per rank", **cli.bounds(1, 1024)})
@@ -78,10 +82,14 @@ class Config:
     measured_steps: int = field(default=3, metadata={
         "help": "steps measured after the warm-up step; each term's figure is its median over them",
         **cli.bounds(1, 1000)})
+    measured_steps_one_rank: int = field(default=0, metadata={
+        "help": "steps measured at one rank (0: --measured_steps): there every step has had the same figures, "
+                "byte for byte; above one rank a step can hold a buffer more, with the other rank's timing",
+        **cli.bounds(0, 1000)})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "compute dtype (FSDP mixed precision), as the example's --dtype"})
     measure_here: bool = field(default=False, metadata={
-        "help": "internal: measure in this process (the benchmark launches itself so, under torchrun above 1 rank)"})
+        "help": "internal: measure in this process (the benchmark launches itself so under torchrun above 1 rank)"})
 
 
 def default() -> Config:
@@ -90,9 +98,10 @@ def default() -> Config:
 
 
 def tiny() -> Config:
-    """The test's setting: the tiny Qwen3 tied and untied at 1 rank, untied at 2, 2 x 128 tokens per rank."""
+    """The test's setting: the tiny Qwen3 tied and untied at 1 rank, untied at 2, 2 x 128 tokens per rank,
+    3 measured steps at 2 ranks and 1 at 1 rank (where every step's figures are the same)."""
     return replace(Config(), sizes="tiny,tiny_untied", sizes_above_one_rank="tiny_untied", local_batch_size=2,
-                   seq_len=128)
+                   seq_len=128, measured_steps_one_rank=1)
 
 
 PRESETS = {"default": default, "tiny": tiny}
@@ -110,24 +119,21 @@ def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     sizes, ranks = _sizes(cfg), _ranks(cfg)
     above = _sizes(cfg, cfg.sizes_above_one_rank) if cfg.sizes_above_one_rank else sizes
-    folders = {s: write_model(s, out_dir / "models" / s) for s in sizes}
+    for s in sizes:  # written once here; every measuring process reads them
+        write_model(s, out_dir / "models" / s)
     common = ["--local_batch_size", str(cfg.local_batch_size), "--seq_len", str(cfg.seq_len), "--dtype", cfg.dtype]
     runs = [(s, n) for n in ranks for s in (sizes if n == 1 else above)]
-    # The estimates: the example's own --dry_run. At one rank the measuring process runs it first;
-    # above one rank in a process of its own, while the measurements run (torchtitan 0.3.0's
-    # spmd_types path refuses a second FSDP plan at the same world size in one process).
-    dry = {(s, n): _start_dry_run(folders[s], n, common, out_dir / "dry_runs" / f"{s}_{n}_ranks", cfg.threads)
-           for s, n in runs if n > 1}
     measured: dict[int, dict] = {n: {} for n in ranks}
     for n in ranks:
-        # One launch for every size at one rank; one per size above (the same limit as the dry run's).
-        for group in [sizes] if n == 1 else [[s] for s in above]:
+        # Every size at one rank in this process; one launch per size above (the same limit as the dry run's).
+        if n == 1:
+            measured[n].update(_measure_in_this_process(cfg, sizes, out_dir))
+            continue
+        for group in [[s] for s in above]:
             args = ["--measure_here", "--out_dir", str(out_dir), "--sizes", ",".join(group),
                     "--measured_steps", str(cfg.measured_steps), *common]
             measured[n].update(_launch(Path(__file__).resolve(), args, n, out_dir, tag="_".join(group),
                                        threads=cfg.threads))
-    for (s, n), (proc, folder) in dry.items():
-        measured[n][s]["estimated"] = _finish_dry_run(proc, folder)
     rows = []
     for size, n in runs:
         m = measured[n][size]
@@ -186,28 +192,104 @@ def _ranks(cfg: Config) -> list[int]:
     return ranks
 
 
-def _start_dry_run(folder: Path, ranks: int, common: list[str], out: Path, threads: int):
-    """`train_native_qwen3.py --dry_run` for this size and world size, started in the background."""
+def _start_dry_run(example, ecfg, ranks: int, out: Path, threads: int) -> Callable[[], dict]:
+    """The example's `dry_run` for `ecfg` at `ranks` ranks, in a process of its own (torchtitan 0.3.0's
+    spmd_types path refuses a second FSDP plan at one world size in a process), started in the background
+    with its output in OUT/dry_run.log; returns the function that waits for it and reads its figures.
+    The process is a child forked from this one, which has the stack imported: the plan alone, seconds,
+    without a second interpreter's imports. Where a fork is not safe (another Python thread, or more than
+    one torch thread: a lock or an OpenMP pool would not be usable in the child) it is
+    `train_native_qwen3.py --dry_run` for the same flags instead."""
+    import threading
+
+    import torch
+
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(cb.ROOT / "examples" / "train_native_qwen3.py"), "--hf_checkpoint", str(folder),
-           "--dry_run", "--dry_run_ranks", str(ranks), "--out_dir", str(out), *common]
-    log = (out / "dry_run.log").open("w")
-    return subprocess.Popen(cmd, cwd=cb.ROOT, env=cb.training_env(threads), stdout=log, stderr=subprocess.STDOUT), out
+    log = out / "dry_run.log"
+    if threading.active_count() > 1 or torch.get_num_threads() > 1:
+        cmd = [sys.executable, str(cb.ROOT / "examples" / "train_native_qwen3.py"),
+               "--hf_checkpoint", ecfg.hf_checkpoint, "--dry_run", "--dry_run_ranks", str(ranks), "--out_dir", str(out),
+               "--local_batch_size", str(ecfg.local_batch_size), "--seq_len", str(ecfg.seq_len), "--dtype", ecfg.dtype]
+        with log.open("w") as f:
+            proc = subprocess.Popen(cmd, cwd=cb.ROOT, env=cb.training_env(threads), stdout=f, stderr=subprocess.STDOUT)
+        return lambda: _dry_run_figures(proc.wait(timeout=1800), out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: the plan, its results.json, and out without running anything of the parent's
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            example.dry_run(replace(ecfg, dry_run_ranks=ranks), out)
+            code = 0
+        except BaseException:  # noqa: BLE001  into the log, read by the parent
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def finish() -> dict:
+        deadline = time.monotonic() + 1800
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                done = os.waitpid(pid, 0)
+                break
+            time.sleep(0.1)
+        return _dry_run_figures(os.waitstatus_to_exitcode(done[1]), out)
+    return finish
 
 
-def _finish_dry_run(proc, out: Path) -> dict:
-    if proc.wait(timeout=1800) != 0 or not (out / "results.json").is_file():
-        raise RuntimeError(f"the dry run in {out} exited {proc.returncode}:\n"
-                           + (out / "dry_run.log").read_text()[-4000:])
+def _dry_run_figures(code: int, out: Path) -> dict:
+    if code != 0 or not (out / "results.json").is_file():
+        raise RuntimeError(f"the dry run in {out} exited {code}:\n" + (out / "dry_run.log").read_text()[-4000:])
     return json.loads((out / "results.json").read_text())["dry_run"]
 
 
+def _measure_in_this_process(cfg: Config, sizes: list[str], out_dir: Path) -> dict:
+    """One rank needs no launch: `measure_all` for every size in this process (a process of its own would
+    spend seconds importing what this one has imported), with --threads torch threads, its output in the log
+    a launch's would go to."""
+    import torch
+
+    tag = "_".join(sizes)
+    log = out_dir / "logs" / f"measure_{tag}_1_ranks.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    cb.set_threads(cfg.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as a launch has it (cb.training_env)
+    t0 = time.perf_counter()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved, fd = (os.dup(1), os.dup(2)), os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        out = measure_all(replace(cfg, sizes=",".join(sizes), measure_here=True, out_dir=str(out_dir),
+                                  measured_steps=cfg.measured_steps_one_rank or cfg.measured_steps))
+    except Exception as e:
+        raise RuntimeError(f"the measurement at 1 rank failed: {type(e).__name__}: {e} (its output: {log})") from e
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, source in enumerate(saved, start=1):
+            os.dup2(source, target)
+        for f in (fd, *saved):
+            os.close(f)
+        torch.set_num_threads(threads)
+    print(f"[bench] measured {tag} at 1 ranks in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
 def _launch(script: Path, args: list[str], nproc: int, out_dir: Path, tag: str, threads: int) -> dict:
-    """This script with --measure_here, under torchrun for nproc > 1; returns what rank 0 wrote."""
-    cmd = [sys.executable, str(script), *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "--local-ranks-filter=0", str(script), *args]
+    """This script with --measure_here under torchrun, `nproc` processes; returns what rank 0 wrote."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--local-ranks-filter=0", str(script), *args]
     target = out_dir / f"measured_{tag}_{nproc}_ranks.json"
     target.unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -235,9 +317,18 @@ def measure_all(cfg: Config) -> dict:
                                  device="cpu", dtype=cfg.dtype, local_batch_size=cfg.local_batch_size,
                                  seq_len=cfg.seq_len, dry_run_ranks=1)
                for s in _sizes(cfg)}
-    # At one rank the dry run's figures come from this process, before it has a process group.
-    estimates = {s: example.dry_run(c, out_dir / "dry_runs" / f"{s}_1_ranks") for s, c in configs.items()} \
-        if world == 1 else {}
+    # The dry run's figures for the same settings, before this process has a process group: at one rank from
+    # this process; above one rank (one size a launch) from rank 0's child, which plans while this measures.
+    device.route_torchtitan_device("cpu")
+    if world == 1:
+        estimates = {s: example.dry_run(c, out_dir / "dry_runs" / f"{s}_1_ranks") for s, c in configs.items()}
+    elif int(os.environ.get("RANK", "0")) == 0:
+        import torchtitan.trainer  # noqa: F401  imported before the fork: the child only plans
+
+        estimates = {s: _start_dry_run(example, c, world, out_dir / "dry_runs" / f"{s}_{world}_ranks", cfg.threads)
+                     for s, c in configs.items()}
+    else:
+        estimates = {}
     dev = device.setup("cpu")
     try:
         out = {}
@@ -246,7 +337,7 @@ def measure_all(cfg: Config) -> dict:
             t0 = time.perf_counter()
             out[size] = measure_one(example, ecfg, dev, out_dir / "work" / f"{size}_{world}_ranks", cfg.measured_steps)
             if size in estimates:
-                out[size]["estimated"] = estimates[size]
+                out[size]["estimated"] = estimates[size] if world == 1 else estimates[size]()
             out[size]["tied"] = bool(checkpoint.read_hf_config(folder).get("tie_word_embeddings"))
             print(f"[bench] measured {size} at {world} ranks in {time.perf_counter() - t0:.1f} s", flush=True)
             gc.collect()
