@@ -1,18 +1,23 @@
 """The compile audit (examples/compat_check/compile_audit.py): graphs, recompiles and graph breaks counted by Dynamo
-with a counting backend. The four offline models with a static cache (one prefill graph, one decode graph, no
-recompile over 32 tokens): tests/test_generate_compat_check.py::test_offline_preset_rows. Here the other side: the
-same tiny Qwen3 with a dynamic cache recompiles its decode step at every token, and the audit says so; and the
-counting itself on a small module whose graph breaks and recompiles are known in advance.
+with a counting backend. The offline models with a static cache (one prefill graph, one decode graph, no recompile
+over 32 tokens; tiny Qwen3-VL's vision tower split by graph breaks), as the check's worker audits them; the other
+side, through the check itself: the same tiny Qwen3 with a dynamic cache recompiles its decode step at every token,
+and the row says so; and the counting itself on a small module whose graph breaks and recompiles are known in
+advance.
 """
 from __future__ import annotations
 
 import json
+import sys
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
-from compat_check import compile_audit, rows
-from conftest import run_example
+from compat_check import compile_audit, lookup, rows
+from tools import prepare_assets as assets
+from conftest import ROOT, run_example, run_python
+from test_compat_train import tiny_llama
 
 SCRIPT = "generate_compat_check.py"
 
@@ -24,13 +29,90 @@ def _only_row(out) -> dict:
     return row
 
 
-def test_dynamic_cache_recompiles_at_every_token(tmp_path, prepared_assets):
+# The check's worker for a single-core run (generate_compat_check.generate_on_device: load, 32 greedy tokens with the
+# static cache, the compile audit, the CPU eager reference), for several models one after another in one process:
+# argv: the repository, a JSON file of {name: job}, the JSON file for {name: report}.
+_RANK = """
+import json
+import sys
+from pathlib import Path
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/examples"]
+import generate_compat_check as check
+from common import device
+jobs = json.loads(Path(sys.argv[2]).read_text())
+try:
+    reports = {name: check.generate_on_device(job) for name, job in jobs.items()}
+finally:
+    device.teardown()
+Path(sys.argv[3]).write_text(json.dumps(reports))
+"""
+
+
+def _job(folder, task: str) -> dict:
+    """The job that generate_compat_check.check_model gives the worker for a single-core CPU run of the offline
+    preset with --no_compile --compile_audit (every other setting at its default)."""
+    from generate_compat_check import Config, OFFLINE_IMAGE
+
+    cfg = Config()
+    job = {"folder": str(folder), "cores": 1, "runner": "single", "device": "cpu", "task": task, "dtype": cfg.dtype,
+           "compile": False, "fullgraph": cfg.fullgraph, "new_tokens": cfg.new_tokens, "timeout_s": cfg.timeout_s,
+           "lnc": cfg.lnc, "trust_remote_code": False, "compile_audit": True, "cache": cfg.cache,
+           "prompt": cfg.image_prompt if task == "image-text-to-text" else cfg.prompt}
+    if task == "image-text-to-text":
+        job["image"] = str(folder / OFFLINE_IMAGE)
+    return job
+
+
+def test_static_cache_compiles_once_text_models_in_one_graph(tmp_path, prepared_assets, capsys):
+    """The offline models as the check runs and audits them (static cache, 32 tokens): a prefill graph and a decode
+    graph, no recompile while the cache fills, the audited generation the same tokens as the run; the text models
+    (Qwen3, Qwen3-MoE, Llama: a tiny random one of SmolLM2's configuration) in one graph each, tiny Qwen3-VL's vision
+    tower in pieces (graph breaks, each reason one line). The rows' audit columns and notes say so, and the lookup's
+    --compiles_once keeps every such row."""
+    folders = assets.prepare(["tiny_qwen3", "tiny_qwen3_moe", "smollm2", "tiny_qwen_vl"])
+    models = {"tiny-qwen3": folders["tiny_qwen3"], "tiny-qwen3-moe": folders["tiny_qwen3_moe"],
+              "tiny-llama": tiny_llama(folders["smollm2"], tmp_path / "tiny-llama"),
+              "tiny-qwen-vl": folders["tiny_qwen_vl"]}
+    tasks = {name: "image-text-to-text" if name == "tiny-qwen-vl" else "text-generation" for name in models}
+    jobs, script, reports = tmp_path / "jobs.json", tmp_path / "rank.py", tmp_path / "reports.json"
+    jobs.write_text(json.dumps({name: _job(folder, tasks[name]) for name, folder in models.items()}))
+    script.write_text(_RANK)
+    proc = run_python([sys.executable, str(script), str(ROOT), str(jobs), str(reports)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = json.loads(reports.read_text())
+    assert list(reports) == list(models)
+    path = tmp_path / "rows.parquet"
+    for name, rep in reports.items():
+        audit = rep["audit"]
+        assert rep["static"] and not rep["compiled"] and rep["compile_s"] == 0.0, name
+        assert rep["tokens"] == rep["cpu_tokens"], name  # the row's cpu_match
+        assert audit["recompiles"] == 0 and audit["recompile_reasons"] == [], (name, audit)
+        assert audit["phases"]["first_decode_step"] == 1 and audit["phases"]["later_decode_steps"] == 0, audit
+        assert audit["forward_calls"] == 32 and audit["same_tokens"], (name, audit)
+        assert rep["timings"]["compile_audit_s"] > 0  # timed apart from the run's own times
+        columns = compile_audit.row_columns(audit)  # what the check adds to the row, and to its notes
+        assert json.loads(columns["compile_audit"])["compiles_once"] and columns["compile_recompiles"] == 0
+        assert compile_audit.note(audit).endswith("no recompile over 32 tokens: compiles once"), name
+        breaks = json.loads(columns["compile_graph_break_reasons"])
+        assert columns["compile_graph_breaks"] == sum(breaks.values()), (name, breaks)
+        if name == "tiny-qwen-vl":
+            assert audit["graphs"] > 2 and audit["graph_breaks"] > 0 and audit["phases"]["prefill"] > 1, audit
+            assert all(reason.strip() and "\n" not in reason for reason in breaks), breaks
+        else:
+            assert (audit["graphs"], audit["graph_breaks"]) == (2, 0), (name, audit)
+        rows.write_row(path, {"model_id": name, "task": tasks[name], "result": "PASS", **columns})
+    assert lookup.lookup_main([str(path), "--compiles_once"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "4 row(s): 4 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
+
+
+def test_dynamic_cache_recompiles_at_every_token(tmp_path, prepared_assets, capsys):
     """--cache dynamic (what a model without static-cache support gets): the cache grows by one position per token,
     so every decode step after the first is a graph of its own (the guard on the cache's length fails), and the row
-    says what that costs on Trainium. With the static cache (the offline preset's rows) there is none."""
+    says what that costs on Trainium. With the static cache there is none (above); the lookup's --compiles_once
+    leaves this row out."""
     out = tmp_path / "out"
     run_example(SCRIPT, "--models", "tiny-qwen3", "--no_compile", "--compile_audit", "--cache", "dynamic",
-                "--new_tokens", "8", "--out_dir", str(out))
+                "--new_tokens", "8", "--no-judge_single_core", "--out_dir", str(out))
     r = _only_row(out)
     assert r["result"] == "PASS" and "dynamic cache (--cache dynamic)" in r["notes"]
     audit = json.loads(r["compile_audit"])
@@ -45,6 +127,13 @@ def test_dynamic_cache_recompiles_at_every_token(tmp_path, prepared_assets):
     assert ("the decode step recompiles at every new token (6 recompilations over 8 tokens" in r["notes"]
             and "one more neuronx-cc compilation" in r["notes"]), r["notes"]
     assert "--compile_audit --cache dynamic" in r["run_args"]
+    assert json.loads(r["timings"])["compile_audit_s"] > 0 and r["compile_s"] == 0.0  # not in the row's times
+    # the counts are integer columns, their reasons text beside them
+    schema = pq.read_schema(next(out.glob("*.parquet")))
+    assert [str(schema.field(c).type) for c in ("compile_graphs", "compile_recompiles", "compile_graph_breaks",
+                                                 "compile_recompile_reasons")] == ["int64"] * 3 + ["string"]
+    assert lookup.lookup_main([str(out), "--compiles_once"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "0 row(s): 0 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
 
 
 class Toy(torch.nn.Module):
