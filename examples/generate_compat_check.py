@@ -304,7 +304,8 @@ def generate_on_device(job: dict) -> dict:
 
     hf_logging.disable_progress_bar()
     dev = device.setup(job["device"], lnc=job["lnc"], timeout_s=job["timeout_s"])
-    if dev.device_type == "cpu":  # ranks share the host's cores; oversubscribing them slows every rank
+    if dev.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # ranks share the host's cores; oversubscribing them slows every rank
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dev.world_size))
     auto_class = AutoModelForImageTextToText if job["task"] == "image-text-to-text" else AutoModelForCausalLM
     dtype = job["dtype"] if job["dtype"] == "auto" else getattr(torch, job["dtype"])

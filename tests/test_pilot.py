@@ -14,7 +14,8 @@ PILOT = ("timing", "flops_per_token", "mfu", "peak_flops_per_device", "memory", 
 def _check_pilot(r: dict, *, ranks: int = 1, priced: bool = False) -> None:
     assert all(k in r for k in PILOT), sorted(set(PILOT) - set(r))
     t = r["timing"]
-    assert t["first_step_s"] > t["steady_step_s"] > 0 and t["warmup_steps_excluded"] >= 1
+    # which is larger depends on how busy the machine is; the arithmetic: test_timing_sets_the_warm_up_apart
+    assert t["first_step_s"] > 0 and t["steady_step_s"] > 0 and t["warmup_steps_excluded"] >= 1
     assert t["compile_or_warmup_s"] == pytest.approx(t["first_step_s"] - t["steady_step_s"])
     assert t["steady_tokens_per_s_per_rank"] == pytest.approx(t["steady_tokens_per_s"] / ranks)
     peak = r["peak_flops_per_device"]
@@ -30,6 +31,22 @@ def _check_pilot(r: dict, *, ranks: int = 1, priced: bool = False) -> None:
         assert c["per_million_tokens"] == pytest.approx(c["price_per_hour"] / (t["steady_tokens_per_s"] * 3600) * 1e6)
     else:
         assert r["cost"] is None
+
+
+def test_timing_sets_the_warm_up_apart():
+    """Step 1 on its own, the steady figure the median of the steps after the warm-up (2 steps from 5 steps on),
+    tokens a second from the tokens seen."""
+    from common.losses import LossRecorder
+    from common.pilot import timing
+
+    ends = [0.0, 9.0, 12.0, 13.0, 14.5, 15.5, 16.5]  # start, then the end of steps 1..6: 9, 3, 1, 1.5, 1, 1 s
+    rec = LossRecorder(steps=list(range(1, 7)), losses=[1.0] * 6, times=ends, tokens_seen=[64 * s for s in range(1, 7)])
+    t = timing(rec, world_size=2)
+    assert (t["first_step_s"], t["steady_step_s"], t["warmup_steps_excluded"]) == (9.0, 1.0, 2)
+    assert t["compile_or_warmup_s"] == 8.0 and t["tokens_per_step"] == 64
+    assert (t["steady_tokens_per_s"], t["steady_tokens_per_s_per_rank"]) == (64.0, 32.0)
+    short = timing(LossRecorder(steps=[1, 2, 3], losses=[1.0] * 3, times=ends[:4], tokens_seen=[64, 128, 192]), 1)
+    assert (short["steady_step_s"], short["warmup_steps_excluded"]) == (2.0, 1)  # median of 3 s and 1 s
 
 
 @pytest.fixture(scope="module")
