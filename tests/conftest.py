@@ -25,8 +25,13 @@ sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages 
 def script_env() -> dict:
     # One torch thread per script process (as torchrun gives each worker): two test workers share the 2 cores
     # of CI, and a second thread per process only waits for a busy core.
+    # glibc's malloc hands every tensor above its mmap threshold back to the OS when it is freed, and a CPU training
+    # step frees and maps again its activations and gradients each step: a third of a tiny step's time went to
+    # the kernel's page faults. Large settings keep them in the heap (test processes only; the scripts as they
+    # are). What they change: docs/testing.md.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="17179869184")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
