@@ -49,32 +49,23 @@ def test_timing_sets_the_warm_up_apart():
     assert (short["steady_step_s"], short["warmup_steps_excluded"]) == (2.0, 1)  # median of 3 s and 1 s
 
 
-@pytest.fixture(scope="module")
-def hf_run(tmp_path_factory, prepared_assets):
-    out = tmp_path_factory.mktemp("hf")
-    run_example("train_hf_backend.py", "--steps", "6", "--no-export", "--price_per_hour", "12.5", "--out_dir",
-                str(out))
-    return read_results(out)
-
-
 def test_native_pilot_fields(shared_run):
     _check_pilot(shared_run("native_tiny")[1])
     _check_pilot(shared_run("native_tiny_2_ranks")[1], ranks=2)
 
 
-def test_hf_backend_pilot_fields_and_the_same_flops_as_the_native_model(shared_run, hf_run):
+def test_hf_backend_pilot_fields_and_the_same_flops_as_the_native_model(shared_run):
     """The same tiny Qwen3 counts the same FLOPs per token through torchtitan's Transformers backend and its own
     model (torchtitan's own count for the backend is about a hundredth of it)."""
+    hf_run = shared_run("hf_tiny")[1]
     _check_pilot(hf_run, priced=True)
     native = shared_run("native_tiny")[1]
     assert hf_run["flops_per_token"] == pytest.approx(native["flops_per_token"], rel=0.01)
     assert native["flops_per_token"] > 50e6  # 6 x ~9.8 M parameters a token passes through, plus attention
 
 
-def test_moe_pilot_fields_count_active_experts_only(tmp_path, prepared_assets):
-    out = tmp_path / "moe"
-    run_example("train_moe_nki.py", "--steps", "6", "--no-export", "--out_dir", str(out))
-    r = read_results(out)
+def test_moe_pilot_fields_count_active_experts_only(shared_run):
+    r = shared_run("moe_tiny")[1]
     _check_pilot(r)
     from common.pilot import flops_per_token
 

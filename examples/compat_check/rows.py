@@ -216,8 +216,10 @@ def read_table(path: str | os.PathLike, columns: tuple[str, ...] | None = None, 
             names = meta.schema.to_arrow_schema().names
             _check_columns(path, names)
             wanted = names if columns is None else [c for c in names if c in columns]
-            pf = pq.ParquetFile(f, metadata=meta, read_dictionary=[c for c in dictionary if c in wanted])
-            table = pf.read(columns=wanted)
+            # closed here, not at interpreter exit: a reader left to the final teardown can abort the process
+            # after its work is done (apache/arrow#34314, "terminate called without an active exception")
+            with pq.ParquetFile(f, metadata=meta, read_dictionary=[c for c in dictionary if c in wanted]) as pf:
+                table = pf.read(columns=wanted)
         df = table.to_pandas()
     except UserError:
         raise
@@ -238,13 +240,13 @@ def read_cell(path: str | os.PathLike, index: int, column: str) -> str | None:
             _check_columns(path, names)
             if column not in names:
                 return None
-            pf = pq.ParquetFile(f, metadata=meta, read_dictionary=[column])
-            start = 0
-            for group in range(meta.num_row_groups):
-                n = meta.row_group(group).num_rows
-                if index < start + n:
-                    return _text(pf.read_row_group(group, columns=[column]).column(0)[index - start].as_py())
-                start += n
+            with pq.ParquetFile(f, metadata=meta, read_dictionary=[column]) as pf:  # closed here, as in read_table
+                start = 0
+                for group in range(meta.num_row_groups):
+                    n = meta.row_group(group).num_rows
+                    if index < start + n:
+                        return _text(pf.read_row_group(group, columns=[column]).column(0)[index - start].as_py())
+                    start += n
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001
