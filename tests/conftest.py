@@ -180,10 +180,12 @@ GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other i
 SAME_RUN = ("--dtype", "float32", "--seq_len", "128", "--local_batch_size", "2", "--warmup_steps", "2",
             "--lr", "3e-3", "--seed", "0")
 SHARED_RUNS = {  # name: (script, arguments, torchrun processes)
-    # the tiny preset, 10 steps, exported, its losses compared with the golden ones
+    # the tiny preset, 10 steps, exported, its losses compared with the golden ones; validated at step 1 and every
+    # 2 steps (2 batches), TensorBoard on (tests/test_eval.py)
     "native_tiny": ("train_native_qwen3.py", ("--preset", "tiny", "--steps", "10", "--compare_losses",
                                               str(GOLDEN_DIR / "train_native_qwen3.tiny.json"),
-                                              "--loss_tolerance", str(GOLDEN_TOL)), 0),
+                                              "--loss_tolerance", str(GOLDEN_TOL), "--eval_every", "2",
+                                              "--eval_steps", "2", "--tensorboard"), 0),
     # the tiny Qwen3 from its HF folder over 2 processes (FSDP over gloo), 3 steps, exported
     "native_tiny_2_ranks": ("train_native_qwen3.py", ("--hf_checkpoint", "{tiny_qwen3}", "--steps", "3", *SAME_RUN), 2),
     # the other two training paths, 6 steps validated at steps 1, 2, 4 and 6, exported (the HF backend priced)
@@ -197,7 +199,8 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes)
 def shared_run(tmp_path_factory, prepared_assets) -> Callable[[str], tuple[Path, dict]]:
     """shared_run(name) -> (out_dir, results) of one of SHARED_RUNS. The first test process that asks
     runs it; another that asks meanwhile waits for it (pytest-xdist runs test files in two processes,
-    and their session root folder is shared). Tests only read the folder."""
+    and their session root folder is shared). Tests only read the folder. What the command printed (stdout, then
+    stderr) is in the file `name`.log beside it."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()
@@ -211,7 +214,8 @@ def shared_run(tmp_path_factory, prepared_assets) -> Callable[[str], tuple[Path,
         with FileLock(str(root / f"{name}.lock")):
             if not done.exists():
                 shutil.rmtree(out, ignore_errors=True)
-                run_example(script, *args, "--out_dir", str(out), torchrun=torchrun)
+                proc = run_example(script, *args, "--out_dir", str(out), torchrun=torchrun)
+                (root / f"{name}.log").write_text(proc.stdout + proc.stderr)
                 done.write_text(" ".join(args))
         return out, read_results(out)
 

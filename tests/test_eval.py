@@ -21,11 +21,12 @@ MIN_PIECE = 40  # characters: a held-out paragraph (piece) this long found in th
 
 
 @pytest.fixture(scope="module")
-def native_eval(tmp_path_factory, prepared_assets):
-    out = tmp_path_factory.mktemp("native_eval")
-    proc = run_example("train_native_qwen3.py", "--steps", str(STEPS), "--eval_every", str(EVAL_EVERY),
-                       "--eval_steps", str(EVAL_STEPS), "--no-export", "--tensorboard", "--out_dir", str(out))
-    return out, json.loads((out / "results.json").read_text()), proc.stdout + proc.stderr
+def native_eval(shared_run):
+    """The native tiny run (conftest.SHARED_RUNS): --steps 10 --eval_every 2 --eval_steps 2 --tensorboard."""
+    out, res = shared_run("native_tiny")
+    assert res["config"]["steps"] == STEPS and res["config"]["eval_every"] == EVAL_EVERY
+    assert res["config"]["eval_steps"] == EVAL_STEPS
+    return out, res, (out.parent / "native_tiny.log").read_text()
 
 
 def test_held_out_loss_at_step_1_and_every_n_steps_and_it_falls(native_eval):
@@ -62,7 +63,7 @@ def test_tensorboard_losses_equal_results_json(native_eval):
 
 
 def test_off_by_default(shared_run):
-    _, res = shared_run("native_tiny")  # no --eval_every
+    _, res = shared_run("native_tiny_2_ranks")  # no --eval_every
     assert res["eval_losses"] == []
 
 
