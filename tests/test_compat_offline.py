@@ -70,14 +70,10 @@ def offline_run(tmp_path_factory, model_assets):
     models = [OFFLINE[0], str(broken), *OFFLINE[1:]]
     out = tmp / "out"
     args = ("--preset", "offline", "--no_compile", "--models", ",".join(models), "--out_dir", str(out))
-    # A single-core run's worker sets torch to every core of the machine (cpu_count // cores threads). Where other
-    # test processes share those cores, OpenMP threads that spin while a sibling waits for a core burn several
-    # times the CPU of SmolLM2's generations: waiting threads sleep instead (OpenMP's passive wait policy, read
-    # by each worker process as it starts).
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OMP_WAIT_POLICY", "PASSIVE")
-        killed = _kill_after_first_row(args, out)
-        run_example(SCRIPT, *args)
+    # The check's workers take OMP_NUM_THREADS (1, from script_env) as torch's thread count: no OpenMP thread spins
+    # waiting for a core another test process holds.
+    killed = _kill_after_first_row(args, out)
+    run_example(SCRIPT, *args)
     return out, args, models, killed
 
 
