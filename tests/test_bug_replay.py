@@ -4,7 +4,8 @@ otherwise unchanged run and asserts that the named check stops it with its messa
 The fault is injected in this process: a function of the product or of a library is patched before
 `runpy` runs the example (as `python examples/SCRIPT ...` would run it), or a copy of a real export
 is broken on disk and handed to the product's verifier. Nothing in the product code knows about it.
-Two unmodified runs (module fixtures) show the same load and export checks passing without the fault.
+Two unmodified runs (module fixtures; the native one is a shared run) show the same load and export checks passing
+without the fault.
 A case no check catches is kept as a passing test that proves the fault was live and names it MISSED.
 """
 from __future__ import annotations
@@ -170,13 +171,11 @@ def _process_state():
 
 # --------------------------------------------------------------------------- unmodified runs
 @pytest.fixture(scope="module")
-def native_run(tmp_path_factory):
-    """The tiny Qwen3 from its HF folder, one step: the load check passes."""
-    out = tmp_path_factory.mktemp("native")
-    code, err = run_here("train_native_qwen3.py", "--hf_checkpoint", str(paths.asset_dir("tiny_qwen3")), *ONE_STEP,
-                         "--no-export", "--out_dir", str(out))
-    assert code == 0, err
-    assert read_results(out)["load_check"]["passed"]
+def native_run(shared_run):
+    """The tiny Qwen3 from its HF folder (the shared 2-process run, conftest.SHARED_RUNS): the load check passes."""
+    out, res = shared_run("native_tiny_2_ranks")
+    assert res["config"]["hf_checkpoint"] == str(paths.asset_dir("tiny_qwen3")), res["config"]
+    assert res["load_check"]["passed"], res["load_check"]
     return out
 
 
