@@ -14,7 +14,7 @@ import time
 from conftest import ROOT, kill_after_checkpoint, read_results, run_example, script_env
 
 SCRIPT = "train_native_qwen3.py"
-RUN = ("--steps", "8", "--checkpoint_every", "2", "--no-export", "--seed", "3")
+RUN = ("--steps", "8", "--checkpoint_every", "2", "--no-export", "--seed", "3", "--seq_len", "64")
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, prepared_assets):

@@ -72,7 +72,7 @@ def test_replacements_match_torchtitan_stock_moe(tmp_path, prepared_assets):
     runs = {}
     for name, flags in (("stock", ["--stock"]), ("ours", ["--expert_dtype", "bfloat16"])):
         out = tmp_path / name
-        run_example(SCRIPT, "--steps", "3", "--no-export", "--out_dir", str(out), *flags)
+        run_example(SCRIPT, "--steps", "3", "--seq_len", "64", "--no-export", "--out_dir", str(out), *flags)
         runs[name] = read_results(out)
     assert runs["stock"]["replacements"] == [f"model_spec.model.layers.{i}.attention.inner_attention"
                                              for i in range(LAYERS)]
