@@ -12,7 +12,8 @@ from common.losses import read_progress
 from conftest import ROOT, script_env, sigint_as_in_a_terminal
 
 SCRIPT = "train_native_qwen3.py"
-TWO_RANKS = ("--steps", "6", "--no-export", "--seed", "1", "--seq_len", "64")  # half the tiny preset's tokens
+STEPS = 8  # room for two stops, one after the other, and steps left after them
+TWO_RANKS = ("--steps", str(STEPS), "--no-export", "--seed", "1", "--seq_len", "64")  # half the tiny preset's tokens
 ONE_RANK = ("--steps", "6", "--no-export")  # the tiny preset, seed 0
 REL = 1e-6  # float32 on CPU: a resumed step's loss is the uninterrupted one's to an ulp or so (9.5e-7 at loss 11)
 

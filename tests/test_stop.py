@@ -14,7 +14,7 @@ import pytest
 
 from common.resume import EXIT_STOPPED
 from conftest import assert_clean_error, example_command, read_results, run_example
-from stop_helpers import (SCRIPT, TWO_RANKS, close, finish, no_process_outlives, start, wait_for_step,
+from stop_helpers import (SCRIPT, STEPS, TWO_RANKS, close, finish, no_process_outlives, start, wait_for_step,
                           workers)
 
 
@@ -25,43 +25,63 @@ def uninterrupted(tmp_path_factory, prepared_assets) -> dict:
     return read_results(out)
 
 
-@pytest.mark.parametrize("launch, target", [("self", "launcher"), ("self", "one worker"), ("torchrun", "torchrun")])
-def test_a_stop_signal_saves_every_rank_at_one_step_and_the_same_command_resumes(uninterrupted, tmp_path, launch,
-                                                                                target):
-    """Two ranks on CPU, SIGTERM after step 3: to the scripts' own launcher, to the rank-1 worker only (rank 0
-    learns of it through the per-step agreement), or to torchrun. The run saves a whole checkpoint of the step
-    where every rank stopped, says so in results.json, ends without a traceback (self-launched: exit 75), and the
-    same command then trains the remaining steps to the losses of a run that never stopped."""
-    out = tmp_path / "o"
-    args = (*TWO_RANKS, "--out_dir", str(out))
-    cmd = (example_command(SCRIPT, *args, "--nproc_per_node", "2") if launch == "self"
-           else example_command(SCRIPT, *args, torchrun=2))
-    proc = start(cmd, tmp_path / "log")
-    wait_for_step(proc, out, 3)
+def _stop(cmd: list[str], out, log, after: int, target: str) -> tuple[dict, int, str]:
+    """Start `cmd`, wait for step `after`, send SIGTERM to `target` ("launcher": the process started, or "one
+    worker": the rank-1 worker only; rank 0 learns of it through the per-step agreement), and check the stop: one
+    step for every rank, a whole checkpoint of it, no process left. (stopped, exit code, output)."""
+    proc = start(cmd, log)
+    wait_for_step(proc, out, after)
     ranks = workers(proc)
     assert len(ranks) == 2, ranks
     family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     (ranks[1] if target == "one worker" else psutil.Process(proc.pid)).send_signal(signal.SIGTERM)
     err = finish(proc)
     no_process_outlives(family)
-
     stopped = read_results(out)["stopped"]
-    assert stopped and stopped["step"] >= 3 and stopped["reason"] == "SIGTERM", stopped
+    assert stopped and stopped["step"] >= after and stopped["reason"] == "SIGTERM", (stopped, err[-3000:])
+    assert stopped["step"] < STEPS, stopped  # steps are left to resume
     assert (out / "checkpoint" / f"step-{stopped['step']}" / ".metadata").is_file()
-    if launch == "self":
-        assert proc.returncode == EXIT_STOPPED and "Traceback" not in err, err[-3000:]
-        assert f"[stopped] SIGTERM after step {stopped['step']}: checkpoint" in err, err[-3000:]
-    else:  # torchrun reports the workers' exit 75 (or its own signal) its own way: non-zero
-        assert proc.returncode != 0
+    return stopped, proc.returncode, err
 
-    if launch == "self":
-        run_example(SCRIPT, *args, "--nproc_per_node", "2")
-    else:
-        run_example(SCRIPT, *args, torchrun=2)
+
+def _stopped_cleanly(stopped: dict, code: int, err: str) -> None:
+    assert code == EXIT_STOPPED and "Traceback" not in err, err[-3000:]
+    assert f"[stopped] SIGTERM after step {stopped['step']}: checkpoint" in err, err[-3000:]
+
+
+def _resumed(out, start_step: int, uninterrupted: dict) -> None:
     resumed = read_results(out)
-    assert resumed["resumed_from_step"] == stopped["step"] and resumed["stopped"] is None
-    assert resumed["history"]["steps"] == list(range(1, 7))
+    assert resumed["resumed_from_step"] == start_step and resumed["stopped"] is None, resumed["stopped"]
+    assert resumed["history"]["steps"] == list(range(1, STEPS + 1))
     assert close(resumed["history"]["losses"], uninterrupted["losses"]), (resumed["history"], uninterrupted["losses"])
+
+
+def test_a_stop_signal_to_the_launcher_or_one_worker_saves_and_the_same_command_resumes(uninterrupted, tmp_path):
+    """Two ranks under the scripts' own launch. SIGTERM to the launcher after step 3: every rank stops at one
+    step with a whole checkpoint of it, results.json says so, exit 75 with the resume line and no traceback. The
+    same command again resumes there; SIGTERM to its rank-1 worker only, a step later, stops it the same way. The
+    same command a third time trains the remaining steps to the losses of a run that never stopped."""
+    out = tmp_path / "o"
+    cmd = example_command(SCRIPT, *TWO_RANKS, "--out_dir", str(out), "--nproc_per_node", "2")
+    first, code, err = _stop(cmd, out, tmp_path / "log1", 3, "launcher")
+    _stopped_cleanly(first, code, err)
+    second, code, err = _stop(cmd, out, tmp_path / "log2", first["step"] + 1, "one worker")
+    _stopped_cleanly(second, code, err)
+    assert read_results(out)["resumed_from_step"] == first["step"]
+    run_example(SCRIPT, *TWO_RANKS, "--out_dir", str(out), "--nproc_per_node", "2")
+    _resumed(out, second["step"], uninterrupted)
+
+
+def test_a_stop_signal_to_torchrun_saves_and_the_same_command_resumes(uninterrupted, tmp_path):
+    """The same under torchrun, SIGTERM to torchrun after step 3: the workers stop at one step with a whole
+    checkpoint and exit 75; torchrun reports that (or the signal it got itself) its own way, non-zero. The same
+    torchrun command resumes to the losses of a run that never stopped."""
+    out = tmp_path / "o"
+    args = (*TWO_RANKS, "--out_dir", str(out))
+    stopped, code, _ = _stop(example_command(SCRIPT, *args, torchrun=2), out, tmp_path / "log", 3, "launcher")
+    assert code != 0
+    run_example(SCRIPT, *args, torchrun=2)
+    _resumed(out, stopped["step"], uninterrupted)
 
 
 def _free_port() -> int:
@@ -98,7 +118,8 @@ def test_across_nodes_a_signal_to_one_nodes_launcher_stops_every_node_at_one_ste
     logs = [finish(n) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [log[-3000:] for log in logs]
     resumed = read_results(out)
-    assert resumed["resumed_from_step"] == stopped["step"] and resumed["history"]["steps"] == list(range(1, 7))
+    assert resumed["resumed_from_step"] == stopped["step"]
+    assert resumed["history"]["steps"] == list(range(1, STEPS + 1))
     assert close(resumed["history"]["losses"], uninterrupted["losses"]), (resumed["history"], uninterrupted["losses"])
 
 
