@@ -188,10 +188,11 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes)
                                               "--eval_steps", "2", "--tensorboard"), 0),
     # the tiny Qwen3 from its HF folder over 2 processes (FSDP over gloo), 3 steps, exported
     "native_tiny_2_ranks": ("train_native_qwen3.py", ("--hf_checkpoint", "{tiny_qwen3}", "--steps", "3", *SAME_RUN), 2),
-    # the other two training paths, 6 steps validated at steps 1, 2, 4 and 6, exported (the HF backend priced)
+    # the other two training paths, 6 steps validated at steps 1, 2, 4 and 6, exported: the HF backend priced, the
+    # MoE script under torchrun over 2 processes (its 2-rank test reads it too)
     "hf_tiny": ("train_hf_backend.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1", "--price_per_hour",
                                         "12.5"), 0),
-    "moe_tiny": ("train_moe_nki.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1"), 0),
+    "moe_tiny_2_ranks": ("train_moe_nki.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1"), 2),
 }
 
 

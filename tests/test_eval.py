@@ -129,11 +129,11 @@ def test_the_leak_check_catches_held_out_data_that_training_reads(tmp_path, prep
     assert found and all("held-out document 5 " in f or "is in the training text" in f for f in found), found
 
 
-@pytest.mark.parametrize("run", ["hf_tiny", "moe_tiny"])
+@pytest.mark.parametrize("run", ["hf_tiny", "moe_tiny_2_ranks"])
 def test_other_training_paths_record_the_held_out_loss(run, shared_run):
-    """train_hf_backend.py and train_moe_nki.py (conftest.SHARED_RUNS), 6 steps validated at steps 1, 2, 4 and 6,
-    the last step's validation before the export: the export and its check (and the HF backend's tied-embedding
-    check) see the model as training left it (EvalRecorder re-shards)."""
+    """train_hf_backend.py and train_moe_nki.py (the latter on 2 processes; conftest.SHARED_RUNS), 6 steps validated
+    at steps 1, 2, 4 and 6, the last step's validation before the export: the export and its check (and the HF
+    backend's tied-embedding check) see the model as training left it (EvalRecorder re-shards)."""
     res = shared_run(run)[1]
     evals = res["eval_losses"]
     assert [r["step"] for r in evals] == [1, 2, 4, 6]

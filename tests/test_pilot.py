@@ -65,8 +65,8 @@ def test_hf_backend_pilot_fields_and_the_same_flops_as_the_native_model(shared_r
 
 
 def test_moe_pilot_fields_count_active_experts_only(shared_run):
-    r = shared_run("moe_tiny")[1]
-    _check_pilot(r)
+    r = shared_run("moe_tiny_2_ranks")[1]
+    _check_pilot(r, ranks=2)
     from common.pilot import flops_per_token
 
     shape, seq = r["model_shape"], r["config"]["seq_len"]

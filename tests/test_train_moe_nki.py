@@ -1,5 +1,5 @@
 """examples/train_moe_nki.py: the tiny preset trains 10 steps as plain python (killed after its
-step-5 checkpoint and resumed) and under torchrun 2 with the grouped-expert, SDPA and RoPE
+step-5 checkpoint and resumed) and 6 under torchrun 2 with the grouped-expert, SDPA and RoPE
 replacements, exports a Qwen3MoeForCausalLM that
 transformers re-reads (no missing or unexpected keys, max abs logit diff <= 1e-5 with float32
 experts), counts tokens per expert; and the replaced model matches torchtitan's stock MoE over 3
@@ -61,10 +61,10 @@ def test_tiny_plain_python_killed_and_resumed(tmp_path, prepared_assets):
     assert (tmp_path / "loss.png").is_file()
 
 
-def test_tiny_torchrun_two_ranks(tmp_path, prepared_assets):
-    run_example(SCRIPT, "--steps", "10", "--out_dir", str(tmp_path), torchrun=2)
-    res = read_results(tmp_path)
-    assert res["steps"] == list(range(1, 11))
+def test_tiny_torchrun_two_ranks(shared_run):
+    """The tiny preset under torchrun over 2 processes, 6 steps (validated every 2: conftest.SHARED_RUNS)."""
+    res = shared_run("moe_tiny_2_ranks")[1]
+    assert res["steps"] == list(range(1, 7))
     _check_run(res, 2)
 
 
