@@ -17,6 +17,13 @@ from typing import Callable
 import psutil
 import pytest
 
+# One torch thread in the test processes too (the commands they start get one from script_env): the suite runs
+# three test processes on two cores, and an OpenMP thread of a test that runs torch in its own process (the bug
+# replay's in-process runs, the op and parity tests) spins waiting for a busy core. Set before anything here
+# imports torch, which reads it when it loads. Measured: the op, parity and compile-audit files with one core
+# kept busy took 21.0 CPU-s with torch's default two threads and 14.3 with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages (compat_check, hf_backend)
@@ -30,7 +37,7 @@ def script_env() -> dict:
     # the kernel's page faults. Large settings keep them in the heap (test processes only; the scripts as they
     # are). What they change: docs/testing.md.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ["OMP_NUM_THREADS"],
                MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="17179869184")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID"):

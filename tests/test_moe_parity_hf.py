@@ -41,16 +41,6 @@ SHAPE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1024, "hidden_s
          "tie_word_embeddings": False}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine a second thread spins waiting for a busy core
-    (measured here: 3 to 10 times the CPU time of the same test)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _hf_blocks(seed: int = 0) -> list[Qwen3MoeSparseMoeBlock]:
     cfg = Qwen3MoeConfig(hidden_size=DIM, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                          moe_intermediate_size=MOE_HIDDEN, norm_topk_prob=True, experts_implementation="eager")
