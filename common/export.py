@@ -12,12 +12,14 @@ The verifier on its own:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from common import results
@@ -297,35 +299,124 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+_server: list[subprocess.Popen] = []  # the process's verifier (`python -m common.export serve`), while it lives
+_server_lock = threading.Lock()
+
+
 def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = True) -> dict:
-    """Re-read the export with transformers in a fresh process (no state shared with the trainer,
+    """Re-read the export with transformers in a process of its own (no state shared with the trainer,
     whose libraries may have patched transformers) and return the check as a dict. A folder the
-    verifier cannot read at all fails the check with the verifier's error."""
+    verifier cannot read at all fails the check with the verifier's error.
+
+    One verifier serves every check of a run (the load check at step 1, the export check at the end): started
+    from the main thread by the first check, it imports torch and transformers once and reads each folder anew,
+    one check at a time. A check from another thread while none runs gets a verifier of its own. Either way
+    it dies with this process, however that ends (a SIGKILL included: the kernel's parent-death signal, armed
+    for the thread that starts it), and is killed when this one is interrupted or fails while waiting."""
+    out_json = Path(reference).with_name(".export_check.json")
+    request = {"export_dir": str(Path(export_dir).absolute()), "reference": str(Path(reference).absolute()),
+               "out": str(out_json.absolute()), "files": files}
+    with _server_lock:
+        if _server and _server[0].poll() is not None:
+            _server.clear()
+        shared = bool(_server) or threading.current_thread() is threading.main_thread()
+        if shared:
+            code, error = _served(request)
+    if not shared:
+        code, error = _one_shot(request)
+    if code != 0:
+        return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
+                "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
+    check = json.loads(out_json.read_text())
+    out_json.unlink()
+    return check
+
+
+def _verifier(*args: str, **popen) -> subprocess.Popen:
     repo_root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    out_json = Path(reference).with_name(".export_check.json")
-    cmd = [sys.executable, "-m", "common.export", "verify", str(export_dir),
-           "--reference", str(reference), "--out", str(out_json), *([] if files else ["--weights_only"])]
-    # The verifier dies with this process, however it ends (a SIGKILL included: the kernel's parent-death signal),
-    # and is killed when this one is interrupted or fails while waiting: it never outlives the run.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=die_with_parent())
+    return subprocess.Popen([sys.executable, "-m", "common.export", *args], env=env, text=True,
+                            preexec_fn=die_with_parent(), **popen)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
+
+
+def _one_shot(request: dict) -> tuple[int, str]:
+    proc = _verifier("verify", request["export_dir"], "--reference", request["reference"], "--out", request["out"],
+                     *([] if request["files"] else ["--weights_only"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _, stderr = proc.communicate()
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    if proc.returncode != 0:
-        lines = [ln for ln in stderr.splitlines() if ln.strip()]
-        error = next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
-        return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
-                "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
-    check = json.loads(out_json.read_text())
-    out_json.unlink()
-    return check
+    return proc.returncode, _last_line(stderr) if proc.returncode else ""
+
+
+def _served(request: dict) -> tuple[int, str]:
+    if not _server:
+        log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
+        _server.append(_verifier("serve", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+        _server[0].log = log
+    atexit.unregister(_close_server)
+    atexit.register(_close_server)
+    proc = _server[0]
+    try:
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        reply = proc.stdout.readline()
+    except BrokenPipeError:
+        reply = ""
+    except BaseException:
+        _server.clear()
+        proc.kill()
+        proc.wait()
+        raise
+    if not reply:  # it ended during the check (killed, out of memory): its last words, as a one-shot's
+        _server.clear()
+        proc.wait()
+        proc.log.seek(0)
+        return proc.returncode or 1, _last_line(proc.log.read())
+    reply = json.loads(reply)
+    return reply["code"], reply.get("error", "")
+
+
+def _close_server() -> None:
+    if _server:
+        proc = _server.pop()
+        proc.stdin.close()  # it ends at the end of its input
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _serve() -> int:
+    """`python -m common.export serve`: a JSON request a line on stdin ({export_dir, reference, out, files}), the
+    check written to `out` as `verify` writes it, and a reply a line on stdout ({code, error}: 0, 2 for a folder or
+    reference it refuses, 1 for anything else). Ends at the end of its input."""
+    import gc
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            _verify_to(Path(req["export_dir"]), Path(req["reference"]), Path(req["out"]), files=req["files"])
+            reply = {"code": 0}
+        except UserError as e:
+            reply = {"code": 2, "error": one_line(str(e))}
+        except Exception as e:  # as the last line of a one-shot verifier's traceback
+            reply = {"code": 1, "error": one_line(f"{type(e).__name__}: {e}")}
+        gc.collect()  # the model read is freed before the next check
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+    return 0
 
 
 def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict:
@@ -388,7 +479,20 @@ def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool
             and check["max_abs_logit_diff"] <= tol)
 
 
+def _verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
+    _check_out(out)  # before the work: --out a folder is named now, not after the model has run
+    check = verify_export(export_dir, reference, files=files)
+    try:
+        results.atomic_write_text(out, json.dumps(check, indent=2))
+    except OSError as e:
+        raise UserError(f"--out {out} cannot be written: {e.strerror or e}") from None
+    return check
+
+
 def _main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["serve"]:
+        return _serve()
     p = ArgumentParser(description="Re-read an HF export and compare its logits with a reference.")
     p.add_argument("cmd", choices=["verify"])
     p.add_argument("export_dir", type=Path)
@@ -398,12 +502,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights_only", action="store_true", help="a checkpoint, not an export: no tokenizer needed")
     args = p.parse_args(argv)
     try:
-        _check_out(args.out)  # before the work: --out a folder is named now, not after the model has run
-        check = verify_export(args.export_dir, args.reference, files=not args.weights_only)
-        try:
-            results.atomic_write_text(args.out, json.dumps(check, indent=2))
-        except OSError as e:
-            raise UserError(f"--out {args.out} cannot be written: {e.strerror or e}") from None
+        check = _verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only)
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2

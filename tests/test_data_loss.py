@@ -284,7 +284,7 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig_name", ["SIGKILL", "SIGTERM", "SIGINT"])
 def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name):
-    """The export check's verifier (`python -m common.export verify`, in a process of its own) is stopped with the
+    """The checks' verifier (`python -m common.export serve`, in a process of its own) is stopped with the
     process that started it: SIGKILL or SIGTERM to that process (no Python cleanup runs) or Ctrl-C (the parent
     lives on). Before, a killed run left the verifier running. The verifier is held inside its imports by a
     `transformers` on PYTHONPATH that records its pid and sleeps: a fixture, nothing of the stack replaced."""
@@ -334,3 +334,53 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
         driver.communicate()
         if verifier is not None and _running(verifier):
             psutil.Process(verifier).kill()
+
+
+def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(prepared_assets, tmp_path):
+    """The load check at step 1 and the export check at the end are served by one verifier process (torch and
+    transformers imported once): two checks from this process's main thread go to the same `common.export serve`
+    child, which stays for the next. A check it refuses leaves it serving; one that finds it gone (killed between
+    checks) starts another and passes."""
+    import psutil
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common import export
+
+    tiny = prepared_assets["tiny_qwen3"]
+    ids = torch.tensor([[1, 2, 3, 4]])
+    positions = torch.arange(4)[None]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)(ids, position_ids=positions).logits
+    reference = tmp_path / "reference.safetensors"
+    save_file({"input_ids": ids, "position_ids": positions, "logits": logits}, str(reference))
+
+    def verifiers() -> list[int]:
+        found = []
+        for p in psutil.Process().children():
+            try:
+                if "common.export" in p.cmdline():
+                    found.append(p.pid)
+            except psutil.NoSuchProcess:  # another child of this process that has just ended
+                pass
+        return found
+
+    first = export.verify_export_subprocess(tiny, reference)
+    (server,) = verifiers()
+    assert "serve" in psutil.Process(server).cmdline()
+    second = export.verify_export_subprocess(tiny, reference, files=False)
+    assert verifiers() == [server]
+    for check in (first, second):
+        assert check["max_abs_logit_diff"] == 0.0 and not check["missing_keys"] and "error" not in check, check
+    refused = export.verify_export_subprocess(tmp_path / "nowhere", reference)
+    assert refused["error"] == f"the export cannot be read back: {tmp_path / 'nowhere'} does not exist: give the " \
+                               "export's folder", refused
+    assert verifiers() == [server]
+    psutil.Process(server).kill()
+    psutil.Process(server).wait(10)
+    again = export.verify_export_subprocess(tiny, reference)
+    assert again["max_abs_logit_diff"] == 0.0 and "error" not in again, again
+    (replaced,) = verifiers()
+    assert replaced != server
+    export._close_server()  # what this process's exit does: its input ends, and it with it
+    assert verifiers() == [] and not psutil.pid_exists(replaced)
