@@ -353,6 +353,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict, stop:
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
+    gc.freeze()  # what the imports made stays for good: torchtitan's first collection looks only at the run's objects
     trainer = tc.build()
     model = trainer.model_parts[0]  # HFTransformerModel: `model.model` is the transformers model
     was_wrong = hf_fixes.recompute_rotary_buffers(model)

@@ -392,6 +392,7 @@ def train(cfg: Config, dev: device.DeviceInfo, out_dir: Path, found: dict, stop:
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
+    gc.freeze()  # what the imports made stays for good: torchtitan's first collection looks only at the run's objects
     trainer = tc.build()
     load_check = None  # trainer.train() loads --hf_checkpoint (or resumes); checked before step 1
     if cfg.hf_checkpoint and cfg.load_check:

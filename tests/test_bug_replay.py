@@ -146,8 +146,8 @@ def patch_spec(monkeypatch, change) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _process_state():
-    """The in-process runs change process-wide state: torchtitan turns the garbage collector off and
-    deterministic algorithms on, sets environment variables and the root logger's handler; the
+    """The in-process runs change process-wide state: the scripts and torchtitan turn the garbage collector off (and
+    the scripts freeze what exists before the trainer is built), deterministic algorithms on, sets environment variables and the root logger's handler; the
     device set-up turns autograd's threads off. Put it all back for the test files that follow."""
     root = logging.getLogger()
     cudnn = torch.backends.cudnn
@@ -157,6 +157,7 @@ def _process_state():
              list(root.handlers), dict(os.environ))
     yield
     (gc_on, det, warn_only, fill, threads, cudnn.deterministic, cudnn.benchmark, level, handlers, env) = saved
+    gc.unfreeze()  # the scripts set aside what their imports made before building the trainer
     if gc_on:
         gc.enable()
     torch.use_deterministic_algorithms(det, warn_only=warn_only)
