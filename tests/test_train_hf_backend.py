@@ -6,8 +6,8 @@ What they show:
   mask, and a packed row attends exactly as its documents would alone.
 - test_rotary_check_*: the rotary-buffer check fails loudly on uninitialised or wrong buffers
   and passes once they are recomputed from the config.
-- test_tiny_*: `--preset tiny --steps 10` under torchrun with 2 ranks (FSDP over gloo), killed after
-  its step-5 checkpoint and resumed, lowers the loss and repeats the golden losses; the export
+- test_tiny_*: `--preset tiny --steps 6` under torchrun with 2 ranks (FSDP over gloo), killed after
+  its step-3 checkpoint and resumed, lowers the loss and repeats the golden losses; the export
   re-read by transformers has no missing or unexpected keys, the tied lm_head is tied (and not
   stored), the logits agree within 1e-4.
 - test_pretrained_smollm2_beats_random: the AWS guide's headline, offline and as plain `python`: the
@@ -106,13 +106,13 @@ GOLDEN = GOLDEN_DIR / "train_hf_backend.tiny.json"  # 2 ranks
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, prepared_assets):
-    """`--preset tiny --steps 10 --checkpoint_every 5` under torchrun with 2 ranks (FSDP over gloo),
-    SIGKILLed (every rank) after its step-5 checkpoint, then the same command again: it resumes,
+    """`--preset tiny --steps 6 --checkpoint_every 3` under torchrun with 2 ranks (FSDP over gloo),
+    SIGKILLed (every rank) after its step-3 checkpoint, then the same command again: it resumes,
     finishes, exports and checks. Its results hold the whole curve in `history`."""
     out = tmp_path_factory.mktemp("hf_tiny")
-    run = ("--preset", "tiny", "--steps", "10", *SAME_RUN, "--checkpoint_every", "5",
+    run = ("--preset", "tiny", "--steps", "6", *SAME_RUN, "--checkpoint_every", "3",
            "--compare_losses", str(GOLDEN), "--loss_tolerance", str(GOLDEN_TOL))
-    kill_after_checkpoint(SCRIPT, *run, out_dir=out, step=5, torchrun=2)
+    kill_after_checkpoint(SCRIPT, *run, out_dir=out, step=3, torchrun=2)
     run_example(SCRIPT, *run, "--out_dir", str(out), torchrun=2)
     return out, read_results(out)
 
@@ -120,8 +120,8 @@ def tiny_run(tmp_path_factory, prepared_assets):
 def test_tiny_resumes_and_lowers_loss(tiny_run):
     _, res = tiny_run
     start = res["resumed_from_step"]
-    assert start >= 5 and res["steps"] == list(range(start + 1, 11)), res["steps"]
-    assert res["history"]["steps"] == list(range(1, 11))
+    assert start >= 3 and res["steps"] == list(range(start + 1, 7)), res["steps"]
+    assert res["history"]["steps"] == list(range(1, 7))
     losses = res["history"]["losses"]  # the killed run's steps and the resumed run's
     assert res["init"] == "pretrained" and res["model"] == "Qwen3ForCausalLM" and res["world_size"] == 2
     assert res["losses"] == losses[start:] and res["first_step_loss"] == losses[start]
@@ -130,7 +130,7 @@ def test_tiny_resumes_and_lowers_loss(tiny_run):
     assert set(res["versions"]) >= {"python", "torch", "torchtitan", "transformers"}
     golden = json.loads(GOLDEN.read_text())["losses"]
     assert max(abs(a - b) for a, b in zip(losses, golden)) <= GOLDEN_TOL
-    assert res["loss_comparison"]["passed"] and res["loss_comparison"]["steps_compared"] == 10
+    assert res["loss_comparison"]["passed"] and res["loss_comparison"]["steps_compared"] == 6
 
 
 def test_tiny_export_reopens_with_transformers(tiny_run, prepared_assets):
@@ -195,7 +195,7 @@ def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
 def test_same_losses_as_native_under_torchrun(tiny_run, shared_run):
     # The same tiny Qwen3 HF checkpoint, data, seed and schedule through torchtitan's own Qwen3
     # (conftest.SHARED_RUNS: SAME_RUN under torchrun with 2 processes). Losses 1-3 depend only on the
-    # first two updates, both inside the 2-step warm-up, so the 10-step run of this script is compared
+    # first two updates, both inside the 2-step warm-up, so the 6-step run of this script is compared
     # with a 3-step run of the native one.
     _, native_res = shared_run("native_tiny_2_ranks")
     native, hf = native_res["losses"], tiny_run[1]["history"]["losses"][:3]
