@@ -240,9 +240,9 @@ def prepared_assets():
 # The longest test files, longest first (summed durations of a `make test` run on 2 cores). pytest-xdist hands whole
 # files to its workers in collection order; started first, they end beside the many short files instead of after
 # them, on a core of their own. Every other file keeps pytest's order.
-LONGEST_FILES = ("test_stop.py", "test_bench.py", "test_train_hf_backend.py", "test_eval.py", "test_bug_replay.py",
-                 "test_generate_compat_check.py", "test_stop_one_process.py", "test_data_loss.py", "test_resume.py",
-                 "test_memory_model.py", "test_compat_offline.py", "test_compat_processes.py")
+LONGEST_FILES = ("test_stop.py", "test_train_hf_backend.py", "test_bench.py", "test_bug_replay.py",
+                 "test_train_moe_nki.py", "test_stop_one_process.py", "test_resume.py", "test_eval.py",
+                 "test_compat_train.py")
 
 
 def pytest_collection_modifyitems(config, items):
