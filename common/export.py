@@ -363,8 +363,8 @@ def _served(request: dict) -> tuple[int, str]:
         log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
         _server.append(_verifier("serve", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
         _server[0].log = log
-    atexit.unregister(_close_server)
-    atexit.register(_close_server)
+        atexit.unregister(_close_server)  # once, however many verifiers this process has started
+        atexit.register(_close_server)  # at this process's exit its input ends, and it with it
     proc = _server[0]
     try:
         proc.stdin.write(json.dumps(request) + "\n")

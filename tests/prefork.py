@@ -38,7 +38,6 @@ TORCHTITAN = ("torchtitan.trainer", "torchtitan.models.qwen3", "torchtitan.compo
 
 def _preload(torchtitan: bool) -> None:
     import gc
-    import importlib
     import threading
 
     gc.disable()  # the imports take about a fifth less CPU time; one collection at the end leaves the state a fresh

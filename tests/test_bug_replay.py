@@ -146,9 +146,10 @@ def patch_spec(monkeypatch, change) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _process_state():
-    """The in-process runs change process-wide state: the scripts and torchtitan turn the garbage collector off (and
-    the scripts freeze what exists before the trainer is built), deterministic algorithms on, sets environment variables and the root logger's handler; the
-    device set-up turns autograd's threads off. Put it all back for the test files that follow."""
+    """The in-process runs change process-wide state: the scripts and torchtitan turn the garbage collector off (the
+    scripts also freeze what exists before the trainer is built); torchtitan turns deterministic algorithms on and
+    sets environment variables and the root logger's handler; the device set-up turns autograd's threads off. Put
+    it all back for the test files that follow."""
     root = logging.getLogger()
     cudnn = torch.backends.cudnn
     saved = (gc.isenabled(), torch.are_deterministic_algorithms_enabled(),
