@@ -358,13 +358,90 @@ def _one_shot(request: dict) -> tuple[int, str]:
     return proc.returncode, _last_line(stderr) if proc.returncode else ""
 
 
+def start_verifier(device_type: str, wanted: bool = True) -> None:
+    """On the CPU, fork the run's verifier now, before this process has a device, a process group, other threads
+    or a model (a Transformers-backend run patches transformers' classes when it builds one): the child starts with
+    the stack already imported, which saves the 4-5 CPU-seconds of imports a `python -m common.export serve` spends,
+    and serves the run's checks as that does. It computes on one thread (an OpenMP pool the parent has used is not
+    in the child). Elsewhere, and where a fork is not safe (a Python thread that could hold a lock), the run's first
+    check starts `python -m common.export serve`: a Neuron runtime must not be forked, and an accelerator run's
+    verifier, reading a large model on the CPU, keeps every thread of a fresh process."""
+    if not wanted or device_type != "cpu" or threading.active_count() > 1:
+        return
+    with _server_lock:
+        if not _server:
+            _server.append(_ForkedVerifier())
+            _close_at_exit()
+
+
+class _ForkedVerifier:
+    """The verifier as a forked child (multiprocessing's fork context), with the Popen members the checks use."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        requests, self_requests = os.pipe()
+        self_replies, replies = os.pipe()
+        self.log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
+        self._proc = multiprocessing.get_context("fork").Process(
+            target=_forked_serve, name="verifier", daemon=True,
+            args=(die_with_parent(), requests, replies, self.log.fileno(), (self_requests, self_replies)))
+        self._proc.start()
+        os.close(requests)
+        os.close(replies)
+        self.pid = self._proc.pid
+        self.stdin = os.fdopen(self_requests, "w")
+        self.stdout = os.fdopen(self_replies, "r")
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired("verifier", timeout)
+        return self._proc.exitcode
+
+
+def _forked_serve(arm, requests: int, replies: int, log: int, parents: tuple[int, int]) -> None:
+    """In the forked verifier: die with the run, keep none of its pipe ends, signal handlers, output or threads."""
+    import gc
+    import signal
+
+    import torch
+
+    arm()
+    for fd in parents:
+        os.close(fd)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):  # the run's stop handlers are the run's
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.dup2(log, 1)  # never the run's stdout or stderr (a pipe someone reads to its end)
+    os.dup2(log, 2)
+    torch.set_num_threads(1)  # before any op
+    gc.freeze()  # the run's imports
+    gc.enable()
+    _serve(os.fdopen(requests, "r"), os.fdopen(replies, "w"))
+
+
+def _close_at_exit() -> None:
+    atexit.unregister(_close_server)  # once, however many verifiers this process has started
+    atexit.register(_close_server)  # at this process's exit its input ends, and it with it
+
+
 def _served(request: dict) -> tuple[int, str]:
     if not _server:
         log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
         _server.append(_verifier("serve", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
         _server[0].log = log
-        atexit.unregister(_close_server)  # once, however many verifiers this process has started
-        atexit.register(_close_server)  # at this process's exit its input ends, and it with it
+        _close_at_exit()
     proc = _server[0]
     try:
         proc.stdin.write(json.dumps(request) + "\n")
@@ -396,15 +473,13 @@ def _close_server() -> None:
             proc.kill()
 
 
-def _serve() -> int:
+def _serve(requests, replies) -> int:
     """`python -m common.export serve`: a JSON request a line on stdin ({export_dir, reference, out, files}), the
     check written to `out` as `verify` writes it, and a reply a line on stdout ({code, error}: 0, 2 for a folder or
     reference it refuses, 1 for anything else). Ends at the end of its input."""
     import gc
 
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
-    for line in sys.stdin:
+    for line in requests:
         req = json.loads(line)
         try:
             _verify_to(Path(req["export_dir"]), Path(req["reference"]), Path(req["out"]), files=req["files"])
@@ -495,7 +570,9 @@ def _main(argv: list[str] | None = None) -> int:
     gc.disable()  # the import of transformers takes about a fifth less CPU time; `serve` collects after each check
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["serve"]:
-        return _serve()
+        replies = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
+        return _serve(sys.stdin, replies)
     p = ArgumentParser(description="Re-read an HF export and compare its logits with a reference.")
     p.add_argument("cmd", choices=["verify"])
     p.add_argument("export_dir", type=Path)

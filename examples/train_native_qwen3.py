@@ -293,10 +293,11 @@ def main(cfg: Config) -> dict:
         raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, end))
     stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
-    if launcher.is_rank_zero():  # the dry run's memory for this very configuration, beside the measured peak
+    if launcher.is_rank_zero():  # the checks' verifier; the dry run's memory for this very configuration
+        dev_type = device.resolve_device_type(cfg.device)
+        export.start_verifier(dev_type, wanted=cfg.export or bool(cfg.hf_checkpoint and cfg.load_check))
         found["planned_gib"] = pilot.planned_gib_in_a_child(
-            lambda: dry_run(cfg, out_dir, ranks=world_size)["total_bytes"], device.resolve_device_type(cfg.device),
-            key=found["record"])
+            lambda: dry_run(cfg, out_dir, ranks=world_size)["total_bytes"], dev_type, key=found["record"])
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
         results = train(cfg, dev, out_dir, found, stop)

@@ -263,7 +263,8 @@ VERIFIER_DRIVER = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from common.export import verify_export_subprocess
+from common.export import start_verifier, verify_export_subprocess
+{start}
 try:
     verify_export_subprocess(Path({export!r}), Path({reference!r}))
 except KeyboardInterrupt:  # the parent lives on: the verifier must be gone all the same
@@ -283,11 +284,13 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig_name", ["SIGKILL", "SIGTERM", "SIGINT"])
-def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name):
-    """The checks' verifier (`python -m common.export serve`, in a process of its own) is stopped with the
-    process that started it: SIGKILL or SIGTERM to that process (no Python cleanup runs) or Ctrl-C (the parent
-    lives on). Before, a killed run left the verifier running. The verifier is held inside its imports by a
-    `transformers` on PYTHONPATH that records its pid and sleeps: a fixture, nothing of the stack replaced."""
+@pytest.mark.parametrize("kind", ["started", "forked"])
+def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name, kind):
+    """The checks' verifier (`python -m common.export serve` started for the first check, or forked by a CPU run
+    before it trains) is stopped with the process that started it: SIGKILL or SIGTERM to that process (no Python
+    cleanup runs) or Ctrl-C (the parent lives on). Before, a killed run left the verifier running. The verifier is
+    held inside its import of transformers (in the middle of a check) by a `transformers` on PYTHONPATH that records
+    its pid and sleeps: a fixture, nothing of the stack replaced."""
     import signal
     import time
 
@@ -308,7 +311,8 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
     env = script_env()
     env["PYTHONPATH"] = str(tmp_path / "shadow")
     driver = subprocess.Popen([sys.executable, "-c", VERIFIER_DRIVER.format(
-        root=str(ROOT), export=str(prepared_assets["tiny_qwen3"]), reference=str(reference))],
+        root=str(ROOT), export=str(prepared_assets["tiny_qwen3"]), reference=str(reference),
+        start='start_verifier("cpu")' if kind == "forked" else "")],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     verifier = None
@@ -320,6 +324,7 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
             time.sleep(0.1)
         verifier = int(pid_file.read_text())
         assert psutil.Process(verifier).ppid() == driver.pid
+        assert ("common.export" in psutil.Process(verifier).cmdline()) == (kind == "started")
         driver.send_signal(sig)
         if sig == signal.SIGINT:
             assert driver.stdout.readline().strip() == "interrupted"
@@ -384,3 +389,68 @@ def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(pre
     assert replaced != server
     export._close_server()  # what this process's exit does: its input ends, and it with it
     assert verifiers() == [] and not psutil.pid_exists(replaced)
+
+
+FORKED_DRIVER = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import torch
+torch.set_num_threads(2)
+torch.randn(512, 512) @ torch.randn(512, 512)  # this process's OpenMP pool has run before the fork
+from common import export
+export.start_verifier("cpu")
+verifier = export._server[0]
+checks = [export.verify_export_subprocess(Path({export!r}), Path({reference!r}), files=f) for f in (True, False)]
+print(json.dumps({{"kind": type(verifier).__name__, "pid": verifier.pid, "checks": checks}}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_cpu_runs_verifier_is_forked_and_serves_its_checks(prepared_assets, tmp_path):
+    """On the CPU a training run forks its verifier before it has a device or a process group (the stack already
+    imported): the child answers every check of the run after the parent's OpenMP threads have run (one thread of
+    its own: a parallel region would wait forever for the parent's pool). Where a fork is not asked for or not
+    safe (another device; a process with other Python threads, as this test's own) none is made."""
+    import select
+    import threading
+
+    import psutil
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common import export
+    from conftest import ROOT, script_env
+
+    other = threading.Event()
+    threading.Thread(target=other.wait).start()  # another Python thread in this process, however pytest runs
+    try:
+        for device_type, wanted in (("neuron", True), ("cuda", True), ("cpu", False), ("cpu", True)):
+            export.start_verifier(device_type, wanted=wanted)
+            assert not export._server
+    finally:
+        other.set()
+    tiny = prepared_assets["tiny_qwen3"]
+    ids, positions = torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(5)[None]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)(ids, position_ids=positions).logits
+    reference = tmp_path / "reference.safetensors"
+    save_file({"input_ids": ids, "position_ids": positions, "logits": logits}, str(reference))
+    env = dict(script_env(), OMP_NUM_THREADS="2")
+    driver = subprocess.Popen([sys.executable, "-c", FORKED_DRIVER.format(
+        root=str(ROOT), export=str(tiny), reference=str(reference))], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready, _, _ = select.select([driver.stdout], [], [], 180)
+        assert ready, "the checks did not finish in 180 s (a forked verifier waiting for the parent's threads?)"
+        line = driver.stdout.readline()
+        assert line, driver.communicate()
+        got = json.loads(line)
+        assert got["kind"] == "_ForkedVerifier"
+        for check in got["checks"]:
+            assert check["max_abs_logit_diff"] == 0.0 and not check["missing_keys"] and "error" not in check, check
+        verifier = psutil.Process(got["pid"])
+        assert verifier.ppid() == driver.pid and verifier.cmdline() == psutil.Process(driver.pid).cmdline()
+    finally:
+        driver.kill()
+        driver.communicate()
