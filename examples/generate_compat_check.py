@@ -11,11 +11,11 @@ text-generation, and image-text-to-text (the model's processor, one image, a sho
 read from the safetensors headers, gives the fewest cores that hold a model (`--core_memory_gib` each, 24 GiB
 for an LNC=2 Trainium2 core; at most `--max_cores`); it is sharded tensor-parallel when it has a TP plan,
 expert-parallel alone when it is a mixture of experts without one, else excluded. The run self-launches one
-process per core (spawn; no torchrun), loads with `from_pretrained`, compiles the forward (neuron backend on
-Trainium, inductor elsewhere) and generates 32 greedy tokens with a static cache, where the model allows static
-cache and compile (the row says when it does not). Verdicts: a single-core run must equal, token for token, the
-same checkpoint in eager mode on CPU (`cpu_match`); a sharded run must read as English to a small judge model
-(`english`); NaN or Inf in the weights or logits is a FAIL whatever the tokens. A PASS says nothing about
+process per core (no torchrun; spawned, or forked on the CPU), loads with `from_pretrained`, compiles the forward
+(neuron backend on Trainium, inductor elsewhere) and generates 32 greedy tokens with a static cache, where the model
+allows static cache and compile (the row says when it does not). Verdicts: a single-core run must equal, token for
+token, the same checkpoint in eager mode on CPU (`cpu_match`); a sharded run must read as English to a small judge
+model (`english`); NaN or Inf in the weights or logits is a FAIL whatever the tokens. A PASS says nothing about
 throughput or long outputs. A verdict is always the model's, never the command line's: flags are checked before any
 row (an --image Pillow cannot read, more --cores than the machine has, or a --cores/--sharding that a model's heads
 or experts cannot be split over are one `error:` line, exit 2, nothing stored).
@@ -264,10 +264,17 @@ def image_file(cfg: Config) -> Path:
 
 # ------------------------------------------------------------------------------------------ one process per core
 def worker(rank: int, job: dict, results) -> None:
-    """One rank of a model's run (spawned). Reports ("ok", measurements) or ("error", traceback). It dies with the
-    check, however the check ends, and leaves Ctrl-C to the check (which stops every rank)."""
+    """One rank of a model's run (spawned, or forked on the CPU). Reports ("ok", measurements) or ("error",
+    traceback). It dies with the check, however the check ends, and leaves Ctrl-C to the check (which stops every
+    rank)."""
     device.die_with_parent(parent_pid=job["parent_pid"])()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a forked rank's: the check's own stop handlers are the check's
+        signal.signal(sig, signal.SIG_DFL)
+    if job["forked"]:
+        import torch
+
+        torch.set_num_threads(1)  # before any op
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["cores"]),
                       LOCAL_WORLD_SIZE=str(job["cores"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
     try:
@@ -306,7 +313,7 @@ def generate_on_device(job: dict) -> dict:
 
     hf_logging.disable_progress_bar()
     dev = device.setup(job["device"], lnc=job["lnc"], timeout_s=job["timeout_s"])
-    if dev.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if dev.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ and not job.get("forked"):
         # ranks share the host's cores; oversubscribing them slows every rank
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dev.world_size))
     auto_class = AutoModelForImageTextToText if job["task"] == "image-text-to-text" else AutoModelForCausalLM
@@ -609,6 +616,7 @@ def main(cfg: Config) -> dict:
 
     summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
                             "stack": stack, "files": [str(path)], "models": []}
+    tqdm.monitor_interval = 0  # no monitor thread: on the CPU the ranks are forked, only from a one-thread process
     bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
     for spec in bar:
         bar.set_postfix_str(lookup.printable(spec))

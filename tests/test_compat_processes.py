@@ -120,10 +120,27 @@ def test_concurrent_checks_into_one_out_dir_keep_every_row_and_model(tmp_path):
     assert sorted(m["model_id"] for m in read_results(out)["models"]) == everything
 
 
+def test_ranks_forked_after_the_checks_own_threads_ran_still_finish(tmp_path, prepared_assets):
+    """On the CPU the ranks are forked from the check. After a sharded model the check has judged its text with
+    two OpenMP threads of its own; the next model's forked rank must still run (on one thread: a parallel region
+    there would wait forever for the check's pool) and pass, not time out into a FAIL row."""
+    assets.prepare(["smollm2"])
+    out = tmp_path / "out"
+    proc = subprocess.run(example_command(SCRIPT, "--models", "smollm2-135m-instruct,tiny-qwen3", "--core_memory_gib",
+                                          "0.3", "--no_compile", "--timeout_s", "120", "--out_dir", str(out)),
+                          cwd=ROOT, env=dict(script_env(), OMP_NUM_THREADS="2"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_id = {r["model_id"]: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
+    assert by_id["smollm2-135m-instruct"]["tp"] == 3 and by_id["smollm2-135m-instruct"]["english"]
+    assert by_id["tiny-qwen3"]["result"] == "PASS", by_id["tiny-qwen3"]["error"]
+
+
 # --------------------------------------------------------------------------- signals to a sharded check
 def _family_once_sharded(proc: subprocess.Popen, deadline: float) -> list:
     """Every process below the check, once both ranks of its sharded run are at work: each holds a TCP connection
-    (its process group, made inside the rank's function, after its first line)."""
+    (its process group, made inside the rank's function, after its first line). On the CPU the ranks are forked from
+    the check (its command line), not spawned."""
     import psutil
 
     while True:
@@ -131,10 +148,12 @@ def _family_once_sharded(proc: subprocess.Popen, deadline: float) -> list:
         assert time.monotonic() < deadline, "the ranks did not start in time"
         try:
             family = psutil.Process(proc.pid).children(recursive=True)
-            ranks = [p for p in family if "spawn_main" in " ".join(p.cmdline()) and p.net_connections("tcp")]
+            ranks = [p for p in family if p.net_connections("tcp")]
+            forked = all(p.cmdline() == psutil.Process(proc.pid).cmdline() for p in ranks)
         except psutil.Error:
             family, ranks = [], []
         if len(ranks) >= 2:
+            assert forked, [p.cmdline() for p in ranks]
             return family
         time.sleep(0.1)
 
@@ -165,7 +184,7 @@ SHARDED = ("--models", "tiny-qwen3", "--cores", "2", "--no_compile", "--new_toke
 
 
 def test_sigterm_ends_every_process_of_a_sharded_check(tmp_path, model_assets):
-    """SIGTERM to the check alone: its ranks and every other process below it (the resource tracker) end with it,
+    """SIGTERM to the check alone: its ranks and every other process below it (a resource tracker) end with it,
     one `error:` line, exit 143, and no row (an interrupted run is no verdict). SIGHUP and SIGINT take the same
     path (processes.stop_on_signals), with exit 129 and 130."""
     sig = signal.SIGTERM
@@ -194,7 +213,7 @@ def test_sigterm_ends_every_process_of_a_sharded_check(tmp_path, model_assets):
 
 
 def test_ranks_die_with_a_sigkilled_check(tmp_path, model_assets):
-    """SIGKILL to the check alone (no handler can run): its ranks die with it (PR_SET_PDEATHSIG), and with them the
+    """SIGKILL to the check alone (no handler can run): its ranks die with it (PR_SET_PDEATHSIG), and with them any
     resource tracker, instead of generating on for a minute and more."""
     proc = subprocess.Popen(example_command(SCRIPT, *SHARDED, "--out_dir", str(tmp_path / "out")), cwd=ROOT,
                             env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
