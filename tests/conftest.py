@@ -73,17 +73,20 @@ class _Prefork:
         if not ready:
             raise RuntimeError(f"tests/prefork.py did not start (exit {self.proc.wait()})")
 
-    def run(self, cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        with self.lock, tempfile.TemporaryDirectory(prefix="prefork_") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": cmd[1:], "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
-                       "timeout": timeout}
+    def ask(self, request: dict, cmd: list[str]) -> dict:
+        with self.lock:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             reply = self.proc.stdout.readline()
-            if not reply:
-                raise RuntimeError(f"tests/prefork.py ended (exit {self.proc.wait()}) while running {cmd}")
-            reply = json.loads(reply)
+        if not reply:
+            raise RuntimeError(f"tests/prefork.py ended (exit {self.proc.wait()}) while running {cmd}")
+        return json.loads(reply)
+
+    def run(self, cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="prefork_") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            reply = self.ask({"argv": cmd[1:], "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
+                              "timeout": timeout}, cmd)
             stdout = out.read_text(errors="replace") if out.exists() else ""
             stderr = err.read_text(errors="replace") if err.exists() else ""
         if reply["timed_out"]:
@@ -91,7 +94,55 @@ class _Prefork:
         return subprocess.CompletedProcess(cmd, reply["rc"], stdout, stderr)
 
 
+class PreforkedProcess:
+    """A command started in the background by tests/prefork.py, with the members of subprocess.Popen that the tests
+    use: pid, poll, wait, returncode, send_signal, kill. Its parent is the pre-forked runner, not the test."""
+
+    def __init__(self, server: _Prefork, pid: int, cmd: list[str]):
+        self.server, self.pid, self.args, self.returncode = server, pid, cmd, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.ask({"op": "poll", "pid": self.pid}, self.args)["rc"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            reply = self.server.ask({"op": "wait", "pid": self.pid, "timeout": timeout}, self.args)
+            if reply["timed_out"]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = reply["rc"]
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 _prefork: dict[bool, _Prefork] = {}
+
+
+def _server(torchtitan: bool) -> _Prefork:
+    server = _prefork.get(torchtitan)
+    if server is None or server.proc.poll() is not None:
+        server = _prefork[torchtitan] = _Prefork(torchtitan)
+    return server
+
+
+def start_python(cmd: list[str], stdout: Path | str, stderr: Path | str | None = None,
+                 cwd: Path = ROOT) -> PreforkedProcess:
+    """`subprocess.Popen(cmd)` for a `python SCRIPT ...` or `python -m MODULE ...` command that a test signals or
+    kills while it runs, served by tests/prefork.py (the script in a process and process group of its own, SIGINT
+    as in a terminal), its output in the file `stdout` (`stderr` in the same file unless given; os.devnull for
+    none)."""
+    assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
+    server = _server(True)
+    pid = server.ask({"op": "start", "argv": cmd[1:], "cwd": str(cwd), "env": script_env(), "stdout": str(stdout),
+                      "stderr": str(stdout if stderr is None else stderr)}, cmd)["pid"]
+    return PreforkedProcess(server, pid, cmd)
 
 
 def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600,
@@ -104,10 +155,7 @@ def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, tim
     if env is not None and env.get("PYTHONPATH") != script_env().get("PYTHONPATH"):
         raise ValueError("run_python cannot change PYTHONPATH (the pre-forked runner's path is set when it starts): "
                          "start such a command with subprocess")
-    server = _prefork.get(torchtitan)
-    if server is None or server.proc.poll() is not None:
-        server = _prefork[torchtitan] = _Prefork(torchtitan)
-    return server.run(cmd, Path(cwd), script_env() if env is None else env, timeout)
+    return _server(torchtitan).run(cmd, Path(cwd), script_env() if env is None else env, timeout)
 
 
 def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,
@@ -124,9 +172,7 @@ def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, tor
               timeout: float = 400) -> None:
     """Run an example and SIGKILL it, every process of it, as soon as `ready()` holds; fail if it
     ends first or `what` does not happen within `timeout` seconds."""
-    proc = subprocess.Popen(example_command(script, *args, torchrun=torchrun), cwd=ROOT, env=script_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # apart from pytest: a stray signal stays with the run
+    proc = start_python(example_command(script, *args, torchrun=torchrun), os.devnull)  # a process group of its own
     deadline = time.monotonic() + timeout
     try:
         while not ready():
@@ -137,7 +183,7 @@ def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, tor
         kill_tree(proc)
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen | PreforkedProcess) -> None:
     """SIGKILL a process and every process below it, and wait until they are gone. A signal to the process group
     is not enough: torchrun starts each worker in a session of its own, so its workers would outlive it and
     finish the run. Each process is stopped before the kill, so none starts another between listing and kill."""

@@ -9,12 +9,19 @@ starts with those modules imported and nothing else: the repository is not on it
 of its modules are loaded (the script imports `common/` itself, as it does under `python`), no
 torch state has been touched (no op has run, no thread pool, no process group), and the child is
 a process of its own, so `os._exit`, signals, fds and its own subprocesses behave as they do in a
-fresh interpreter. Commands whose process identity matters to a test (a signal sent to them, a
-kill of their process tree) still start with `subprocess.Popen`.
+fresh interpreter. A command a test signals or kills while it runs starts in the background here
+too (its parent is this runner, not the test); one started with `python -c` or with another
+PYTHONPATH starts with `subprocess.Popen`.
 
-Protocol: one JSON request per line on stdin ({"argv", "cwd", "env", "stdout", "stderr",
-"timeout"}), one JSON reply per line on the original stdout ({"rc", "timed_out"}). Requests are
-served one at a time, as a test runs its commands."""
+Protocol: one JSON request per line on stdin, one JSON reply per line on the original stdout:
+  - {"argv", "cwd", "env", "stdout", "stderr", "timeout"}: run the command to its end (its process group killed
+    past `timeout`) -> {"rc", "timed_out"};
+  - {"op": "start", "argv", "cwd", "env", "stdout", "stderr"} -> {"pid"}: the command in the background, for a test
+    that signals or kills it while it runs (`stderr` equal to `stdout`: one file for both; SIGINT as a command typed
+    in a terminal has it);
+  - {"op": "wait", "pid", "timeout"} -> {"rc", "timed_out"} (the command left running past `timeout`), and
+    {"op": "poll", "pid"} -> {"rc"} (null while it runs).
+Requests are served one at a time, as a test sends them; background commands run meanwhile."""
 from __future__ import annotations
 
 import json
@@ -87,9 +94,14 @@ def _run_child(req: dict, proto_fds: tuple[int, int]) -> None:
         for fd in proto_fds:
             os.close(fd)
         for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+            if fd == 2 and path == req["stdout"]:
+                os.dup2(1, 2)
+                continue
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
+        if req.get("op") == "start":  # SIGINT as in a terminal (the server may have inherited it ignored)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
         os.close(stdin)
@@ -159,24 +171,48 @@ def serve() -> None:
     writer = os.fdopen(proto_out, "w")
     writer.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     writer.flush()
+    ended: dict[int, int] = {}  # pid -> wait status, of every command that has ended and not been asked about
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if not pid:
+                return
+            ended[pid] = status
+
+    def wait(pid: int, timeout: float | None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            reap()
+            if pid in ended:
+                return {"rc": os.waitstatus_to_exitcode(ended.pop(pid)), "timed_out": False}
+            if deadline is not None and time.monotonic() > deadline:
+                return {"rc": None, "timed_out": True}
+            time.sleep(0.02)
+
     for line in reader:
         req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _run_child(req, (proto_in, proto_out))
-        deadline = time.monotonic() + req["timeout"]
-        timed_out = False
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                _kill_group(pid)
-                _, status = os.waitpid(pid, 0)
-                break
-            time.sleep(0.02)
-        writer.write(json.dumps({"rc": os.waitstatus_to_exitcode(status), "timed_out": timed_out}) + "\n")
+        op = req.get("op", "run")
+        if op in ("run", "start"):
+            pid = os.fork()
+            if pid == 0:
+                _run_child(req, (proto_in, proto_out))
+            if op == "start":
+                reply = {"pid": pid}
+            else:
+                reply = wait(pid, req["timeout"])
+                if reply["timed_out"]:
+                    _kill_group(pid)
+                    reply = dict(wait(pid, None), timed_out=True)
+        elif op == "wait":
+            reply = wait(req["pid"], req["timeout"])
+        else:  # poll
+            reap()
+            reply = {"rc": os.waitstatus_to_exitcode(ended.pop(req["pid"])) if req["pid"] in ended else None}
+        writer.write(json.dumps(reply) + "\n")
         writer.flush()
 
 

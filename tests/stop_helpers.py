@@ -2,14 +2,13 @@
 on a training step, the workers below a launcher, and the check that no process outlives a run."""
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 import psutil
 
 from common.losses import read_progress
-from conftest import ROOT, script_env, sigint_as_in_a_terminal
+from conftest import PreforkedProcess, start_python
 
 SCRIPT = "train_native_qwen3.py"
 STEPS = 8  # room for two stops, one after the other, and steps left after them
@@ -33,20 +32,20 @@ def no_process_outlives(family: list[int]) -> None:
     assert not alive(family), alive(family)
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """The command in the background, its output in `log` (a pipe nobody reads while it trains could fill)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            preexec_fn=sigint_as_in_a_terminal)
+def start(cmd: list[str], log: Path) -> PreforkedProcess:
+    """The command in the background (pre-forked: tests/prefork.py), its output in `log` (a pipe nobody reads while
+    it trains could fill)."""
+    proc = start_python(cmd, log)
     proc.log = log
     return proc
 
 
-def finish(proc: subprocess.Popen) -> str:
+def finish(proc: PreforkedProcess) -> str:
     proc.wait(timeout=300)
     return proc.log.read_text()
 
 
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
+def wait_for_step(proc: PreforkedProcess, out: Path, step: int) -> None:
     deadline = time.monotonic() + 300
     while not any(r["step"] >= step for r in read_progress(out / "losses.jsonl")):
         assert proc.poll() is None, proc.log.read_text()[-3000:]
@@ -54,17 +53,19 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
         time.sleep(0.05)
 
 
-def workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
-    """LOCAL_RANK -> worker process, below `proc` (the launcher or torchrun)."""
+def workers(proc: PreforkedProcess) -> dict[int, psutil.Process]:
+    """LOCAL_RANK -> worker process, below `proc` (the launcher or torchrun); not a worker's own child (its
+    verifier, forked with the worker's environment)."""
     deadline = time.monotonic() + 60
     while True:
         found = {}
         for p in psutil.Process(proc.pid).children(recursive=True):
             try:
                 rank = p.environ().get("LOCAL_RANK")
-            except psutil.Error:
+                in_a_worker = "LOCAL_RANK" in p.parent().environ()
+            except (psutil.Error, AttributeError):  # ended meanwhile (parent() None)
                 continue
-            if rank is not None and "torch.distributed.run" not in " ".join(p.cmdline()):
+            if rank is not None and not in_a_worker and "torch.distributed.run" not in " ".join(p.cmdline()):
                 found[int(rank)] = p
         if len(found) == 2 or time.monotonic() > deadline:
             return found
