@@ -359,13 +359,11 @@ def _one_shot(request: dict) -> tuple[int, str]:
 
 
 def start_verifier(device_type: str, wanted: bool = True) -> None:
-    """On the CPU, fork the run's verifier now, before this process has a device, a process group, other threads
-    or a model (a Transformers-backend run patches transformers' classes when it builds one): the child starts with
-    the stack already imported, which saves the 4-5 CPU-seconds of imports a `python -m common.export serve` spends,
-    and serves the run's checks as that does. It computes on one thread (an OpenMP pool the parent has used is not
-    in the child). Elsewhere, and where a fork is not safe (a Python thread that could hold a lock), the run's first
-    check starts `python -m common.export serve`: a Neuron runtime must not be forked, and an accelerator run's
-    verifier, reading a large model on the CPU, keeps every thread of a fresh process."""
+    """On the CPU, fork the run's verifier before this process has a device, a process group, other threads or a
+    model (the Transformers backend patches transformers' classes when it builds one): it starts with the stack
+    imported (4-5 CPU-seconds less than `serve`) and computes on one thread (the parent's OpenMP pool is not in it).
+    Elsewhere (a Neuron runtime must not be forked; an accelerator run's verifier keeps a fresh process's threads),
+    and where a fork is not safe (another Python thread), the first check starts `python -m common.export serve`."""
     if not wanted or device_type != "cpu" or threading.active_count() > 1:
         return
     with _server_lock:

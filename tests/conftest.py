@@ -150,7 +150,7 @@ def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, tim
     """`subprocess.run(cmd, capture_output=True, text=True)` for a `python SCRIPT ...` or
     `python -m MODULE ...` command, served by tests/prefork.py: the same script in a process of its
     own, without the seconds of imports (`torchtitan=False`: torchtitan not imported yet, for a command
-    that must find a shadow of it first on its path). Commands a test signals or kills start with Popen."""
+    that must find a shadow of it first on its path). Commands a test signals or kills: start_python."""
     assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
     if env is not None and env.get("PYTHONPATH") != script_env().get("PYTHONPATH"):
         raise ValueError("run_python cannot change PYTHONPATH (the pre-forked runner's path is set when it starts): "
