@@ -281,18 +281,3 @@ def prepared_assets():
     from tools import prepare_assets as assets
 
     return assets.prepare(["tokenizer", "corpus", "tiny_qwen3"])
-
-
-# The longest test files, longest first (summed durations of a `make test` run on 2 cores). pytest-xdist hands whole
-# files to its workers in collection order (`--no-loadscope-reorder`: by default it orders them by their number of
-# tests, and the long files of few tests came last); started first, they end beside the many short files instead of
-# after them, on a core of their own. Every other file keeps pytest's order.
-LONGEST_FILES = ("test_stop.py", "test_bench.py", "test_train_hf_backend.py", "test_eval.py", "test_data_loss.py",
-                 "test_memory_model.py", "test_bug_replay.py", "test_resume.py", "test_stop_one_process.py",
-                 "test_bad_input_matrix.py", "test_generate_compat_check.py", "test_copy.py", "test_compat_train.py",
-                 "test_train_moe_nki.py", "test_compile_audit.py", "test_train_native_qwen3.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest as collected
