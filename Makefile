@@ -47,7 +47,7 @@ demo: setup
 # a NeuronCore); the run ends with the ten slowest tests and pytest's closing line, which gives the
 # total wall time. How the suite stays short and load-independent: docs/testing.md.
 test: setup
-	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184 $(PYTHON) -m pytest -q -rs --durations=10 -n 3 --dist loadfile tests
+	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184 $(PYTHON) -m pytest -q -rs --durations=10 -n 3 --dist loadfile --no-loadscope-reorder tests
 
 clean-runs:
 	rm -rf runs
