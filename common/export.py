@@ -364,12 +364,26 @@ def start_verifier(device_type: str, wanted: bool = True) -> None:
     imported (4-5 CPU-seconds less than `serve`) and computes on one thread (the parent's OpenMP pool is not in it).
     Elsewhere (a Neuron runtime must not be forked; an accelerator run's verifier keeps a fresh process's threads),
     and where a fork is not safe (another Python thread), the first check starts `python -m common.export serve`."""
-    if not wanted or device_type != "cpu" or threading.active_count() > 1:
+    if not wanted or device_type != "cpu":
+        return
+    _end_tqdm_monitor()
+    if threading.active_count() > 1:
         return
     with _server_lock:
         if not _server:
             _server.append(_ForkedVerifier())
             _close_at_exit()
+
+
+def _end_tqdm_monitor() -> None:
+    """End tqdm's monitor thread (progress bars start it, `datasets` reading a --dataset folder among them; it only
+    redraws a stalled bar) and start no other: a thread would make the fork unsafe."""
+    if "tqdm.std" not in sys.modules:
+        return
+    sys.modules["tqdm.std"].tqdm.monitor_interval = 0
+    for thread in threading.enumerate():
+        if isinstance(thread, sys.modules["tqdm._monitor"].TMonitor):
+            thread.exit()
 
 
 class _ForkedVerifier:

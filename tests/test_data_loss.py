@@ -398,6 +398,8 @@ sys.path.insert(0, {root!r})
 import torch
 torch.set_num_threads(2)
 torch.randn(512, 512) @ torch.randn(512, 512)  # this process's OpenMP pool has run before the fork
+from tqdm import tqdm
+bar = tqdm(total=3, file=sys.stderr)  # and tqdm's monitor thread runs, as after datasets read a --dataset folder
 from common import export
 export.start_verifier("cpu")
 verifier = export._server[0]
@@ -410,8 +412,9 @@ time.sleep(600)
 def test_a_cpu_runs_verifier_is_forked_and_serves_its_checks(prepared_assets, tmp_path):
     """On the CPU a training run forks its verifier before it has a device or a process group (the stack already
     imported): the child answers every check of the run after the parent's OpenMP threads have run (one thread of
-    its own: a parallel region would wait forever for the parent's pool). Where a fork is not asked for or not
-    safe (another device; a process with other Python threads, as this test's own) none is made."""
+    its own: a parallel region would wait forever for the parent's pool), and after a progress bar has started
+    tqdm's monitor thread (ended first). Where a fork is not asked for or not safe (another device; a process with
+    other Python threads, as this test's own) none is made."""
     import select
     import threading
 
