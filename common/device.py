@@ -53,6 +53,21 @@ def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None):
     return arm
 
 
+def fork_is_safe() -> bool:
+    """Whether this process may fork a child that runs on in Python: it has no other Python thread (one holding a
+    lock would leave it held in the child forever) and no process group. tqdm's monitor thread, which progress bars
+    start (`datasets` reading a folder among them) and which only redraws a stalled bar, is ended first and not
+    started again. The child still must not use the parent's OpenMP pool: one torch thread, before any op."""
+    import threading
+
+    if "tqdm.std" in sys.modules:
+        sys.modules["tqdm.std"].tqdm.monitor_interval = 0
+        for thread in threading.enumerate():
+            if isinstance(thread, sys.modules["tqdm._monitor"].TMonitor):
+                thread.exit()
+    return threading.active_count() == 1 and not (dist.is_available() and dist.is_initialized())
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     device: torch.device

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common import results
 from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
-from common.device import die_with_parent
+from common.device import die_with_parent, fork_is_safe
 from common.errors import ArgumentParser, UserError, one_line
 
 
@@ -363,27 +363,13 @@ def start_verifier(device_type: str, wanted: bool = True) -> None:
     model (the Transformers backend patches transformers' classes when it builds one): it starts with the stack
     imported (4-5 CPU-seconds less than `serve`) and computes on one thread (the parent's OpenMP pool is not in it).
     Elsewhere (a Neuron runtime must not be forked; an accelerator run's verifier keeps a fresh process's threads),
-    and where a fork is not safe (another Python thread), the first check starts `python -m common.export serve`."""
-    if not wanted or device_type != "cpu":
-        return
-    _end_tqdm_monitor()
-    if threading.active_count() > 1:
+    and where a fork is not safe (device.fork_is_safe), the first check starts `python -m common.export serve`."""
+    if not wanted or device_type != "cpu" or not fork_is_safe():
         return
     with _server_lock:
         if not _server:
             _server.append(_ForkedVerifier())
             _close_at_exit()
-
-
-def _end_tqdm_monitor() -> None:
-    """End tqdm's monitor thread (progress bars start it, `datasets` reading a --dataset folder among them; it only
-    redraws a stalled bar) and start no other: a thread would make the fork unsafe."""
-    if "tqdm.std" not in sys.modules:
-        return
-    sys.modules["tqdm.std"].tqdm.monitor_interval = 0
-    for thread in threading.enumerate():
-        if isinstance(thread, sys.modules["tqdm._monitor"].TMonitor):
-            thread.exit()
 
 
 class _ForkedVerifier:

@@ -163,15 +163,16 @@ PLAN_TIMEOUT_S = 300
 
 
 def _plan_in_a_child(plan, device_type: str, route) -> float | None:
-    """None where a fork is not safe: a process with other Python threads (a thread holding a lock at the fork
-    would leave the child waiting on it forever); and None, the child killed, if it has not answered in
+    """None where a fork is not safe (device.fork_is_safe: another Python thread, holding a lock at the fork, would
+    leave the child waiting on it forever); and None, the child killed, if it has not answered in
     PLAN_TIMEOUT_S. The child plans on one torch thread (the parent's OpenMP threads are not in it)."""
     import json
     import select
     import signal
-    import threading
 
-    if threading.active_count() > 1:
+    from common.device import fork_is_safe
+
+    if not fork_is_safe():
         return None
     if device_type == "cpu":
         route("cpu")

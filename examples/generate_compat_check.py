@@ -616,7 +616,6 @@ def main(cfg: Config) -> dict:
 
     summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
                             "stack": stack, "files": [str(path)], "models": []}
-    tqdm.monitor_interval = 0  # no monitor thread: on the CPU the ranks are forked, only from a one-thread process
     bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
     for spec in bar:
         bar.set_postfix_str(lookup.printable(spec))

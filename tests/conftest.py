@@ -132,16 +132,14 @@ def _server(torchtitan: bool) -> _Prefork:
     return server
 
 
-def start_python(cmd: list[str], stdout: Path | str, stderr: Path | str | None = None,
-                 cwd: Path = ROOT) -> PreforkedProcess:
+def start_python(cmd: list[str], output: Path | str, cwd: Path = ROOT) -> PreforkedProcess:
     """`subprocess.Popen(cmd)` for a `python SCRIPT ...` or `python -m MODULE ...` command that a test signals or
     kills while it runs, served by tests/prefork.py (the script in a process and process group of its own, SIGINT
-    as in a terminal), its output in the file `stdout` (`stderr` in the same file unless given; os.devnull for
-    none)."""
+    as in a terminal), its stdout and stderr in the file `output` (os.devnull for none)."""
     assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
     server = _server(True)
-    pid = server.ask({"op": "start", "argv": cmd[1:], "cwd": str(cwd), "env": script_env(), "stdout": str(stdout),
-                      "stderr": str(stdout if stderr is None else stderr)}, cmd)["pid"]
+    pid = server.ask({"op": "start", "argv": cmd[1:], "cwd": str(cwd), "env": script_env(), "stdout": str(output),
+                      "stderr": str(output)}, cmd)["pid"]
     return PreforkedProcess(server, pid, cmd)
 
 

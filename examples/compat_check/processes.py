@@ -122,17 +122,14 @@ def run_ranks(target, job: dict, cores: int, timeout_s: float) -> dict:
     import queue
     import time
 
-    import threading
-
-    import torch
     import torch.multiprocessing as mp
 
     from common import device
 
-    # Neuron: the runtime must not be forked; CUDA neither. On the CPU the ranks are forked where that is safe (this
-    # process has no other Python thread and no process group), each with the stack already imported; a forked
-    # rank computes on one thread (an OpenMP pool this process has used is not in it).
-    fork = job["device"] == "cpu" and threading.active_count() == 1 and not torch.distributed.is_initialized()
+    # Neuron: the runtime must not be forked; CUDA neither. On the CPU the ranks are forked where that is safe
+    # (device.fork_is_safe), each with the stack already imported; a forked rank computes on one thread (an OpenMP
+    # pool this process has used is not in it).
+    fork = job["device"] == "cpu" and device.fork_is_safe()
     ctx = mp.get_context("fork" if fork else "spawn")
     results = ctx.Queue()
     job = dict(job, port=device._free_port(), parent_pid=os.getpid(), forked=fork)
