@@ -1,4 +1,4 @@
-"""The dry run's memory model (common/dryrun.py) term by term against what a CPU training step
+"""The dry run's memory model (common/harness/dryrun.py) term by term against what a CPU training step
 really holds, at several model sizes and at 1 and 2 ranks.
 
 Each size is a dense Qwen3 with the real 151,936-token vocabulary (the tiny Qwen3 from set-up, or a
@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common_bench as cb  # noqa: E402
 from common import checkpoint, cli, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from common.harness import lifecycle  # noqa: E402
 
 TERMS = ("parameters", "gradients", "optimizer_state", "gathered_blocks", "gradient_buffers", "activations")
 # Dense Qwen3 shapes besides the tiny one from set-up (2 layers, dim 64, tied); the rest of each
@@ -222,7 +223,7 @@ def _start_dry_run(example, ecfg, ranks: int, out: Path, threads: int) -> Callab
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            example.dry_run(replace(ecfg, dry_run_ranks=ranks), out)
+            lifecycle.dry_run(example.RECIPE, replace(ecfg, dry_run_ranks=ranks), out)
             code = 0
         except BaseException:  # noqa: BLE001  into the log, read by the parent
             import traceback
@@ -321,7 +322,8 @@ def measure_all(cfg: Config) -> dict:
     # this process; above one rank (one size a launch) from rank 0's child, which plans while this measures.
     device.route_torchtitan_device("cpu")
     if world == 1:
-        estimates = {s: example.dry_run(c, out_dir / "dry_runs" / f"{s}_1_ranks") for s, c in configs.items()}
+        estimates = {s: lifecycle.dry_run(example.RECIPE, c, out_dir / "dry_runs" / f"{s}_1_ranks")
+                     for s, c in configs.items()}
     elif int(os.environ.get("RANK", "0")) == 0:
         import torchtitan.trainer  # noqa: F401  imported before the fork: the child only plans
 
@@ -361,8 +363,8 @@ def measure_one(example, ecfg, dev, run_dir: Path, steps: int) -> dict:
     from common import export
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    found = example.preflight(ecfg)
-    tc, _notes = example.build_trainer_config(ecfg, dev, run_dir, found)
+    found = lifecycle.preflight(example.RECIPE, ecfg)
+    tc, _notes = example.RECIPE.trainer_config(ecfg, dev, run_dir, found)
     if dev.is_main:
         export.stage_hf_assets(Path(tc.hf_assets_path), found["tokenizer_dir"], Path(ecfg.hf_checkpoint).resolve())
     torch.distributed.barrier()

@@ -100,25 +100,26 @@ def prepared_config():
 
 
 def run_stock(example, args: list[str]) -> None:
+    """torchtitan's own entry point on the Trainer.Config the example's recipe builds (its declared `RECIPE`)."""
     import torch
 
-    default = "tiny" if "tiny" in example.PRESETS else next(iter(example.PRESETS))
-    cfg = cli.parse_config(example.Config, example.PRESETS, args, example.__doc__, default)
+    from common.recipe import inputs
+
+    recipe = example.RECIPE
+    cfg = cli.parse_config(recipe.config, recipe.presets, args, recipe.doc, recipe.default_preset)
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    found = example.preflight(cfg)
+    found = inputs(recipe, cfg)
     device.fill_single_process_env()
     dev_type = device.resolve_device_type(cfg.device)
     dev = device.DeviceInfo(torch.device(dev_type), dev_type, device.BACKENDS[dev_type],
                             int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")),
                             int(os.environ["WORLD_SIZE"]))
-    tc, _notes = example.build_trainer_config(cfg, dev, out_dir, found)
-    # The scripts keep torchtitan's checkpointer on so that a stop can save any step (common/resume.py), and
+    tc, _notes = recipe.trainer_config(cfg, dev, out_dir, found)
+    # The scripts keep torchtitan's checkpointer on so that a stop can save any step (common/harness/resume.py), and
     # save nothing at the end without --export; torchtitan's own loop would write a last save: off, as before.
     tc.checkpoint.enable = bool(getattr(cfg, "export", False) or getattr(cfg, "checkpoint_every", 0))
     # The example stages its tokenizer into OUT_DIR/hf_assets; torchtitan reads the source folder.
-    ckpt = found.get("checkpoint") or (
-        Path(cfg.hf_checkpoint).resolve() if getattr(cfg, "hf_checkpoint", None) else None)
-    tc.hf_assets_path = str(ckpt or found["tokenizer_dir"])
+    tc.hf_assets_path = str(found.get("hf_folder") or found["tokenizer_dir"])
     _PREPARED["config"] = tc
     from torchtitan import train as titan_train
 
@@ -141,8 +142,8 @@ def main() -> int:
         parser.error("--fix_hf_rotary is for --mode stock (in --mode ours the example applies its own fixes)")
     script = Path(ns.script).resolve()
     example = load_example(script)
-    default = "tiny" if "tiny" in example.PRESETS else next(iter(example.PRESETS))
-    cfg = cli.parse_config(example.Config, example.PRESETS, ns.args, example.__doc__, default)
+    recipe = example.RECIPE
+    cfg = cli.parse_config(recipe.config, recipe.presets, ns.args, recipe.doc, recipe.default_preset)
     device.route_torchtitan_device(device.resolve_device_type(cfg.device))
     install_timer(fix_hf_rotary=ns.fix_hf_rotary)
     RECORD.update(mode=ns.mode, script=script.name, args=ns.args)

@@ -1,4 +1,4 @@
-"""Device choice and process group (self-launch under torchrun: common/launcher.py). Every example calls `setup()` before anything imports
+"""Device choice and process group (self-launch under torchrun: common/harness/launcher.py). Every example calls `setup()` before anything imports
 torchtitan, which picks its device type once, at import. `neuron_installed()` is the repository's one Neuron
 availability check (find_spec only: launchers and parents decide with it and never start the runtime): without
 torch-neuronx, `--device neuron` is an error and `--device auto` picks cuda or cpu. `neuron_runtime()` is the one

@@ -12,23 +12,21 @@ The verifier on its own:
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 from common import results
 from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
-from common.device import die_with_parent, fork_is_safe
+from common.device import die_with_parent
 from common.errors import ArgumentParser, UserError, one_line
 
 
-def apply_checkpoint_settings(cfg, *, steps: int, every: int, export: bool,
+def apply_checkpoint_settings(cfg, *, steps: int, export: bool, every: int = 0,
                               initial_hf: Path | None = None, dtype: str = "float32") -> None:
     """torchtitan's checkpointer as the three training scripts use it. Mid-run saves (every
     `every` steps, 0: none) are distributed checkpoints of the whole training state (weights,
@@ -36,7 +34,7 @@ def apply_checkpoint_settings(cfg, *, steps: int, every: int, export: bool,
     from the latest one when the same command runs again. The last save is model-only in HF
     safetensors: the export. `initial_hf` is an HF folder to start from when there is nothing to
     resume."""
-    cfg.checkpoint.enable = True  # a stop signal or --time_limit may save any step (common/resume.py)
+    cfg.checkpoint.enable = True  # a stop signal or --time_limit may save any step (common/harness/resume.py)
     cfg.checkpoint.interval = every or steps + 1
     cfg.checkpoint.initial_load_path = str(initial_hf) if initial_hf else None
     cfg.checkpoint.initial_load_in_hf = initial_hf is not None
@@ -76,7 +74,7 @@ def make_owned_dir(folder: Path) -> Path:
 
 
 def clear_stale_checkpoints(out_dir: Path, is_main: bool) -> None:
-    """A run resumes only from a whole distributed checkpoint (its .metadata is written last; common/resume.py has
+    """A run resumes only from a whole distributed checkpoint (its .metadata is written last; common/harness/resume.py has
     checked that this command may continue it): a step folder without one is a save cut short, or the model-only
     HF save of a run killed before its export was completed, which torchtitan would load (it has an index) and
     fail on or resume without optimizer state; it is removed. Whole checkpoints are never removed. Only a folder a
@@ -299,31 +297,24 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-_server: list[subprocess.Popen] = []  # the process's verifier (`python -m common.export serve`), while it lives
-_server_lock = threading.Lock()
+_service: list = []  # a verifier serving every check of this run (common/harness/verifier.py), when installed
+
+
+def use_service(check) -> None:
+    """Send every check to `check(request) -> (code, error)` from now on, instead of a process per check."""
+    _service[:] = [check]
 
 
 def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = True) -> dict:
     """Re-read the export with transformers in a process of its own (no state shared with the trainer,
     whose libraries may have patched transformers) and return the check as a dict. A folder the
-    verifier cannot read at all fails the check with the verifier's error.
-
-    One verifier serves every check of a run (the load check at step 1, the export check at the end): started
-    from the main thread by the first check, it imports torch and transformers once and reads each folder anew,
-    one check at a time. A check from another thread while none runs gets a verifier of its own. Either way
-    it dies with this process, however that ends (a SIGKILL included: the kernel's parent-death signal, armed
-    for the thread that starts it), and is killed when this one is interrupted or fails while waiting."""
+    verifier cannot read at all fails the check with the verifier's error. Each check starts
+    `python -m common.export verify`, which dies with this process however that ends (the kernel's
+    parent-death signal); the harness serves a run's checks from one process instead (`use_service`)."""
     out_json = Path(reference).with_name(".export_check.json")
     request = {"export_dir": str(Path(export_dir).absolute()), "reference": str(Path(reference).absolute()),
                "out": str(out_json.absolute()), "files": files}
-    with _server_lock:
-        if _server and _server[0].poll() is not None:
-            _server.clear()
-        shared = bool(_server) or threading.current_thread() is threading.main_thread()
-        if shared:
-            code, error = _served(request)
-    if not shared:
-        code, error = _one_shot(request)
+    code, error = (_service[0] if _service else one_shot)(request)
     if code != 0:
         return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
                 "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
@@ -332,164 +323,33 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
     return check
 
 
-def _verifier(*args: str, **popen) -> subprocess.Popen:
+def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
+    """`python -m MODULE ARGS` of this repository, outside the run's process group, dying with this process."""
     repo_root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    return subprocess.Popen([sys.executable, "-m", "common.export", *args], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True,
                             preexec_fn=die_with_parent(), **popen)
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
 
 
-def _one_shot(request: dict) -> tuple[int, str]:
-    proc = _verifier("verify", request["export_dir"], "--reference", request["reference"], "--out", request["out"],
-                     *([] if request["files"] else ["--weights_only"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def one_shot(request: dict) -> tuple[int, str]:
+    """One check in a process of its own: (exit code, its error line)."""
+    proc = python_module("common.export", "verify", request["export_dir"], "--reference", request["reference"],
+                         "--out", request["out"], *([] if request["files"] else ["--weights_only"]),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _, stderr = proc.communicate()
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    return proc.returncode, _last_line(stderr) if proc.returncode else ""
-
-
-def start_verifier(device_type: str, wanted: bool = True) -> None:
-    """On the CPU, fork the run's verifier before this process has a device, a process group, other threads or a
-    model (the Transformers backend patches transformers' classes when it builds one): it starts with the stack
-    imported (4-5 CPU-seconds less than `serve`) and computes on one thread (the parent's OpenMP pool is not in it).
-    Elsewhere (a Neuron runtime must not be forked; an accelerator run's verifier keeps a fresh process's threads),
-    and where a fork is not safe (device.fork_is_safe), the first check starts `python -m common.export serve`."""
-    if not wanted or device_type != "cpu" or not fork_is_safe():
-        return
-    with _server_lock:
-        if not _server:
-            _server.append(_ForkedVerifier())
-            _close_at_exit()
-
-
-class _ForkedVerifier:
-    """The verifier as a forked child (multiprocessing's fork context), with the Popen members the checks use."""
-
-    def __init__(self) -> None:
-        import multiprocessing
-
-        requests, self_requests = os.pipe()
-        self_replies, replies = os.pipe()
-        self.log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
-        self._proc = multiprocessing.get_context("fork").Process(
-            target=_forked_serve, name="verifier", daemon=True,
-            args=(die_with_parent(), requests, replies, self.log.fileno(), (self_requests, self_replies)))
-        self._proc.start()
-        os.close(requests)
-        os.close(replies)
-        self.pid = self._proc.pid
-        self.stdin = os.fdopen(self_requests, "w")
-        self.stdout = os.fdopen(self_replies, "r")
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.exitcode
-
-    def poll(self) -> int | None:
-        return self._proc.exitcode
-
-    def kill(self) -> None:
-        self._proc.kill()
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired("verifier", timeout)
-        return self._proc.exitcode
-
-
-def _forked_serve(arm, requests: int, replies: int, log: int, parents: tuple[int, int]) -> None:
-    """In the forked verifier: die with the run, keep none of its pipe ends, signal handlers, output or threads."""
-    import gc
-    import signal
-
-    import torch
-
-    arm()
-    for fd in parents:
-        os.close(fd)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):  # the run's stop handlers are the run's
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.dup2(log, 1)  # never the run's stdout or stderr (a pipe someone reads to its end)
-    os.dup2(log, 2)
-    torch.set_num_threads(1)  # before any op
-    gc.freeze()  # the run's imports
-    gc.enable()
-    _serve(os.fdopen(requests, "r"), os.fdopen(replies, "w"))
-
-
-def _close_at_exit() -> None:
-    atexit.unregister(_close_server)  # once, however many verifiers this process has started
-    atexit.register(_close_server)  # at this process's exit its input ends, and it with it
-
-
-def _served(request: dict) -> tuple[int, str]:
-    if not _server:
-        log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
-        _server.append(_verifier("serve", stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
-        _server[0].log = log
-        _close_at_exit()
-    proc = _server[0]
-    try:
-        proc.stdin.write(json.dumps(request) + "\n")
-        proc.stdin.flush()
-        reply = proc.stdout.readline()
-    except BrokenPipeError:
-        reply = ""
-    except BaseException:
-        _server.clear()
-        proc.kill()
-        proc.wait()
-        raise
-    if not reply:  # it ended during the check (killed, out of memory): its last words, as a one-shot's
-        _server.clear()
-        proc.wait()
-        proc.log.seek(0)
-        return proc.returncode or 1, _last_line(proc.log.read())
-    reply = json.loads(reply)
-    return reply["code"], reply.get("error", "")
-
-
-def _close_server() -> None:
-    if _server:
-        proc = _server.pop()
-        proc.stdin.close()  # it ends at the end of its input
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _serve(requests, replies) -> int:
-    """`python -m common.export serve`: a JSON request a line on stdin ({export_dir, reference, out, files}), the
-    check written to `out` as `verify` writes it, and a reply a line on stdout ({code, error}: 0, 2 for a folder or
-    reference it refuses, 1 for anything else). Ends at the end of its input."""
-    import gc
-
-    for line in requests:
-        req = json.loads(line)
-        try:
-            _verify_to(Path(req["export_dir"]), Path(req["reference"]), Path(req["out"]), files=req["files"])
-            reply = {"code": 0}
-        except UserError as e:
-            reply = {"code": 2, "error": one_line(str(e))}
-        except Exception as e:  # as the last line of a one-shot verifier's traceback
-            reply = {"code": 1, "error": one_line(f"{type(e).__name__}: {e}")}
-        gc.collect()  # the model read is freed before the next check
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
-    return 0
+    return proc.returncode, last_line(stderr) if proc.returncode else ""
 
 
 def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict:
@@ -552,7 +412,7 @@ def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool
             and check["max_abs_logit_diff"] <= tol)
 
 
-def _verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
+def verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
     _check_out(out)  # before the work: --out a folder is named now, not after the model has run
     check = verify_export(export_dir, reference, files=files)
     try:
@@ -565,12 +425,7 @@ def _verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dic
 def _main(argv: list[str] | None = None) -> int:
     import gc
 
-    gc.disable()  # the import of transformers takes about a fifth less CPU time; `serve` collects after each check
-    argv = sys.argv[1:] if argv is None else argv
-    if argv == ["serve"]:
-        replies = os.fdopen(os.dup(1), "w")
-        os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
-        return _serve(sys.stdin, replies)
+    gc.disable()  # the import of transformers takes about a fifth less CPU time
     p = ArgumentParser(description="Re-read an HF export and compare its logits with a reference.")
     p.add_argument("cmd", choices=["verify"])
     p.add_argument("export_dir", type=Path)
@@ -580,7 +435,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights_only", action="store_true", help="a checkpoint, not an export: no tokenizer needed")
     args = p.parse_args(argv)
     try:
-        check = _verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only)
+        check = verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only)
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from common.results import atomic_path, atomic_write_text, write_results
 def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
                 steps: list[int] | None = None, held_out: list[dict] | None = None) -> Path | None:
     """A PNG of loss per step (`steps`: their numbers, default 1..N), written atomically; `held_out`
-    ([{"step", "loss"}], common.evaluation.EvalRecorder.rows()) adds the held-out loss as a dashed line.
+    ([{"step", "loss"}], common.harness.evaluation.EvalRecorder.rows()) adds the held-out loss as a dashed line.
     Returns None when there is nothing to plot."""
     if not losses:
         return None

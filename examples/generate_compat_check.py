@@ -1,8 +1,10 @@
-# Copy with this file (all it imports from the repository):
+# Copy with this file the core (it checks models and writes their rows):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
-#   common/checkpoint.py common/preflight.py
+#   common/checkpoint.py
 #   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, lookup, page,
 #   compile_audit, rankings)
+# and, for the Neuron stack's preflight before a Trainium run, from the harness:
+#   common/harness/__init__.py common/harness/preflight.py
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
 """The Trainium model-compatibility protocol: a short, reproducible generation run per model, kept in Parquet.
 
@@ -81,11 +83,17 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import cli, device, paths, preflight  # noqa: E402
-from common.errors import UserError  # noqa: E402
+from common import cli, device, paths  # noqa: E402
+from common.errors import UserError, harness_missing  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 from compat_check import compile_audit, judge as judging, lookup, measure, processes, rankings, rows, sizing, \
     training  # noqa: E402
+
+try:  # the installed stack's check before a Trainium run (common/harness/preflight.py)
+    from common.harness import preflight
+except ModuleNotFoundError as missing:  # copied with the core alone: no stack check before the models load
+    harness_missing(missing)
+    preflight = None
 
 TASK_HELP = ("auto: image-text-to-text for a vision-language model, text-generation otherwise; "
              "train: a few steps of the HF-backend training recipe per model")
@@ -587,7 +595,7 @@ def main(cfg: Config) -> dict:
     check_results_json(out_dir, cfg.out_dir)
     specs = model_specs(cfg.models)
     check_specs(specs)
-    if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
+    if preflight is not None and preflight.wants_neuron(cfg.device):  # the installed Neuron stack: seconds
         preflight.require_stack("trn2", "compat")
     dev_type = device.resolve_device_type(cfg.device)
     most = sizing.machine_cores(dev_type, cfg.lnc)

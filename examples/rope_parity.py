@@ -1,7 +1,9 @@
-# Copy with this file (all it imports from the repository):
-#   common/__init__.py common/errors.py common/cli.py common/results.py common/device.py common/paths.py
-#   common/checkpoint.py common/torchtitan_fixes.py common/preflight.py
-#   common/kernels/__init__.py common/kernels/rope_op.py common/kernels/rope_module.py
+# Copy with this file the core (it checks the RoPE op):
+#   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
+#   common/checkpoint.py common/torchtitan_fixes.py
+#   common/kernels/__init__.py common/kernels/rope_module.py common/kernels/rope_op.py
+# and, for the Neuron stack's preflight before a Trainium run, from the harness:
+#   common/harness/__init__.py common/harness/preflight.py
 """The AWS guide's kernel example: a custom RoPE kernel in torchtitan's Qwen3, checked against PyTorch.
 
 The rotary embedding runs as a torch.library op with its own backward op (common/kernels/rope_op.py):
@@ -56,9 +58,16 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, paths, preflight  # noqa: E402
-from common.errors import UserError  # noqa: E402
+from common import checkpoint, cli, device, paths  # noqa: E402
+from common.errors import UserError, harness_missing  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
+
+try:  # the installed stack's check before a Trainium run (common/harness/preflight.py)
+    from common.harness import preflight
+except ModuleNotFoundError as missing:  # copied with the core alone: no stack check before the kernel runs
+    harness_missing(missing)
+    preflight = None
+
 
 FP32_TOL = 1e-6
 BF16_ROUNDINGS = 6  # see the module docstring
@@ -322,8 +331,8 @@ def main(cfg: Config) -> dict:
 
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     paths.asset_dir("tiny_qwen3")  # fail fast if set-up has not run
-    neuron = preflight.wants_neuron(cfg.device)
-    if neuron:  # the Neuron stack, before the process group and the runtime start
+    neuron = cfg.device == "neuron" or (cfg.device == "auto" and device.neuron_installed())
+    if neuron and preflight is not None:  # the Neuron stack, before the process group and the runtime start
         preflight.require_stack("trn2", "rope", wrap_nki=NKI_LAUNCH == "wrap_nki")
     if neuron or cfg.check_kernel_shape:  # the kernel's shape rule for every shape this run will rotate
         for shape in SHAPES:

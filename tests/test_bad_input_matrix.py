@@ -242,7 +242,7 @@ SHORTENED_FLAG_ROWS = [  # (module, entry point, argv with a shortened flag, tha
     ("compat_check.lookup", "lookup_main", ["runs", "--nam", "qwen"], "--nam"),
     ("common.export", "_main", ["verify", "e", "--reference", "r", "--out", "o", "--weights"], "--weights"),
     ("common.checkpoint", "_main", ["validate", "c", "--ar", "X"], "--ar"),
-    ("common.preflight", "main", ["--targ", "cpu"], "--targ"),
+    ("common.harness.preflight", "main", ["--targ", "cpu"], "--targ"),
 ]
 
 

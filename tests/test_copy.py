@@ -1,6 +1,13 @@
 """Each example runs from a copy of itself and the files its header lists, in the same layout, outside this
-repository and with nothing of it on the path: what the header lists is all a user copies. This catches what
-the header check of test_layout.py cannot see: a file read or a script run beside the repository at run time."""
+repository and with nothing of it on the path: what the header lists is all a user copies. Two copies each:
+
+- with the core alone (common/ without common/harness/): the example still does its job (a training example trains
+  and writes an HF export that re-reads as the trained model) and says in one line that the guards are off;
+- with the core and the harness: everything it does in this repository (a training run's stop-and-resume record
+  and its pilot report in results.json).
+
+This catches what the header check of test_layout.py cannot see: a file read or a script run beside the repository
+at run time, or a core file that needs the harness."""
 from __future__ import annotations
 
 import os
@@ -12,6 +19,7 @@ import pytest
 
 from conftest import ROOT, read_results, run_python, script_env
 from test_layout import header_files
+from tools.closure import HARNESS
 
 # The shortest run of each example that still reaches its run-time paths: the HF export and its check in a
 # fresh process (native), the load check of an HF start (hf), the override registry's import strings (moe),
@@ -23,38 +31,81 @@ RUNS = {
     "rope_parity.py": [],
     "generate_compat_check.py": ["--models", "tiny-qwen3", "--no_compile"],
 }
+# With the core alone: each training example trains and exports (native under torchrun, 2 processes).
+CORE_RUNS = {
+    "train_native_qwen3.py": (2, ["--steps", "3"]),
+    "train_hf_backend.py": (0, ["--steps", "1"]),
+    "train_moe_nki.py": (0, ["--steps", "1"]),
+    "rope_parity.py": (0, []),
+    "generate_compat_check.py": (0, ["--models", "tiny-qwen3", "--no_compile"]),
+}
+TRAINING = ("train_native_qwen3.py", "train_hf_backend.py", "train_moe_nki.py")
 
 
 def test_every_example_is_run_from_a_copy():
-    assert sorted(RUNS) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+    assert sorted(RUNS) == sorted(CORE_RUNS) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
-def copy_example(name: str, dest):
-    for f in [ROOT / "examples" / name, *header_files(ROOT / "examples" / name)]:
+def copy_example(name: str, dest, core_only: bool = False):
+    files = [f for f in header_files(ROOT / "examples" / name) if not (core_only and HARNESS in f.parents)]
+    for f in [ROOT / "examples" / name, *files]:
         target = dest / f.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, target)
+    assert not core_only or not (dest / "common" / "harness").exists()
     return dest / "examples" / name
+
+
+def run_copy(cmd: list[str], project) -> subprocess.CompletedProcess:
+    if "PYTHONPATH" in os.environ:  # the pre-forked runner's path would hold it: a process of its own without it
+        env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
+        proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    else:  # the pre-forked runner: none of this repository imported, the script's own folder first on the path
+        proc = run_python(cmd, cwd=project)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_example_runs_from_a_copy(name, tmp_path, prepared_assets):
     script = copy_example(name, tmp_path / "project")
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, str(script), *RUNS[name], "--out_dir", str(out_dir)]
-    if "PYTHONPATH" in os.environ:  # the pre-forked runner's path would hold it: a process of its own without it
-        env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
-        proc = subprocess.run(cmd, cwd=tmp_path / "project", env=env, capture_output=True, text=True, timeout=600)
-    else:  # the pre-forked runner: none of this repository imported, the script's own folder first on the path
-        proc = run_python(cmd, cwd=tmp_path / "project")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    run_copy([sys.executable, str(script), *RUNS[name], "--out_dir", str(out_dir)], tmp_path / "project")
     results = read_results(out_dir)
+    if name in TRAINING:  # the harness's fields: the stop-and-resume record, the pilot report
+        assert results["stopped"] is None and results["resumed_from_step"] == 0
+        assert (out_dir / "checkpoint" / "run.json").is_file()
+        assert results["timing"]["first_step_s"] > 0 and "mfu" in results and results["memory"]["peak_gib"]
     if name == "train_native_qwen3.py":
         assert results["export_check"]["passed"]
     elif name == "train_hf_backend.py":
         assert results["load_check"]["passed"]
     elif name == "train_moe_nki.py":
         assert results["replacements"]
+    elif name == "rope_parity.py":
+        assert results["passed"]
+    elif name == "generate_compat_check.py":
+        assert [m["result"] for m in results["models"]] == ["PASS"]
+
+
+@pytest.mark.parametrize("name", sorted(CORE_RUNS))
+def test_example_runs_from_a_copy_of_the_core_alone(name, tmp_path, prepared_assets):
+    project = tmp_path / "project"
+    script = copy_example(name, project, core_only=True)
+    out_dir = tmp_path / "run"
+    nproc, args = CORE_RUNS[name]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc else [sys.executable]
+    proc = run_copy([*launch, str(script), *args, "--out_dir", str(out_dir)], project)
+    results = read_results(out_dir)
+    if name in TRAINING:
+        guards_off = [ln for ln in proc.stdout.splitlines() if ln.startswith("[guards] off")]
+        assert len(guards_off) == 1, proc.stdout[-3000:]
+        assert "stopped" not in results and "timing" not in results  # no harness, none of its fields
+        assert results["world_size"] == max(nproc, 1) and len(results["losses"]) == int(args[1])
+        assert results["export_check"]["passed"], results["export_check"]
+        assert results["export_check"]["max_abs_logit_diff"] <= results["export_check"]["tolerance"]
+        assert (out_dir / "hf_export" / "config.json").is_file()
     elif name == "rope_parity.py":
         assert results["passed"]
     else:

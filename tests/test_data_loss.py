@@ -263,7 +263,8 @@ VERIFIER_DRIVER = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from common.export import start_verifier, verify_export_subprocess
+from common.export import verify_export_subprocess
+from common.harness.verifier import install, start_verifier
 {start}
 try:
     verify_export_subprocess(Path({export!r}), Path({reference!r}))
@@ -286,7 +287,7 @@ def _running(pid: int) -> bool:
 @pytest.mark.parametrize("kind,sig_name", [("started", "SIGKILL"), ("started", "SIGTERM"), ("started", "SIGINT"),
                                            ("forked", "SIGKILL"), ("forked", "SIGINT")])  # SIGTERM: as SIGKILL
 def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name, kind):
-    """The checks' verifier (`python -m common.export serve` started for the first check, or forked by a CPU run
+    """The checks' verifier (`python -m common.harness.verifier serve` started for the first check, or forked by a CPU run
     before it trains) is stopped with the process that started it: SIGKILL or SIGTERM to that process (no Python
     cleanup runs) or Ctrl-C (the parent lives on). Before, a killed run left the verifier running. The verifier is
     held inside its import of transformers (in the middle of a check) by a `transformers` on PYTHONPATH that records
@@ -312,7 +313,7 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
     env["PYTHONPATH"] = str(tmp_path / "shadow")
     driver = subprocess.Popen([sys.executable, "-c", VERIFIER_DRIVER.format(
         root=str(ROOT), export=str(prepared_assets["tiny_qwen3"]), reference=str(reference),
-        start='start_verifier("cpu")' if kind == "forked" else "")],
+        start='start_verifier("cpu")' if kind == "forked" else "install()")],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     verifier = None
@@ -324,7 +325,7 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
             time.sleep(0.1)
         verifier = int(pid_file.read_text())
         assert psutil.Process(verifier).ppid() == driver.pid
-        assert ("common.export" in psutil.Process(verifier).cmdline()) == (kind == "started")
+        assert ("common.harness.verifier" in psutil.Process(verifier).cmdline()) == (kind == "started")
         driver.send_signal(sig)
         if sig == signal.SIGINT:
             assert driver.stdout.readline().strip() == "interrupted"
@@ -343,7 +344,7 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
 
 def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(prepared_assets, tmp_path):
     """The load check at step 1 and the export check at the end are served by one verifier process (torch and
-    transformers imported once): two checks from this process's main thread go to the same `common.export serve`
+    transformers imported once): two checks from this process's main thread go to the same `common.harness.verifier serve`
     child, which stays for the next. A check it refuses leaves it serving; one that finds it gone (killed between
     checks) starts another and passes."""
     import psutil
@@ -351,7 +352,9 @@ def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(pre
     from transformers import AutoModelForCausalLM
 
     from common import export
+    from common.harness import verifier
 
+    verifier.install()
     tiny = prepared_assets["tiny_qwen3"]
     ids = torch.tensor([[1, 2, 3, 4]])
     positions = torch.arange(4)[None]
@@ -364,7 +367,7 @@ def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(pre
         found = []
         for p in psutil.Process().children():
             try:
-                if "common.export" in p.cmdline():
+                if "common.harness.verifier" in p.cmdline():
                     found.append(p.pid)
             except psutil.NoSuchProcess:  # another child of this process that has just ended
                 pass
@@ -387,7 +390,7 @@ def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(pre
     assert again["max_abs_logit_diff"] == 0.0 and "error" not in again, again
     (replaced,) = verifiers()
     assert replaced != server
-    export._close_server()  # what this process's exit does: its input ends, and it with it
+    verifier._close_server()  # what this process's exit does: its input ends, and it with it
     assert verifiers() == [] and not psutil.pid_exists(replaced)
 
 
@@ -401,8 +404,9 @@ torch.randn(512, 512) @ torch.randn(512, 512)  # this process's OpenMP pool has 
 from tqdm import tqdm
 bar = tqdm(total=3, file=sys.stderr)  # and tqdm's monitor thread runs, as after datasets read a --dataset folder
 from common import export
-export.start_verifier("cpu")
-verifier = export._server[0]
+from common.harness import verifier as harness_verifier
+harness_verifier.start_verifier("cpu")
+verifier = harness_verifier._server[0]
 checks = [export.verify_export_subprocess(Path({export!r}), Path({reference!r}), files=f) for f in (True, False)]
 print(json.dumps({{"kind": type(verifier).__name__, "pid": verifier.pid, "checks": checks}}), flush=True)
 time.sleep(600)
@@ -422,15 +426,15 @@ def test_a_cpu_runs_verifier_is_forked_and_serves_its_checks(prepared_assets, tm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common import export
+    from common.harness import verifier
     from conftest import ROOT, script_env
 
     other = threading.Event()
     threading.Thread(target=other.wait).start()  # another Python thread in this process, however pytest runs
     try:
         for device_type, wanted in (("neuron", True), ("cuda", True), ("cpu", False), ("cpu", True)):
-            export.start_verifier(device_type, wanted=wanted)
-            assert not export._server
+            verifier.start_verifier(device_type, wanted=wanted)
+            assert not verifier._server
     finally:
         other.set()
     tiny = prepared_assets["tiny_qwen3"]

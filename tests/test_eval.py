@@ -1,4 +1,4 @@
-"""Held-out loss during training (`--eval_every N --eval_steps K`, common/evaluation.py): torchtitan's own
+"""Held-out loss during training (`--eval_every N --eval_steps K`, common/harness/evaluation.py): torchtitan's own
 Validator on data the training stream never holds, its losses in results.json's `eval_losses` and loss.png; and
 the same run's TensorBoard log (--tensorboard)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common import evaluation
+from common.harness import evaluation
 from common.errors import UserError
 from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, run_example
 

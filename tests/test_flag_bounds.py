@@ -25,10 +25,11 @@ SANE = 1e10  # no bound reaches this: steps, ranks, seeds, batch sizes and memor
 
 
 def _scripts() -> list[str]:
-    """Every script whose command line is generated from a Config dataclass (it calls cli.run_cli): a new
-    script is in the table without being listed here."""
+    """Every script whose command line is generated from a Config dataclass (it calls cli.run_cli, or declares a
+    training Recipe that the harness runs through it): a new script is in the table without being listed here."""
     return [f"{folder}/{path.name}" for folder in ("examples", "bench")
-            for path in sorted((ROOT / folder).glob("*.py")) if "cli.run_cli(" in path.read_text()]
+            for path in sorted((ROOT / folder).glob("*.py"))
+            if "cli.run_cli(" in path.read_text() or "= Recipe(" in path.read_text()]
 
 
 SCRIPTS = _scripts()

@@ -1,4 +1,4 @@
-"""The dry run's memory model (common/dryrun.py) against a measured CPU training step, term by term:
+"""The dry run's memory model (common/harness/dryrun.py) against a measured CPU training step, term by term:
 bench/bench_memory_model.py in its tiny mode (the tiny Qwen3 tied and the same shape untied at 1 rank,
 the untied one at 2 ranks too; the figures of `--dry_run` for the same settings). Parameters,
 gradients and optimizer state are read from the tensors; gathered parameters, gradient buffers and

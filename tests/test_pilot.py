@@ -37,7 +37,7 @@ def test_timing_sets_the_warm_up_apart():
     """Step 1 on its own, the steady figure the median of the steps after the warm-up (2 steps from 5 steps on),
     tokens a second from the tokens seen."""
     from common.losses import LossRecorder
-    from common.pilot import timing
+    from common.harness.pilot import timing
 
     ends = [0.0, 9.0, 12.0, 13.0, 14.5, 15.5, 16.5]  # start, then the end of steps 1..6: 9, 3, 1, 1.5, 1, 1 s
     rec = LossRecorder(steps=list(range(1, 7)), losses=[1.0] * 6, times=ends, tokens_seen=[64 * s for s in range(1, 7)])
@@ -67,7 +67,7 @@ def test_hf_backend_pilot_fields_and_the_same_flops_as_the_native_model(shared_r
 def test_moe_pilot_fields_count_active_experts_only(shared_run):
     r = shared_run("moe_tiny_2_ranks")[1]
     _check_pilot(r, ranks=2)
-    from common.pilot import flops_per_token
+    from common.harness.pilot import flops_per_token
 
     shape, seq = r["model_shape"], r["config"]["seq_len"]
     all_experts = dict(shape, num_experts_per_tok=shape["num_experts"])
@@ -91,7 +91,7 @@ def test_dry_run_projects_the_full_runs_time_and_cost(tmp_path):
 PLAN_AFTER_THREADED_OPS = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from common import pilot
+from common.harness import pilot
 torch.set_num_threads(2)
 x = torch.randn(2000, 2000)
 torch.nn.functional.gelu(x @ x).sum()  # the parent's OpenMP pool now has a second thread

@@ -1,8 +1,8 @@
-"""common/preflight.py: the stack check passes on this CPU stack, names what is missing for trn2 (torch-neuronx)
+"""common/harness/preflight.py: the stack check passes on this CPU stack, names what is missing for trn2 (torch-neuronx)
 without a traceback, and names a required module or keyword that a shadowing torchtitan lacks.
 
 The shadow packages below are fixtures for the check itself (a few files in tmp_path, first on the path of the
-preflight's process); nothing stands in for the Neuron stack. The preflight runs as `python -m common.preflight`
+preflight's process); nothing stands in for the Neuron stack. The preflight runs as `python -m common.harness.preflight`
 through the tests' pre-forked runner (tests/prefork.py: torch and transformers already imported, torchtitan and
 nkilib not: `torchtitan=False`); a shadow of transformers needs an interpreter of its own.
 """
@@ -18,21 +18,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import preflight
+from common.harness import preflight
 from common.errors import UserError
 from common.kernels import moe_nki
 from conftest import ROOT, run_python, script_env
 
 
 def _preflight(*args: str, shadow: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m common.preflight ARGS` from the repository, or with `shadow` from that folder beside a link to
+    """`python -m common.harness.preflight ARGS` from the repository, or with `shadow` from that folder beside a link to
     common/: the packages in the folder come first on the path (`-m` puts the working folder first), and the
     preflight still reads this repository's requirements.txt (the link resolves to it)."""
     cwd = ROOT
     if shadow is not None:
         (shadow / "common").symlink_to(ROOT / "common", target_is_directory=True)
         cwd = shadow
-    return run_python([sys.executable, "-m", "common.preflight", *args], cwd=cwd, timeout=300, torchtitan=False)
+    return run_python([sys.executable, "-m", "common.harness.preflight", *args], cwd=cwd, timeout=300, torchtitan=False)
 
 
 def _fresh_preflight(*args: str, pythonpath: Path) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def _fresh_preflight(*args: str, pythonpath: Path) -> subprocess.CompletedProces
     pre-forked runner has imported already (transformers)."""
     env = script_env()
     env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(ROOT)])
-    return subprocess.run([sys.executable, "-m", "common.preflight", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "common.harness.preflight", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -306,7 +306,7 @@ def _preflight_with_requirements(tmp_path, content: bytes | None) -> subprocess.
         req.write_bytes(content)
     env = script_env()
     env.pop("PYTHONPATH", None)
-    return run_python([sys.executable, "-m", "common.preflight", "--target", "cpu"], cwd=tmp_path, env=env,
+    return run_python([sys.executable, "-m", "common.harness.preflight", "--target", "cpu"], cwd=tmp_path, env=env,
                       timeout=300)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.resume import EXIT_STOPPED, whole_checkpoints
+from common.harness.resume import EXIT_STOPPED, whole_checkpoints
 from conftest import assert_clean_error, example_command, read_results, run_example
 from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 

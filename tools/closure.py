@@ -1,6 +1,8 @@
-"""What copying each example drags in: the repository files its imports reach, transitively, and their lines.
+"""What copying each example drags in: the repository files its imports reach, transitively, and their lines,
+with the core alone (common/ without common/harness/: the example trains or checks, without the guards) and
+with the harness.
 
-    python -m tools.closure            # one row per example: lines, files
+    python -m tools.closure            # one row per example: lines and files, core alone and with the harness
     python -m tools.closure --files    # and the files, one per line
 
 Imports are read from the source (ast), wherever they stand (inside functions too), as are the
@@ -44,11 +46,15 @@ def local_imports(path: Path) -> set[Path]:
     return {f for f in found if ROOT in f.parents and f != path.resolve()}
 
 
-def closure(example: Path) -> list[Path]:
+HARNESS = ROOT / "common" / "harness"
+
+
+def closure(example: Path, core_only: bool = False) -> list[Path]:
+    """The repository files `example` reaches; `core_only`: not through common/harness/ (a copy without it)."""
     seen, todo = set(), list(local_imports(example))
     while todo:
         f = todo.pop()
-        if f not in seen:
+        if f not in seen and not (core_only and HARNESS in f.parents):
             seen.add(f)
             todo += local_imports(f)
     return sorted(seen)
@@ -62,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", action="store_true", help="list the files of each closure")
     args = parser.parse_args(argv)
+    print(f"{'example':28s} {'core alone':>20s} {'with the harness':>20s}")
     for example in sorted((ROOT / "examples").glob("*.py")):
-        files = closure(example)
-        print(f"{example.name:28s} {count_lines(files):5d} lines in {len(files):2d} files")
-        for f in files if args.files else ():
-            print(f"    {f.relative_to(ROOT)}  {len(f.read_text().splitlines())}")
+        core, full = closure(example, core_only=True), closure(example)
+        print(f"{example.name:28s} {count_lines(core):6d} lines, {len(core):2d} files "
+              f"{count_lines(full):6d} lines, {len(full):2d} files")
+        for f in full if args.files else ():
+            print(f"    {f.relative_to(ROOT)}  {len(f.read_text().splitlines())}" + ("" if f in core else "  (harness)"))
     return 0
 
 

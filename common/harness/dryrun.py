@@ -96,7 +96,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
 
     if world_size <= 0:
         raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
-    from common.launcher import check_batch_split
+    from common.harness.launcher import check_batch_split
 
     lbs = tc.training.local_batch_size
     check_batch_split(tc.training.global_batch_size, lbs, world_size)
@@ -233,7 +233,7 @@ def project(cfg, tc, shape: dict, world_size: int) -> dict | None:
     the target's peak (--peak_tflops, or trn2's 158 TFLOPS a logical core for --device neuron); printed."""
     if not getattr(cfg, "assumed_mfu", None):
         return None
-    from common import pilot
+    from common.harness import pilot
 
     peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else pilot.TRN2_PEAK if cfg.device == "neuron" else None
     if peak is None:

@@ -1,7 +1,7 @@
 """Stack preflight: is every external symbol the scripts use where they import it, taking the keywords they pass?
 
-    python -m common.preflight                  # this machine's stack (trn2 where torch-neuronx is installed, else cpu)
-    python -m common.preflight --target trn2    # the Trainium stack: the first command on a trn2 box
+    python -m common.harness.preflight                  # this machine's stack (trn2 where torch-neuronx is installed, else cpu)
+    python -m common.harness.preflight --target trn2    # the Trainium stack: the first command on a trn2 box
 
 Prints one table (requirement, found, verdict) and exits 0, or 2 with one `error:` line naming each missing piece
 (a version other than the tested one is only a warning). No process group or Neuron runtime is started, so a wrong
@@ -405,7 +405,7 @@ def require_stack(target: str, script: str, wrap_nki: bool = False) -> list[tupl
     missing = problems(rows)
     if missing:
         raise UserError(f"the {target} stack is not usable: {'; '.join(missing)} "
-                        f"(python -m common.preflight --target {target} prints the table)")
+                        f"(python -m common.harness.preflight --target {target} prints the table)")
     warns = [f"{r} found {f}" for r, f, v in rows if v == WARN]
     print(f"[preflight] {target} stack: {len(rows)} checks passed" + (f"; warnings: {'; '.join(warns)}" if warns
                                                                       else ""), flush=True)

@@ -122,7 +122,7 @@ def _plan_cache(key: dict) -> "Path":
     import json
     from pathlib import Path
 
-    from common import dryrun
+    from common.harness import dryrun
     from common.paths import CACHE_DIR
     from common.results import versions
 

@@ -1,0 +1,197 @@
+"""A training recipe's whole run with the guards (common/recipe.py has the core's run without them):
+
+checks (out_dir lock, batch split, outputs, hosts, inputs, the resume record) -> launch (one process per rank:
+itself under torchrun, or torchrun's workers) -> stop handling (signals, --time_limit) -> train -> export ->
+finish (results.json with the pilot report; exit 75 after a stop). `Guards` holds the flags of all of it once;
+each example's Config includes it.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import cli, device, export, paths
+from common.harness import dryrun, launcher, pilot, resume, verifier
+from common.harness.evaluation import EvalRecorder, apply_eval_settings, eval_dataset
+from common.harness.preflight import require_stack, wants_neuron
+from common.losses import read_reference_losses
+from common.recipe import Hooks, Recipe, inputs, train
+from common.results import check_outputs
+
+
+@dataclass
+class Guards:
+    """The flags of the guards, the same for every training recipe."""
+    eval_every: int = field(default=0, metadata={
+        "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on data training never "
+                "reads: the corpus's validation.jsonl, a folder's validation split, else c4_validation from the Hub",
+        **cli.bounds(0, 10**7)})
+    eval_steps: int = field(default=4, metadata={
+        "help": "with --eval_every: batches of held-out data per evaluation (--local_batch_size sequences a rank)",
+        **cli.bounds(1, 10**5)})
+    checkpoint_every: int = field(default=0, metadata={
+        "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
+                "command resumes from the latest", **cli.bounds(0, 10**7)})
+    time_limit: str | None = field(default=None, metadata={
+        "help": "stop before this budget ends, with a checkpoint (exit 75; the same command resumes): minutes (90) "
+                "or an end time with its zone (2026-12-02T18:00:00Z: a capacity block's end)"})
+    stop_margin_s: float = field(default=120.0, metadata={
+        "help": "with --time_limit: seconds kept for the stop save until a save is measured (then the longest "
+                "save is kept, plus a step)", **cli.bounds(0.0, 86400.0)})
+    nproc_per_node: int = field(
+        default=1, metadata={"help": ">1: launch this many processes on this host (as torchrun)",
+                             **cli.bounds(1, 1024)})
+    nnodes: int = field(default=1, metadata={
+        "help": ">1: hosts of a multi-node launch; run the same command on each host with its own --node_rank",
+        **cli.bounds(1, 4096)})
+    node_rank: int = field(default=0, metadata={"help": "with --nnodes: this host's rank, 0 to nnodes-1",
+                                                **cli.bounds(0, 4095)})
+    master_addr: str = field(default="127.0.0.1", metadata={
+        "help": "with --nnodes: node 0's address, reachable from every host"})
+    master_port: int = field(default=29500, metadata={"help": "with --nnodes: a free TCP port on node 0",
+                                                      **cli.bounds(1, 65535)})
+    oversubscribe: bool = field(default=False, metadata={
+        "help": "let --nproc_per_node exceed this host's cores or free memory"})
+    compare_losses: str | None = field(default=None, metadata={
+        "help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go "
+                "to results.json; a difference over --loss_tolerance is a non-zero exit"})
+    loss_tolerance: float = field(default=1e-3, metadata={
+        "help": "largest per-step loss difference --compare_losses calls a match",
+        **cli.bounds(above=0.0, high=1000.0)})
+    dry_run: bool = field(default=False, metadata={
+        "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
+                "per-rank memory"})
+    peak_tflops: float | None = field(default=None, metadata={
+        "help": "peak TFLOPS of one device for MFU (default: torchtitan's table for an accelerator, a matmul "
+                "measured in this process on CPU)", **cli.bounds(above=0.0, high=1e5)})
+    price_per_hour: float | None = field(default=None, metadata={
+        "help": "what this run's hardware costs per hour (all nodes): results.json gets the run's cost and the cost "
+                "per million tokens; with --dry_run and --assumed_mfu, the full run's", **cli.bounds(0.0, 1e6)})
+    assumed_mfu: float | None = field(default=None, metadata={
+        "help": "with --dry_run: project the full run's time (and cost) at this MFU (a fraction, 0.3) of the peak",
+        **cli.bounds(above=0.0, high=1.0)})
+    tensorboard: bool = field(default=False, metadata={
+        "help": "torchtitan's TensorBoard logging into OUT_DIR/tb (loss, grad norm, memory, throughput, MFU)"})
+    dry_run_ranks: int = field(
+        default=64, metadata={"help": "world size the dry run plans for (64: one trn2.48xlarge at LNC=2)",
+                              **cli.bounds(1, 100_000)})
+    per_core_gib: float = field(
+        default=24.0, metadata={"help": "memory of one core for the dry run (24 GiB: an LNC=2 Trainium2 core)",
+                                **cli.bounds(above=0.0, high=4096.0)})
+
+
+def run(recipe: Recipe, argv: list[str] | None = None) -> int:
+    """The example's one call: parse its flags, run it with the guards; the exit code."""
+    return cli.run_cli(lambda cfg: main(recipe, cfg), recipe.config, recipe.presets, recipe.doc,
+                       recipe.default_preset, argv)
+
+
+def preflight(recipe: Recipe, cfg) -> dict:
+    """Check every input before any process is launched or any model exists, so bad input fails fast."""
+    if wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds, not an hour
+        require_stack("trn2", recipe.stack, **(recipe.stack_options(cfg) if recipe.stack_options else {}))
+    found = inputs(recipe, cfg)
+    if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
+        eval_dataset(found["dataset"])
+    if cfg.compare_losses:
+        read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
+    if found.get("shape"):  # a torchtitan flavor has no config.json here: --dry_run sizes it
+        dryrun.check_fits(found["shape"], local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
+                          world_size=launcher.planned_world_size(cfg),
+                          device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib)
+    return found
+
+
+def main(recipe: Recipe, cfg) -> dict:
+    out_dir = cli.check_out_dir(cfg.out_dir, inputs={
+        "--hf_checkpoint": getattr(cfg, "hf_checkpoint", None), "--hf_assets": getattr(cfg, "hf_assets", None),
+        "--compare_losses": cfg.compare_losses, "--dataset": paths.dataset_folder(cfg.dataset, cfg.dataset_path)},
+    ).resolve()
+    launcher.hold_out_dir(out_dir, cfg.node_rank)
+    if cfg.dry_run:
+        return dry_run(recipe, cfg, out_dir)
+    world_size = launcher.planned_world_size(cfg)
+    launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
+    export.check_replaceable(out_dir)
+    check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
+    launch = launcher.launches(cfg)
+    launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
+    end = resume.deadline(cfg.time_limit)
+    found = preflight(recipe, cfg)  # every input checked before a launch: one error line, not one per rank
+    found["record"] = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found["dataset"])
+    resume.check_resume(out_dir, found["record"], cfg.steps)  # the same run, with steps left, or refused
+    if launch:
+        raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, end))
+    stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
+    stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
+    if launcher.is_rank_zero():  # the checks' verifier; the dry run's memory for this very configuration
+        dev_type = device.resolve_device_type(cfg.device)
+        verifier.start_verifier(dev_type, wanted=cfg.export or bool(found.get("initial_hf") and cfg.load_check))
+        found["planned_gib"] = pilot.planned_gib_in_a_child(
+            lambda: dry_run(recipe, cfg, out_dir, ranks=world_size)["total_bytes"], dev_type, key=found["record"])
+    dev = device.setup(cfg.device, lnc=cfg.lnc)
+    try:
+        results = train(recipe, cfg, dev, out_dir, found, GuardHooks(cfg, found, stop))
+    finally:
+        device.teardown()
+    if results.get("stopped") and dev.is_main:
+        print(resume.resume_line(results["stopped"]), flush=True)
+    resume.exit_if_stopped(results)
+    return results
+
+
+class GuardHooks(Hooks):
+    """The guards inside a run: the resume record, checkpoint interval, metrics and validator settings; the stop
+    control, the held-out losses and MFU in torchtitan's trainer; the pilot report and the loss comparison."""
+
+    def __init__(self, cfg, found: dict, stop: resume.StopControl):
+        self.cfg, self.found, self.stop = cfg, found, stop
+        self.evals = EvalRecorder()
+
+    def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
+        cfg = self.cfg
+        tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
+        pilot.apply_metrics_settings(tc, cfg.tensorboard)
+        if dev.is_main:
+            resume.write_record(out_dir, found["record"])
+        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"))  # the validator
+        return [note] if note else []
+
+    def attach(self, trainer, dev, shape: dict, rec) -> None:
+        self.evals.attach(trainer)  # the validator's held-out losses (--eval_every)
+        self.stop.attach(trainer, dev.device, export=self.cfg.export)
+        self.peak = pilot.peak_flops(dev.device_type, self.cfg.dtype, self.cfg.peak_tflops)
+        pilot.use_in_torchtitan(trainer, pilot.flops_per_token(shape, self.cfg.seq_len), self.peak)
+
+    def results(self, rec, dev, shape: dict, out_dir: Path) -> dict:
+        report = pilot.report(rec, shape=shape, seq_len=self.cfg.seq_len, world_size=dev.world_size, peak=self.peak,
+                              memory=pilot.peak_memory(dev.device_type, dev.device),
+                              planned_gib=self.found.get("planned_gib"), price_per_hour=self.cfg.price_per_hour)
+        if dev.is_main:
+            print(pilot.format_line(report), flush=True)
+        return {"eval_losses": self.evals.rows(), "stopped": self.stop.stopped(out_dir), **report}
+
+    def finish(self) -> dict:
+        return {"compare_with": self.cfg.compare_losses, "tolerance": self.cfg.loss_tolerance}
+
+
+def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dict:
+    """Size the preset at --dry_run_ranks ranks on this machine (common/harness/dryrun.py); no training. With
+    `ranks`: the plan alone for that many (a training run's planned memory), nothing written."""
+    import torch
+
+    device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
+    found = recipe.dry_run_inputs(cfg, out_dir) if recipe.dry_run_inputs else {}
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.dry_run_ranks)
+    tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
+    shape = recipe.model_config(cfg, tc, found)
+    label, published = recipe.describe(cfg, shape) if recipe.describe else (cfg.preset, None)
+    r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+                       published_params=published, label=label)
+    if ranks:
+        return r
+    return dryrun.finish(r, out_dir=out_dir, per_core_gib=cfg.per_core_gib, results={
+        "script": recipe.name, "config": cfg, "model_shape": shape,
+        "projection": dryrun.project(cfg, tc, shape, cfg.dry_run_ranks)})
+

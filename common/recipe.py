@@ -1,0 +1,239 @@
+"""A training recipe and the core's run of it.
+
+An example script is a recipe: its presets, its model choice and its torchtitan `Trainer.Config`
+(`trainer_config`), declared as a `Recipe`. This module runs it: the inputs checked, the trainer built
+and trained, the HF export written and re-read by transformers, results.json and loss.png. The guards a
+paid run wants around that (preflight, the out_dir lock, resume and stop signals, the self-launcher, the
+dry run, the pilot report, held-out eval: common/harness/) plug in through `Hooks`; without them, as in a
+copy of an example with the core alone, `run_core` trains and exports.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar, Literal
+
+from common import checkpoint, cli, device, export, paths
+from common.errors import UserError
+from common.losses import LossRecorder, finish_run
+from common.results import versions
+
+
+@dataclass
+class TrainConfig:
+    """The flags every training recipe has; a recipe's Config adds its model's (and the harness its guards')."""
+    preset: str = "tiny"
+    steps: int = field(default=10, metadata={"help": "training steps", **cli.bounds(1, 10**7)})
+    out_dir: str = field(default="runs/train", metadata={"help": "results.json, loss.png, hf_export/ go here"})
+    device: Literal["auto", "cpu", "cuda", "neuron"] = field(
+        default="auto", metadata={"help": "auto: neuron, then cuda, then cpu"})
+    seed: int = field(default=0, metadata={"help": "seed for init and data order", **cli.bounds(0, 2**32 - 1)})
+    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate", **cli.bounds(0.0, 10.0)})
+    warmup_steps: int = field(default=2, metadata={"help": "linear warm-up steps", **cli.bounds(0, 10**7)})
+    local_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step",
+                                                       **cli.bounds(1, 2**20)})
+    global_batch_size: int = field(
+        default=-1, metadata={"help": "sequences per step over all ranks (-1: local x data-parallel ranks)",
+                              **cli.bounds(1, 2**24, also=(-1,))})
+    seq_len: int = field(default=128, metadata={
+        "help": "tokens per sequence (at most the model's positions)",
+        **cli.bounds(8, 2**18, multiple_of=8, why="torchtitan's chunked loss splits each sequence into 8")})
+    dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
+    dataset: str = field(default="corpus", metadata={
+        "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    load_check: bool = field(default=True, metadata={
+        "help": "starting from HF weights: compare the built model with transformers' load of them before step 1"})
+    export: bool = field(default=True, metadata={
+        "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
+    export_tolerance: float | None = field(default=None, metadata={
+        "help": "max abs logits difference the export check accepts (none: the recipe's, for float32 or bfloat16)",
+        **cli.bounds(above=0.0, high=1000.0)})
+    lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
+                                          **cli.bounds(1, 2)})
+
+    EXPORT_TOLERANCE: ClassVar[dict] = {"float32": 1e-5, "bfloat16": 5e-2}  # exported weights, re-read
+
+    def validate(self) -> None:  # each number's range is its field's bounds (checked before this)
+        if self.export_tolerance is None:
+            self.export_tolerance = self.EXPORT_TOLERANCE[self.dtype]
+
+
+@dataclass
+class NoGuards:
+    """The guards' flags, where common/harness/ was not copied: none."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What an example declares; common/harness/ and `run_core` run it.
+
+    `check_inputs(cfg) -> found` checks the recipe's own inputs before anything is built and returns what it
+    found: `tokenizer_dir`, `hf_folder` (an HF folder whose config.json torchtitan reads, or None),
+    `initial_hf` (an HF folder whose weights the run starts from, or None) and `shape` (the model's
+    config.json as a dict, where known before the build). `trainer_config(cfg, dev, out_dir, found)` is the
+    recipe: a torchtitan Trainer.Config and notes for the log. `model_config(cfg, tc, found, trainer=None,
+    dtype=None)` is the model's config.json: as built (with `trainer`: the load check compares it with the
+    HF folder's), for the export (with `dtype`), or for sizing. The optional hooks add results entries
+    (`after_build`, `after_train`) and, for --dry_run, what the model is (`dry_run_inputs`, `describe`)."""
+    name: str
+    config: type
+    presets: dict
+    doc: str
+    check_inputs: Callable
+    trainer_config: Callable
+    model_config: Callable
+    stack: str = "native"  # the preflight's set of symbols for this path (common/harness/preflight.py)
+    stack_options: Callable | None = None  # (cfg) -> the preflight's keyword arguments for this run
+    pass_positions: bool = False  # the model takes position_ids (the Transformers backend)
+    after_build: Callable | None = None  # (cfg, trainer, tc, found, log) -> results entries
+    after_train: Callable | None = None  # (cfg, trainer, found) -> results entries
+    dry_run_inputs: Callable | None = None  # (cfg, out_dir) -> found, for a build on the meta device
+    describe: Callable | None = None  # (cfg, shape) -> (label, published parameter count or None)
+    default_preset: str = "tiny"
+
+
+def inputs(recipe: Recipe, cfg) -> dict:
+    """The checks every run makes before it builds anything: the recipe's own, the attention backend, the
+    data and the sequence length against the model's positions."""
+    found = recipe.check_inputs(cfg)
+    device_type = device.resolve_device_type(cfg.device)
+    if getattr(cfg, "attn_backend", "sdpa") == "flex" and device_type != "cuda":
+        raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")
+    found["dataset"] = paths.training_dataset(cfg.dataset, cfg.dataset_path)
+    if found.get("shape"):
+        positions = checkpoint.config_value(found["shape"], "max_position_embeddings", int,
+                                           found.get("hf_folder") or "the model's config.json")
+        if cfg.seq_len > positions:
+            raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {positions} positions")
+    return found
+
+
+def apply_settings(tc, cfg, dev, out_dir: Path, found: dict) -> list[str]:
+    """What every recipe sets in its torchtitan Trainer.Config from the flags: where files go (the tokenizer and
+    config.json are staged into OUT_DIR/hf_assets before the build), the data, batch, sequence length and dtype,
+    AdamW and its warm-up, the checkpointer (the initial HF weights in, resumable saves, the last save as HF
+    safetensors) and the workarounds off CUDA (common/torchtitan_fixes.py). Returns notes for the log."""
+    from torchtitan.components.optimizer import default_adamw
+
+    from common import torchtitan_fixes  # after device.setup(): torchtitan binds its device at import
+
+    tc.hf_assets_path = str(out_dir / "hf_assets")
+    tc.dump_folder = str(out_dir)
+    if "dataset" in found:  # a dry run reads no data
+        tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
+    tc.training.steps = cfg.steps
+    tc.training.local_batch_size = cfg.local_batch_size
+    tc.training.global_batch_size = cfg.global_batch_size
+    tc.training.seq_len = cfg.seq_len
+    tc.training.mixed_precision_param = cfg.dtype
+    tc.optimizer = default_adamw(lr=cfg.lr)
+    tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    export.apply_checkpoint_settings(tc, steps=cfg.steps, export=cfg.export, initial_hf=found.get("initial_hf"),
+                                     dtype=cfg.dtype)
+    return torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
+
+
+class Hooks:
+    """Where the harness joins a run (common/harness/lifecycle.py); this base adds nothing."""
+
+    def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
+        """After the recipe's Trainer.Config, before the build: settings, files; notes for the log."""
+        return []
+
+    def attach(self, trainer, dev, shape: dict, rec: LossRecorder) -> None:
+        """After the build, before step 1."""
+
+    def results(self, rec: LossRecorder, dev, shape: dict, out_dir: Path) -> dict:
+        """After training: results entries; a `stopped` entry that is not None means the run stopped early."""
+        return {}
+
+    def finish(self) -> dict:
+        """finish_run's comparison settings: compare_with, tolerance."""
+        return {"compare_with": None, "tolerance": 0.0}
+
+
+def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dict, guards: Hooks) -> dict:
+    """Build the recipe's trainer, train, export and check: results.json's entries (rank 0 writes it)."""
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # torchtitan's step lines (loss, tokens/s, memory) on rank 0
+    log = print if dev.is_main else (lambda *a, **k: None)
+    log(f"[config] {cli.format_config(cfg)}")
+    export.clear_stale_checkpoints(out_dir, dev.is_main)
+    tc, notes = recipe.trainer_config(cfg, dev, out_dir, found)
+    notes += guards.configure(tc, dev, out_dir, found)
+    if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
+        export.stage_hf_assets(Path(tc.hf_assets_path), found["tokenizer_dir"], found.get("hf_folder"))
+    import torch
+
+    torch.distributed.barrier()
+    log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
+
+    gc.freeze()  # what the imports made stays for good: torchtitan's first collection looks only at the run's objects
+    trainer = tc.build()
+    extra = recipe.after_build(cfg, trainer, tc, found, log) if recipe.after_build else {}
+    load_check = None  # trainer.train() loads the initial weights (or resumes); checked before step 1
+    if found.get("initial_hf") and cfg.load_check:
+        load_check = export.attach_load_check(
+            trainer, found["initial_hf"], found["tokenizer_dir"], dtype=cfg.dtype, is_main=dev.is_main,
+            built_config=recipe.model_config(cfg, tc, found, trainer=trainer), pass_positions=recipe.pass_positions)
+    rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
+    rec.attach(trainer)
+    shape = recipe.model_config(cfg, tc, found)
+    guards.attach(trainer, dev, shape, rec)
+    t0 = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t0
+    history = rec.history()  # the whole curve, steps before a resume included
+    guarded = guards.results(rec, dev, shape, out_dir)
+    if recipe.after_train:
+        extra.update(recipe.after_train(cfg, trainer, found))
+    results = {
+        "script": recipe.name, "config": cfg, "versions": versions(), "device": dev.device_type,
+        "world_size": dev.world_size, "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
+        "losses": rec.losses, "first_step_loss": rec.losses[0] if rec.losses else None, "grad_norms": rec.grad_norms,
+        "tokens_per_s": rec.tokens_per_s(), "history": history, "load_check": load_check or None,
+        "train_seconds": train_s, **extra, "export_dir": None, "export_check": None, **guarded,
+    }
+    stopped = guarded.get("stopped")
+    if cfg.export and not stopped:
+        hf_cfg = recipe.model_config(cfg, tc, found, dtype=tc.checkpoint.export_dtype)
+        results.update(export.export_and_check(
+            trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg, tokenizer_dir=found["tokenizer_dir"],
+            tied_expected=bool(hf_cfg.get("tie_word_embeddings", False)), tol=cfg.export_tolerance,
+            is_main=dev.is_main, pass_positions=recipe.pass_positions))
+    else:
+        trainer.close()
+    path = finish_run(results, history, out_dir=out_dir, title=f"{Path(recipe.name).stem} ({cfg.preset})",
+                      is_main=dev.is_main, **guards.finish())
+    if dev.is_main and not stopped:
+        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
+    return results
+
+
+CORE_ONLY = ("[guards] off: common/harness/ was not copied with common/, so this run has no preflight, out_dir lock, "
+             "resume record, stop signals, self-launch, dry run, pilot report or held-out eval: it trains and exports")
+
+
+def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
+    """Train and export with the core alone: the inputs checked, one process per rank (python or torchrun)."""
+
+    def main(cfg) -> dict:
+        out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+        if os.environ.get("RANK", "0") == "0":
+            print(CORE_ONLY, flush=True)
+        export.check_replaceable(out_dir)
+        found = inputs(recipe, cfg)
+        dev = device.setup(cfg.device, lnc=cfg.lnc)
+        try:
+            return train(recipe, cfg, dev, out_dir, found, Hooks())
+        finally:
+            device.teardown()
+
+    return cli.run_cli(main, recipe.config, recipe.presets, recipe.doc, recipe.default_preset, argv)
