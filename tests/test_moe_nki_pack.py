@@ -6,7 +6,9 @@ experimental/moe/bwd/bwmm_bwd_dropless.py: the step list and its Notes; the inte
 in test/integration/nkilib/experimental/moe/). pack -> reference -> unpack must equal the grouped-expert op's
 forward and gradients (x, router scores, w1, w2, w3): float32 within 1e-5, bfloat16 within 2e-2 of the largest
 value (nki-library's own relative tolerance for the forward kernel against its golden), several expert counts and
-top-k, an expert without tokens, blocks with padding slots, full blocks and a block of padding only.
+top-k, an expert without tokens, blocks with padding slots, full blocks and a block of padding only. The routing
+tables (token slots, block_to_expert, counts) have static shapes: they trace as one graph under torch.compile and
+equal, index for index, the data-dependent formulation they replace.
 """
 from __future__ import annotations
 
@@ -172,6 +174,82 @@ def test_kernel_input_layouts():
     assert torch.equal(args["down_proj_weight"], w2.transpose(1, 2))  # [E, I, H]
     assert args["block_to_expert"].shape == (moe_nki.num_blocks(10, 2, 4, 128), 1)
     assert counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
+
+
+def _data_dependent_tables(expert_ids, E, block):
+    """The routing tables as this file's module first built them, with data-dependent shapes (bincount, one_hot,
+    a boolean-mask store, repeat_interleave without output_size): (token slots, block_to_expert, counts), the
+    reference the static-shape builders must match index for index."""
+    T, K = expert_ids.shape
+    n = moe_nki.num_blocks(T, K, E, block)
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=E).to(torch.int32)
+    per_expert = torch.ceil(counts.float() / block).long()
+    mask = F.one_hot(expert_ids, E).sum(1)  # [T, E]
+    pos = torch.cumsum(mask, 0)
+    pos[:, 1:] += (torch.cumsum(per_expert, 0) * block)[:-1]
+    pos[mask == 0] = 0
+    slots = torch.full((n * block + 1,), -1, dtype=torch.long)
+    slots[pos] = torch.arange(T)[:, None].expand(T, E)
+    slots = slots[1:].masked_fill(slots[1:] == -1, T).to(torch.int32)
+    per_expert[-1] += n - per_expert.sum()
+    b2e = torch.repeat_interleave(torch.arange(E), per_expert).to(torch.int32)
+    return slots, b2e, counts
+
+
+ROUTING_SHAPES = [(48, 8, 4, 8), (40, 16, 2, 128), (24, 4, 1, 16), (300, 32, 8, 16), (64, 8, 2, 8)]  # T, E, K, B
+
+
+def _routings():
+    """Five seeded routings for each of ROUTING_SHAPES: router logits with a growing bias toward the first
+    experts (seed 0: none), so experts go from evenly loaded to several blocks each or none at all; and one
+    routing of exactly full blocks (two experts, one block each, a spare block of padding only)."""
+    for T, E, K, block in ROUTING_SHAPES:
+        for seed in range(5):
+            g = torch.Generator().manual_seed(seed)
+            logits = torch.randn(T, E, generator=g) - 2.0 * seed * torch.arange(E) / E
+            yield f"T{T}-E{E}-K{K}-B{block}-seed{seed}", logits.topk(K, dim=-1).indices, E, block
+    yield "full-blocks", torch.tensor([[0]] * 8 + [[1]] * 8), 2, 8
+
+
+def test_static_shape_tables_equal_the_data_dependent_ones():
+    """pack_forward's token slots, block_to_expert and counts, and the backward's block_to_expert from those
+    counts, equal the data-dependent formulation index for index on 26 routings (ROUTING_SHAPES x 5 seeds and
+    the full-block case), among them experts without tokens, experts of several blocks and padding-only blocks."""
+    x_dim, inter = 4, 8
+    seen_empty = seen_multi = seen_padding_only = 0
+    for name, ids, E, block in _routings():
+        T, K = ids.shape
+        w = [torch.zeros(s) for s in ((E, inter, x_dim), (E, x_dim, inter), (E, inter, x_dim))]
+        args, counts = moe_nki.pack_forward(torch.zeros(T, x_dim), torch.ones(T, K), ids, *w, torch.float32, block)
+        slots, b2e, ref_counts = _data_dependent_tables(ids, E, block)
+        n = moe_nki.num_blocks(T, K, E, block)
+        for got, ref, what in ((args["token_position_to_id"], slots, "token slots"),
+                               (args["block_to_expert"].view(-1), b2e, "block_to_expert"),
+                               (moe_nki.block_to_expert(counts, n, block), b2e, "backward block_to_expert"),
+                               (counts, ref_counts, "counts")):
+            assert got.dtype == ref.dtype == torch.int32 and torch.equal(got, ref), f"{name}: {what}"
+        seen_empty += int((counts == 0).any())
+        seen_multi += int((counts > block).any())
+        seen_padding_only += int((slots.view(-1, block) == T).all(1).any())
+    assert seen_empty and seen_multi and seen_padding_only
+
+
+def test_the_routing_tables_trace_as_one_graph():
+    """pack_forward (token slots, block_to_expert, counts) and pack_backward (block_to_expert from the saved
+    counts) trace under torch.compile(fullgraph=True, dynamic=False), which raises at any graph break: no
+    data-dependent shape, no host sync. The compiled tables equal the eager ones."""
+    T, E, K, block = 40, 8, 2, 16
+    x, scores, ids, (w1, w2, w3), grad = _case(T, 32, 64, E, K, seed=11, unused=(5,))
+    compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False, backend="aot_eager")  # noqa: E731
+    args, counts = compile_(moe_nki.pack_forward)(x, scores, ids, w1, w2, w3, torch.float32, block)
+    eager_args, eager_counts = moe_nki.pack_forward(x, scores, ids, w1, w2, w3, torch.float32, block)
+    for name in ("token_position_to_id", "block_to_expert"):
+        assert torch.equal(args[name], eager_args[name]), name
+    assert torch.equal(counts, eager_counts)
+    n = args["block_to_expert"].shape[0]
+    saved = (args["token_position_to_id"].long(), counts, torch.zeros(n, 2, 64, block), torch.zeros(n, block, 32))
+    bwd = compile_(moe_nki.pack_backward)(grad, x, scores, ids, w1, w2, w3, *saved, torch.float32)
+    assert torch.equal(bwd["block_to_expert"], eager_args["block_to_expert"])
 
 
 def _written_checkpoints(args):

@@ -93,24 +93,47 @@ def num_blocks(tokens: int, top_k: int, experts: int, block: int = BLOCK_SIZE) -
     return max(math.ceil((tokens * top_k - (experts - 1)) / block), 1) + experts - 1
 
 
+# The routing tables below are built from static sizes only (tokens, top_k, experts, block size): every shape is
+# known before the data, and nothing reads a tensor's value back to the host, so the Neuron device is not synced
+# in each MoE layer, forward or backward (no bincount, boolean-mask indexing, one_hot or repeat_interleave with a
+# data-dependent length). tests/test_moe_nki_pack.py traces them with torch.compile(fullgraph=True) and checks
+# them index for index against the data-dependent formulation they replace.
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int32: the (token, slot) pairs each expert receives; a scatter-add into E slots (bincount's length
+    would depend on the data)."""
+    flat = expert_ids.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
+def _blocks_per_expert(counts: torch.Tensor, block: int) -> torch.Tensor:
+    return (counts.long() + block - 1) // block  # ceil(counts / block)
+
+
 def block_to_expert(counts: torch.Tensor, n_blocks: int, block: int = BLOCK_SIZE) -> torch.Tensor:
-    per_expert = torch.ceil(counts.float() / block).long()
-    per_expert[-1] += n_blocks - per_expert.sum()  # spare blocks go to the last expert
-    return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), per_expert).to(torch.int32)
+    """[n_blocks] int32: the expert of each block, the experts' blocks in expert order; the spare blocks (beyond
+    the experts' own) go to the last expert. Block i belongs to the number of experts whose blocks end at or
+    before i, capped at E-1: one [n_blocks, E] comparison."""
+    ends = torch.cumsum(_blocks_per_expert(counts, block), 0)  # [E] one past each expert's last block
+    blocks = torch.arange(n_blocks, device=counts.device)
+    return (ends[None, :] <= blocks[:, None]).sum(1).clamp_(max=len(counts) - 1).to(torch.int32)
 
 
 def token_slots(expert_ids: torch.Tensor, counts: torch.Tensor, n_blocks: int, block: int = BLOCK_SIZE) -> torch.Tensor:
-    """[n_blocks * block] token index per slot; empty slots point at the padding row T."""
+    """[n_blocks * block] int32 token index per slot; empty slots point at the padding row T. Each expert's
+    tokens fill its blocks from its first slot on, in token order. Transient: a [T, E] int64 routing map and its
+    cumulative sum over the tokens."""
     T, E = expert_ids.shape[0], len(counts)
-    mask = F.one_hot(expert_ids, E).sum(1)  # [T, E], 1 where the token goes to the expert
-    per_expert = torch.ceil(counts.float() / block).long()
-    pos = torch.cumsum(mask, 0)  # 1-based rank of the token within its expert
-    pos[:, 1:] += (torch.cumsum(per_expert, 0) * block)[:-1]
-    pos[mask == 0] = 0  # unrouted pairs all land in slot 0, dropped below
-    slots = torch.full((n_blocks * block + 1,), -1, dtype=torch.long, device=expert_ids.device)
-    slots[pos] = torch.arange(T, device=expert_ids.device)[:, None].expand(T, E)
-    slots = slots[1:]
-    return slots.masked_fill(slots == -1, T).to(torch.int32)
+    ids = expert_ids.long()
+    routed = torch.zeros(T, E, dtype=torch.long, device=ids.device).scatter_add_(1, ids, torch.ones_like(ids))
+    rank = torch.cumsum(routed, 0).gather(1, ids) - 1  # [T, K] 0-based rank of the token among its expert's
+    per_expert = _blocks_per_expert(counts, block)
+    first = (torch.cumsum(per_expert, 0) - per_expert) * block  # [E] each expert's first slot
+    slot = first.gather(0, ids.reshape(-1)) + rank.reshape(-1)  # distinct for distinct (token, expert) pairs
+    tokens = torch.arange(T, device=ids.device)[:, None].expand_as(ids).reshape(-1)
+    slots = torch.full((n_blocks * block,), T, dtype=torch.long, device=ids.device)
+    return slots.scatter_(0, slot, tokens).to(torch.int32)
 
 
 def _kernel_inputs(x, scores, expert_ids, w1, w2, w3, cd):
@@ -128,7 +151,7 @@ def pack_forward(x, scores, expert_ids, w1, w2, w3, cd, block: int = BLOCK_SIZE)
     """The forward kernel's tensor and size arguments, by its parameter names; and tokens per expert."""
     T, K = scores.shape
     E, I, H = w1.shape
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=E).to(torch.int32)
+    counts = expert_counts(expert_ids, E)
     n = num_blocks(T, K, E, block)
     hidden, aff, gate_up, down = _kernel_inputs(x, scores, expert_ids, w1, w2, w3, cd)
     args = dict(hidden_states=hidden, expert_affinities_masked=aff, gate_up_proj_weight=gate_up,
