@@ -12,10 +12,13 @@ equal, index for index, the data-dependent formulation they replace.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from common import device
 from common.errors import UserError
 from common.kernels import moe_nki
 from common.kernels.moe_op import grouped_experts
@@ -358,6 +361,56 @@ def test_a_checkpoint_read_from_a_buffer_the_kernel_never_wrote_stops_the_first_
     assert not moe_nki._checkpoints_checked
     out = moe_nki.run_forward(kernel(writes=True), {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
     assert moe_nki._checkpoints_checked and out[3].any() and out[5].any()
+
+
+class _KernelObject:
+    """Stands in, in these tests only, for the object a jit decorator returns: callable, the function in `func`
+    (as nki-library's test utilities find it), the decorator's options kept. No module is replaced."""
+
+    def __init__(self, func, **options):
+        self.func, self.options = func, options
+
+    def __call__(self, **args):
+        return self.func(**args)
+
+
+def _stand_in_jit(fn=None, **options):
+    """Stands in for nki.jit, passed to moe_nki.launchable by argument: `@_stand_in_jit` and
+    `@_stand_in_jit(mode=...)` both give a _KernelObject."""
+    return _KernelObject(fn, **options) if fn is not None else (lambda f: _KernelObject(f, **options))
+
+
+@_stand_in_jit(mode="trace")
+def _forward_jitted_with_a_mode(**args):
+    return blockwise_fwd_reference(**args)
+
+
+def _backward_as_a_plain_function(**args):
+    return blockwise_bwd_reference(**args)
+
+
+def test_launch_takes_a_kernel_object_as_it_is_and_wraps_a_plain_function():
+    """launchable: the object a jit decorator made (here with mode="trace", as nki-library's forward) is launched
+    as it is; a plain function is wrapped with the jit given (nki.jit on Trainium), with no mode. jit_form names
+    the two forms for the preflight. Both launched kernels then run the packing path end to end."""
+    fwd = moe_nki.launchable(_forward_jitted_with_a_mode, _stand_in_jit)
+    bwd = moe_nki.launchable(_backward_as_a_plain_function, _stand_in_jit)
+    assert fwd is _forward_jitted_with_a_mode and fwd.options == {"mode": "trace"}
+    assert isinstance(bwd, _KernelObject) and bwd.func is _backward_as_a_plain_function and bwd.options == {}
+    assert moe_nki.jit_form(_forward_jitted_with_a_mode) == (
+        "jit kernel object (_KernelObject), launched as it is; declared @_stand_in_jit(mode='trace')")
+    assert moe_nki.jit_form(_backward_as_a_plain_function) == "plain function, wrapped with nki.jit at launch"
+    assert moe_nki.jit_form(_KernelObject(len)).endswith("declaration not readable")  # no Python function inside
+    x, scores, ids, (w1, w2, w3), grad = _case(32, 32, 64, 8, 2, seed=5)
+    fwd_out = moe_nki.run_forward(fwd, {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
+    grads = moe_nki.run_backward(bwd, {}, grad, x, scores, ids, w1, w2, w3, *fwd_out[1:], torch.float32)
+    _assert_close((fwd_out[0], list(grads)), _op(x, scores, ids, w1, w2, w3, grad, torch.float32), torch.float32)
+
+
+@pytest.mark.skipif(device.neuron_installed(), reason="names the installed kernels where torch-neuronx is installed")
+def test_kernel_jit_form_without_torch_neuronx_imports_no_kernel():
+    assert moe_nki.kernel_jit_form() == "not checked: torch-neuronx is not installed"
+    assert "nkilib" not in sys.modules and "nki" not in sys.modules
 
 
 @pytest.mark.parametrize("hidden, inter, dtype, lnc, block, needles", [
