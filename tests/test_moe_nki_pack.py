@@ -6,14 +6,19 @@ experimental/moe/bwd/bwmm_bwd_dropless.py: the step list and its Notes; the inte
 in test/integration/nkilib/experimental/moe/). pack -> reference -> unpack must equal the grouped-expert op's
 forward and gradients (x, router scores, w1, w2, w3): float32 within 1e-5, bfloat16 within 2e-2 of the largest
 value (nki-library's own relative tolerance for the forward kernel against its golden), several expert counts and
-top-k, an expert without tokens, blocks with padding slots, full blocks and a block of padding only.
+top-k, an expert without tokens, blocks with padding slots, full blocks and a block of padding only. The routing
+tables (token slots, block_to_expert, counts) have static shapes: they trace as one graph under torch.compile and
+equal, index for index, the data-dependent formulation they replace.
 """
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from common import device
 from common.errors import UserError
 from common.kernels import moe_nki
 from common.kernels.moe_op import grouped_experts
@@ -174,6 +179,82 @@ def test_kernel_input_layouts():
     assert counts.tolist() == torch.bincount(ids.flatten(), minlength=4).tolist()
 
 
+def _data_dependent_tables(expert_ids, E, block):
+    """The routing tables as this file's module first built them, with data-dependent shapes (bincount, one_hot,
+    a boolean-mask store, repeat_interleave without output_size): (token slots, block_to_expert, counts), the
+    reference the static-shape builders must match index for index."""
+    T, K = expert_ids.shape
+    n = moe_nki.num_blocks(T, K, E, block)
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=E).to(torch.int32)
+    per_expert = torch.ceil(counts.float() / block).long()
+    mask = F.one_hot(expert_ids, E).sum(1)  # [T, E]
+    pos = torch.cumsum(mask, 0)
+    pos[:, 1:] += (torch.cumsum(per_expert, 0) * block)[:-1]
+    pos[mask == 0] = 0
+    slots = torch.full((n * block + 1,), -1, dtype=torch.long)
+    slots[pos] = torch.arange(T)[:, None].expand(T, E)
+    slots = slots[1:].masked_fill(slots[1:] == -1, T).to(torch.int32)
+    per_expert[-1] += n - per_expert.sum()
+    b2e = torch.repeat_interleave(torch.arange(E), per_expert).to(torch.int32)
+    return slots, b2e, counts
+
+
+ROUTING_SHAPES = [(48, 8, 4, 8), (40, 16, 2, 128), (24, 4, 1, 16), (300, 32, 8, 16), (64, 8, 2, 8)]  # T, E, K, B
+
+
+def _routings():
+    """Five seeded routings for each of ROUTING_SHAPES: router logits with a growing bias toward the first
+    experts (seed 0: none), so experts go from evenly loaded to several blocks each or none at all; and one
+    routing of exactly full blocks (two experts, one block each, a spare block of padding only)."""
+    for T, E, K, block in ROUTING_SHAPES:
+        for seed in range(5):
+            g = torch.Generator().manual_seed(seed)
+            logits = torch.randn(T, E, generator=g) - 2.0 * seed * torch.arange(E) / E
+            yield f"T{T}-E{E}-K{K}-B{block}-seed{seed}", logits.topk(K, dim=-1).indices, E, block
+    yield "full-blocks", torch.tensor([[0]] * 8 + [[1]] * 8), 2, 8
+
+
+def test_static_shape_tables_equal_the_data_dependent_ones():
+    """pack_forward's token slots, block_to_expert and counts, and the backward's block_to_expert from those
+    counts, equal the data-dependent formulation index for index on 26 routings (ROUTING_SHAPES x 5 seeds and
+    the full-block case), among them experts without tokens, experts of several blocks and padding-only blocks."""
+    x_dim, inter = 4, 8
+    seen_empty = seen_multi = seen_padding_only = 0
+    for name, ids, E, block in _routings():
+        T, K = ids.shape
+        w = [torch.zeros(s) for s in ((E, inter, x_dim), (E, x_dim, inter), (E, inter, x_dim))]
+        args, counts = moe_nki.pack_forward(torch.zeros(T, x_dim), torch.ones(T, K), ids, *w, torch.float32, block)
+        slots, b2e, ref_counts = _data_dependent_tables(ids, E, block)
+        n = moe_nki.num_blocks(T, K, E, block)
+        for got, ref, what in ((args["token_position_to_id"], slots, "token slots"),
+                               (args["block_to_expert"].view(-1), b2e, "block_to_expert"),
+                               (moe_nki.block_to_expert(counts, n, block), b2e, "backward block_to_expert"),
+                               (counts, ref_counts, "counts")):
+            assert got.dtype == ref.dtype == torch.int32 and torch.equal(got, ref), f"{name}: {what}"
+        seen_empty += int((counts == 0).any())
+        seen_multi += int((counts > block).any())
+        seen_padding_only += int((slots.view(-1, block) == T).all(1).any())
+    assert seen_empty and seen_multi and seen_padding_only
+
+
+def test_the_routing_tables_trace_as_one_graph():
+    """pack_forward (token slots, block_to_expert, counts) and pack_backward (block_to_expert from the saved
+    counts) trace under torch.compile(fullgraph=True, dynamic=False), which raises at any graph break: no
+    data-dependent shape, no host sync. The compiled tables equal the eager ones."""
+    T, E, K, block = 40, 8, 2, 16
+    x, scores, ids, (w1, w2, w3), grad = _case(T, 32, 64, E, K, seed=11, unused=(5,))
+    compile_ = lambda f: torch.compile(f, fullgraph=True, dynamic=False, backend="aot_eager")  # noqa: E731
+    args, counts = compile_(moe_nki.pack_forward)(x, scores, ids, w1, w2, w3, torch.float32, block)
+    eager_args, eager_counts = moe_nki.pack_forward(x, scores, ids, w1, w2, w3, torch.float32, block)
+    for name in ("token_position_to_id", "block_to_expert"):
+        assert torch.equal(args[name], eager_args[name]), name
+    assert torch.equal(counts, eager_counts)
+    n = args["block_to_expert"].shape[0]
+    saved = (args["token_position_to_id"].long(), counts, torch.zeros(n, 2, 64, block), torch.zeros(n, block, 32))
+    bwd = compile_(moe_nki.pack_backward)(grad, x, scores, ids, w1, w2, w3, *saved, torch.float32)
+    assert torch.equal(bwd["block_to_expert"], eager_args["block_to_expert"])
+
+
 def _written_checkpoints(args):
     """The checkpoints an aliasing kernel writes: the reference given a buffer for each."""
     n, block = args["block_to_expert"].shape[0], args["block_size"]
@@ -280,6 +361,56 @@ def test_a_checkpoint_read_from_a_buffer_the_kernel_never_wrote_stops_the_first_
     assert not moe_nki._checkpoints_checked
     out = moe_nki.run_forward(kernel(writes=True), {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
     assert moe_nki._checkpoints_checked and out[3].any() and out[5].any()
+
+
+class _KernelObject:
+    """Stands in, in these tests only, for the object a jit decorator returns: callable, the function in `func`
+    (as nki-library's test utilities find it), the decorator's options kept. No module is replaced."""
+
+    def __init__(self, func, **options):
+        self.func, self.options = func, options
+
+    def __call__(self, **args):
+        return self.func(**args)
+
+
+def _stand_in_jit(fn=None, **options):
+    """Stands in for nki.jit, passed to moe_nki.launchable by argument: `@_stand_in_jit` and
+    `@_stand_in_jit(mode=...)` both give a _KernelObject."""
+    return _KernelObject(fn, **options) if fn is not None else (lambda f: _KernelObject(f, **options))
+
+
+@_stand_in_jit(mode="trace")
+def _forward_jitted_with_a_mode(**args):
+    return blockwise_fwd_reference(**args)
+
+
+def _backward_as_a_plain_function(**args):
+    return blockwise_bwd_reference(**args)
+
+
+def test_launch_takes_a_kernel_object_as_it_is_and_wraps_a_plain_function():
+    """launchable: the object a jit decorator made (here with mode="trace", as nki-library's forward) is launched
+    as it is; a plain function is wrapped with the jit given (nki.jit on Trainium), with no mode. jit_form names
+    the two forms for the preflight. Both launched kernels then run the packing path end to end."""
+    fwd = moe_nki.launchable(_forward_jitted_with_a_mode, _stand_in_jit)
+    bwd = moe_nki.launchable(_backward_as_a_plain_function, _stand_in_jit)
+    assert fwd is _forward_jitted_with_a_mode and fwd.options == {"mode": "trace"}
+    assert isinstance(bwd, _KernelObject) and bwd.func is _backward_as_a_plain_function and bwd.options == {}
+    assert moe_nki.jit_form(_forward_jitted_with_a_mode) == (
+        "jit kernel object (_KernelObject), launched as it is; declared @_stand_in_jit(mode='trace')")
+    assert moe_nki.jit_form(_backward_as_a_plain_function) == "plain function, wrapped with nki.jit at launch"
+    assert moe_nki.jit_form(_KernelObject(len)).endswith("declaration not readable")  # no Python function inside
+    x, scores, ids, (w1, w2, w3), grad = _case(32, 32, 64, 8, 2, seed=5)
+    fwd_out = moe_nki.run_forward(fwd, {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
+    grads = moe_nki.run_backward(bwd, {}, grad, x, scores, ids, w1, w2, w3, *fwd_out[1:], torch.float32)
+    _assert_close((fwd_out[0], list(grads)), _op(x, scores, ids, w1, w2, w3, grad, torch.float32), torch.float32)
+
+
+@pytest.mark.skipif(device.neuron_installed(), reason="names the installed kernels where torch-neuronx is installed")
+def test_kernel_jit_form_without_torch_neuronx_imports_no_kernel():
+    assert moe_nki.kernel_jit_form() == "not checked: torch-neuronx is not installed"
+    assert "nkilib" not in sys.modules and "nki" not in sys.modules
 
 
 @pytest.mark.parametrize("hidden, inter, dtype, lnc, block, needles", [

@@ -72,6 +72,21 @@ def test_rope_kernel_against_its_rounding_and_the_pytorch_path():
         assert ((got.float() - pytorch_path.float()).abs() <= ulp_bound(x, 5)).all()
 
 
+def test_moe_kernel_forms_and_routing_tables_on_the_device():
+    """Both MoE kernels import in a form moe_nki.launchable takes (a jit kernel object or a plain function), and
+    the static-shape routing tables built on the device equal those built on CPU, at the reduced preset's shapes."""
+    form = moe_nki.kernel_jit_form()
+    assert "not importable" not in form and form.count("launch") == 2, form
+    ids = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(1)).topk(TOP_K, dim=-1).indices
+    n = moe_nki.num_blocks(TOKENS, TOP_K, EXPERTS)
+    tables = []
+    for on in (ids.to("neuron"), ids):
+        counts = moe_nki.expert_counts(on, EXPERTS)
+        tables.append([counts, moe_nki.token_slots(on, counts, n), moe_nki.block_to_expert(counts, n)])
+    for name, got, ref in zip(("counts", "token slots", "block_to_expert"), *tables):
+        assert torch.equal(got.cpu(), ref), name
+
+
 def test_moe_kernels_against_the_pytorch_op():
     """The grouped-expert op on a Neuron device (blockwise_mm_baseline_shard_hidden + blockwise_mm_bwd) against
     the same op on CPU, at the reduced preset's shapes, bfloat16: output and the gradients of x, router scores,

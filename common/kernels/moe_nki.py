@@ -31,11 +31,21 @@ gate_up_activations_T)` and `(output, gate_up_activations_T, down_activations)` 
 kernels, bwmm_shard_on_I) are accepted too: a returned checkpoint is used instead of its recompute. A checkpoint
 that would still be read from a buffer passed in (none in these forms) is checked on the first call: all zeros
 stops the run instead of training on with wrong gradients.
+
+How the kernels come. nki-library decorates the forward `@nki.jit(mode="trace")` (2026-04-13; 2026-02-27 adds
+`platform_target="trn2"`) and the backward plain `@nki.jit`; nki 0.7's `nki.jit(fn=None, *, compile_config=None,
+specialization_config=None, **kwargs)` documents no `mode`. `launchable` takes either form: an object a jit
+decorator made (whatever its mode) is launched as it is, a plain Python function is wrapped with `nki.jit` (no
+mode) first. `kernel_jit_form()` names the installed kernels' forms for the preflight.
 """
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import math
 import os
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -93,24 +103,47 @@ def num_blocks(tokens: int, top_k: int, experts: int, block: int = BLOCK_SIZE) -
     return max(math.ceil((tokens * top_k - (experts - 1)) / block), 1) + experts - 1
 
 
+# The routing tables below are built from static sizes only (tokens, top_k, experts, block size): every shape is
+# known before the data, and nothing reads a tensor's value back to the host, so the Neuron device is not synced
+# in each MoE layer, forward or backward (no bincount, boolean-mask indexing, one_hot or repeat_interleave with a
+# data-dependent length). tests/test_moe_nki_pack.py traces them with torch.compile(fullgraph=True) and checks
+# them index for index against the data-dependent formulation they replace.
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int32: the (token, slot) pairs each expert receives; a scatter-add into E slots (bincount's length
+    would depend on the data)."""
+    flat = expert_ids.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
+def _blocks_per_expert(counts: torch.Tensor, block: int) -> torch.Tensor:
+    return (counts.long() + block - 1) // block  # ceil(counts / block)
+
+
 def block_to_expert(counts: torch.Tensor, n_blocks: int, block: int = BLOCK_SIZE) -> torch.Tensor:
-    per_expert = torch.ceil(counts.float() / block).long()
-    per_expert[-1] += n_blocks - per_expert.sum()  # spare blocks go to the last expert
-    return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), per_expert).to(torch.int32)
+    """[n_blocks] int32: the expert of each block, the experts' blocks in expert order; the spare blocks (beyond
+    the experts' own) go to the last expert. Block i belongs to the number of experts whose blocks end at or
+    before i, capped at E-1: one [n_blocks, E] comparison."""
+    ends = torch.cumsum(_blocks_per_expert(counts, block), 0)  # [E] one past each expert's last block
+    blocks = torch.arange(n_blocks, device=counts.device)
+    return (ends[None, :] <= blocks[:, None]).sum(1).clamp_(max=len(counts) - 1).to(torch.int32)
 
 
 def token_slots(expert_ids: torch.Tensor, counts: torch.Tensor, n_blocks: int, block: int = BLOCK_SIZE) -> torch.Tensor:
-    """[n_blocks * block] token index per slot; empty slots point at the padding row T."""
+    """[n_blocks * block] int32 token index per slot; empty slots point at the padding row T. Each expert's
+    tokens fill its blocks from its first slot on, in token order. Transient: a [T, E] int64 routing map and its
+    cumulative sum over the tokens."""
     T, E = expert_ids.shape[0], len(counts)
-    mask = F.one_hot(expert_ids, E).sum(1)  # [T, E], 1 where the token goes to the expert
-    per_expert = torch.ceil(counts.float() / block).long()
-    pos = torch.cumsum(mask, 0)  # 1-based rank of the token within its expert
-    pos[:, 1:] += (torch.cumsum(per_expert, 0) * block)[:-1]
-    pos[mask == 0] = 0  # unrouted pairs all land in slot 0, dropped below
-    slots = torch.full((n_blocks * block + 1,), -1, dtype=torch.long, device=expert_ids.device)
-    slots[pos] = torch.arange(T, device=expert_ids.device)[:, None].expand(T, E)
-    slots = slots[1:]
-    return slots.masked_fill(slots == -1, T).to(torch.int32)
+    ids = expert_ids.long()
+    routed = torch.zeros(T, E, dtype=torch.long, device=ids.device).scatter_add_(1, ids, torch.ones_like(ids))
+    rank = torch.cumsum(routed, 0).gather(1, ids) - 1  # [T, K] 0-based rank of the token among its expert's
+    per_expert = _blocks_per_expert(counts, block)
+    first = (torch.cumsum(per_expert, 0) - per_expert) * block  # [E] each expert's first slot
+    slot = first.gather(0, ids.reshape(-1)) + rank.reshape(-1)  # distinct for distinct (token, expert) pairs
+    tokens = torch.arange(T, device=ids.device)[:, None].expand_as(ids).reshape(-1)
+    slots = torch.full((n_blocks * block,), T, dtype=torch.long, device=ids.device)
+    return slots.scatter_(0, slot, tokens).to(torch.int32)
 
 
 def _kernel_inputs(x, scores, expert_ids, w1, w2, w3, cd):
@@ -128,7 +161,7 @@ def pack_forward(x, scores, expert_ids, w1, w2, w3, cd, block: int = BLOCK_SIZE)
     """The forward kernel's tensor and size arguments, by its parameter names; and tokens per expert."""
     T, K = scores.shape
     E, I, H = w1.shape
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=E).to(torch.int32)
+    counts = expert_counts(expert_ids, E)
     n = num_blocks(T, K, E, block)
     hidden, aff, gate_up, down = _kernel_inputs(x, scores, expert_ids, w1, w2, w3, cd)
     args = dict(hidden_states=hidden, expert_affinities_masked=aff, gate_up_proj_weight=gate_up,
@@ -276,7 +309,68 @@ def run_backward(kernel, constants: dict, grad_out, x, scores, expert_ids, w1, w
     return unpack_backward(kernel(**args, **constants), x, scores, expert_ids, w1, w2, w3)
 
 
+def launchable(kernel, jit):
+    """`kernel` ready for launch_nki: a plain Python function is wrapped with `jit` (nki.jit, given no mode: nki 0.7
+    documents none); anything else, the object a jit decorator made (`@nki.jit`, `@nki.jit(mode="trace")`), is
+    launched as it is."""
+    return jit(kernel) if inspect.isfunction(kernel) else kernel
+
+
+def _unwrapped(kernel):
+    """The Python function under a jit kernel object: its `func` (nki-library's test utilities unwrap nki's kernel
+    objects so) or `__wrapped__`; None where neither leads to one."""
+    for _ in range(4):
+        if inspect.isfunction(kernel):
+            return kernel
+        kernel = getattr(kernel, "func", None) or getattr(kernel, "__wrapped__", None)
+    return None
+
+
+def _decorators(function) -> str | None:
+    """The decorators in `function`'s source, as written (e.g. `@nki.jit(mode='trace')`); None if unreadable."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    return " ".join("@" + ast.unparse(d) for d in node.decorator_list) or None
+
+
+def jit_form(kernel) -> str:
+    """How `kernel` comes, in words: a plain function (wrapped with nki.jit at launch) or a jit kernel object,
+    with the decorators its source declares."""
+    if inspect.isfunction(kernel):
+        return "plain function, wrapped with nki.jit at launch"
+    function = _unwrapped(kernel)
+    declared = _decorators(function) if function is not None else None
+    return (f"jit kernel object ({type(kernel).__name__}), launched as it is; "
+            + (f"declared {declared}" if declared else "declaration not readable"))
+
+
+def kernel_jit_form() -> str:
+    """The installed MoE kernels' forms, one line for the preflight, e.g. "blockwise_mm_baseline_shard_hidden: jit
+    kernel object (...), launched as it is; declared @nki.jit(mode='trace'); blockwise_mm_bwd: ...". Imports
+    nothing without torch-neuronx; an import that fails is named, not raised."""
+    from common import device
+
+    if not device.neuron_installed():
+        return "not checked: torch-neuronx is not installed"
+    forms = []
+    for module, name in (("nkilib.experimental.moe.forward.bwmm_shard_on_H", "blockwise_mm_baseline_shard_hidden"),
+                         ("nkilib.experimental.moe.bwd.blockwise_mm_backward", "blockwise_mm_bwd")):
+        try:
+            kernel = getattr(importlib.import_module(module), name)
+        except Exception as e:  # an import error of any kind is the preflight's finding: named, not raised
+            forms.append(f"{name}: not importable from {module} ({type(e).__name__}: {e})")
+            continue
+        forms.append(f"{name}: {jit_form(kernel)}")
+    return "; ".join(forms)
+
+
 def experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype):
+    import nki
     import nki.language as nl
     from nkilib.core.utils.common_types import ExpertAffinityScaleMode  # its canonical module
     from nkilib.experimental.moe.forward.bwmm_shard_on_H import blockwise_mm_baseline_shard_hidden
@@ -286,12 +380,13 @@ def experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype):
     _, I, H = w1.shape
     lnc = check_nki_shapes(H, I, compute_dtype)
     constants = dict(compute_dtype=nl.bfloat16, expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE)
-    return run_forward(launch_nki(blockwise_mm_baseline_shard_hidden, lnc), constants, x, scores, expert_ids,
-                       w1, w2, w3, compute_dtype)
+    kernel = launch_nki(launchable(blockwise_mm_baseline_shard_hidden, nki.jit), lnc)
+    return run_forward(kernel, constants, x, scores, expert_ids, w1, w2, w3, compute_dtype)
 
 
 def experts_bwd_nki(grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, gate_up_act, unused, down_act,
                     compute_dtype):
+    import nki
     import nki.language as nl
     from nkilib.experimental.moe.bwd.blockwise_mm_backward import blockwise_mm_bwd
 
@@ -299,5 +394,6 @@ def experts_bwd_nki(grad_out, x, scores, expert_ids, w1, w2, w3, slots, counts, 
 
     _, I, H = w1.shape
     lnc = check_nki_shapes(H, I, compute_dtype)
-    return run_backward(launch_nki(blockwise_mm_bwd, lnc), dict(compute_dtype=nl.bfloat16), grad_out, x, scores,
-                        expert_ids, w1, w2, w3, slots, counts, gate_up_act, unused, down_act, compute_dtype)
+    kernel = launch_nki(launchable(blockwise_mm_bwd, nki.jit), lnc)
+    return run_backward(kernel, dict(compute_dtype=nl.bfloat16), grad_out, x, scores, expert_ids, w1, w2, w3, slots,
+                        counts, gate_up_act, unused, down_act, compute_dtype)
