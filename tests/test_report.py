@@ -120,7 +120,7 @@ def test_picture_and_table(runs, tmp_path, capsys):
 
 def test_untrusted_text_is_shown_as_text(tmp_path, capsys):
     """Labels and strings from results.json are text: no mathtext, no hidden legend entry, no split line, no
-    Markdown; values of the wrong type are "-", never a crash."""
+    Markdown; values of the wrong type are "-" with a note, never a crash."""
     odd = old_style(script="a|b\n$x^2$ <b>", config={"preset": ["not", "text"]}, device="\x1b[31mred",
                     world_size=10**400, versions={"torch": None}, timing={"first_step_s": "fast"}, mfu=True,
                     memory={"peak_gib": ["x", 3.0], "planned_gib": 0}, eval_losses="none",
@@ -132,8 +132,16 @@ def test_untrusted_text_is_shown_as_text(tmp_path, capsys):
     text = capsys.readouterr().out
     row = rows_of(text, [label])[label]
     assert row[1:7] == ["a|b\N{REPLACEMENT CHARACTER}$x^2$ <b>", "-", "\N{REPLACEMENT CHARACTER}[31mred", "-",
-                        "2", "nan"]
+                        "2", "-"]
     assert row[-3:] == ["-", "-", "-"] and "3 / 0" in " ".join(row)
+    # each value of the wrong type or out of range is named in a note below the tables (JSON null is no value)
+    notes = text.split("not drawn:\n", 1)[1]
+    for needle in ("config.preset = a list: not text", "world_size = an integer of 401 digits: outside 1 to 1e7",
+                   'timing.first_step_s = "fast": not a number', "mfu = true: not a number",
+                   'memory.peak_gib[0] = "x": not a number', 'eval_losses = "none": not a list',
+                   "history.losses: 1 value not a finite number from -1e6 to 1e6, not drawn (step 1: nan)"):
+        assert needle in notes, needle
+    assert "versions.torch" not in notes
     md = out.with_suffix(".md").read_text()
     assert r"| \_\$\\frac{1}{0}\$ \| \*x\* | a\|b" + "\N{REPLACEMENT CHARACTER}" + r"\$x^2\$ \<b\> |" in md
     assert report._plot_text(label) == " _\\$\\frac{1}{0}\\$ | *x*"
@@ -177,3 +185,67 @@ def test_help_names_the_commands():
     assert proc.returncode == 0
     for needle in ("RUN_DIR", "--out", "--label", "--init pretrained", "--init random", "docs/pilot-report.md"):
         assert needle in proc.stdout, needle
+
+
+def _with(**changes) -> dict:
+    """full() with some fields replaced (`timing__first_step_s=...` replaces one field of `timing`)."""
+    data = full()
+    for key, value in changes.items():
+        *parents, last = key.split("__")
+        d = data
+        for p in parents:
+            d = d[p]
+        d[last] = value
+    return data
+
+
+INF, NAN = float("inf"), float("nan")
+# (results.json, {column of the first table: what it shows}, a note, the panels of the picture with a note)
+EXTREMES = {
+    "first_step_1e308": (_with(timing__first_step_s=1e308), {"first step s": "-", "steady step s": "1.25"},
+                         "timing.first_step_s = 1.00e+308: outside 1e-6 to 1e7 s", (2,)),
+    "peak_gib_1e308": (_with(memory={"peak_gib": [1e308], "planned_gib": 8.5}), {"peak / planned GiB": "- / 8.5"},
+                       "memory.peak_gib[0] = 1.00e+308: outside 0, or 1e-6 to 1e6 GiB", (4,)),
+    "peak_gib_1e306": (_with(memory={"peak_gib": [7.1, 1e306], "planned_gib": 8.5}),
+                       {"peak / planned GiB": "7.1 / 8.5 (0.84x)"}, "memory.peak_gib[1] = 1.00e+306: outside", (4,)),
+    "planned_1e-308": (_with(memory={"peak_gib": [7.4], "planned_gib": 1e-308}), {"peak / planned GiB": "7.4 / -"},
+                       "memory.planned_gib = 1.00e-308: outside 0, or 1e-6 to 1e6 GiB", (4,)),
+    "losses_1e308_-1e308_inf": (_with(history={"steps": [1, 2, 3], "losses": [1e308, -1e308, INF]}),
+                                {"steps": "3", "first loss": "-", "last loss": "-"},
+                                "history.losses: 3 values not a finite number from -1e6 to 1e6, not drawn "
+                                "(step 1: 1.00e+308, step 2: -1.00e+308, step 3: inf)", (1,)),
+    "mfu_1e300": (_with(mfu=1e300), {"MFU": "-", "tokens/s": "209,715"},
+                  "mfu = 1.00e+300: outside 1e-9 to 1 (a fraction of the peak)", (3,)),
+    "tokens_1e308": (_with(timing__steady_tokens_per_s=1e308), {"tokens/s": "15,000*", "MFU": "31.2%"},
+                     "timing.steady_tokens_per_s = 1.00e+308: outside 0, or 1e-6 to 1e12 tokens/s", (3,)),
+    "nan": (_with(timing={"first_step_s": NAN, "steady_step_s": 1.25, "steady_tokens_per_s": NAN}, mfu=NAN),
+            {"first step s": "-", "steady step s": "1.25", "tokens/s": "15,000*", "MFU": "-"},
+            "timing.first_step_s = nan: not finite", (2, 3)),
+    "negative_times": (_with(timing={"first_step_s": -5.0, "steady_step_s": -1e300}),
+                       {"first step s": "-", "steady step s": "-"},
+                       "timing.steady_step_s = -1.00e+300: outside 1e-6 to 1e7 s", (2,)),
+    "wrong_types": (_with(timing="fast", memory=[7.4], world_size="64"),
+                    {"world size": "-", "first step s": "-", "peak / planned GiB": "-"},
+                    'timing = "fast": not an object', (2, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(EXTREMES))
+def test_extreme_values_are_left_out_with_a_note(case, tmp_path, capsys):
+    """A value of the wrong type, not finite, or out of its range (report.Range) is "-" in the table and absent
+    from the picture, with a note naming the field and the value; the picture is still written, and the other
+    runs are drawn as they are."""
+    data, cells, note, panels = EXTREMES[case]
+    runs = [make_run(tmp_path, case, data), make_run(tmp_path, "pilot_full", full())]
+    out = tmp_path / "extreme.png"
+    assert report.main([*map(str, runs), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert report._png_text(out)[report.PNG_KEY] == report.PNG_VALUE
+    rows = rows_of(text, [case, "pilot_full"])
+    assert {c: rows[case][report.COLUMNS.index(c)] for c in cells} == cells
+    assert rows["pilot_full"][6:13] == ["12.100", "9.700", "412", "1.25", "209,715", "31.2%", "7.4 / 8.5 (0.87x)"]
+    assert f"{case}: {note}" in text
+    assert report.md_cell(f"{case}: {note}") in out.with_suffix(".md").read_text()
+    loaded = [report.load_run(str(r), r.name) for r in runs]
+    for p in (1, 2, 3, 4):  # the panels those fields belong to carry notes, the others none
+        assert bool(report._note_lines(loaded, p, out)) == (p in panels), p

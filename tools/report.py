@@ -14,12 +14,16 @@ FILE.png holds four panels, each run in its own colour: (1) training loss per st
 tokens/s and MFU (%); (4) peak memory (the largest rank) against the plan, with their ratio; and below them a
 row per run (script, preset, device, world size, steps, versions). The same figures as a table are printed and
 written beside the picture as FILE.md (both replaced atomically). A figure the results.json does not hold (an
-older run, or one on a device that cannot measure it) is shown as "-", never guessed. Each run is labelled by
-its folder name, or by `--label`, given once per RUN_DIR in the same order. What each field means: docs/pilot-report.md.
+older run, or one on a device that cannot measure it) is shown as "-", never guessed; so is a value of the wrong
+type, not finite, or out of its range (an MFU above 1, a step time outside 1e-6 to 1e7 s; the ranges:
+docs/pilot-report.md), which is not drawn either and is named in a note below the table and above its panel. Each
+run is labelled by its folder name, or by `--label`, given once per RUN_DIR in the same order. What each field
+means: docs/pilot-report.md.
 
 The tool never writes over a file it did not write: an existing FILE.png or FILE.md that is not one of its own
-reports (one of the inputs, a loss.png) is refused. Bad input (a RUN_DIR without a readable results.json, such an
---out) is one `error:` line and exit code 2. Set-up tooling: no example imports it, nothing copies it.
+reports (one of the inputs, a loss.png) is refused. Bad input (a RUN_DIR without a readable results.json, one
+that is not a JSON object, such an --out) is one `error:` line and exit code 2. Set-up tooling: no example
+imports it, nothing copies it.
 """
 from __future__ import annotations
 
@@ -49,25 +53,17 @@ LABEL_CHARS = 28  # a run's label in the picture (the table keeps it whole)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reading: every field optional, every value checked for its type (an older or foreign results.json shows "-").
+# Reading: every field optional, every value checked for its type and range (an older or foreign results.json
+# shows "-").
 
 def _num(x) -> float | None:
-    """A JSON number as a float (NaN and infinities kept: a diverged loss is shown as nan), else None."""
+    """A JSON number as a float (NaN and infinities too: Fields checks the range), else None."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     try:
         return float(x)
     except OverflowError:  # an integer past float's range
         return None
-
-
-def _finite(x) -> float | None:
-    v = _num(x)
-    return v if v is not None and math.isfinite(v) else None
-
-
-def _dict(x) -> dict:
-    return x if isinstance(x, dict) else {}
 
 
 def _text(x) -> str | None:
@@ -77,6 +73,112 @@ def _text(x) -> str | None:
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return one_line(str(x))
     return None
+
+
+# What a figure may be. A value outside its range is no measurement (a hand-edited or corrupt results.json, an
+# overflow in the script that wrote it, a unit slip): it is shown as "-" with a note naming the field and the
+# value, never printed as a figure nor drawn. So is a value of the wrong type (text where a number belongs). Each
+# bound is far beyond any real run, and keeps the picture's arithmetic finite (an axis's headroom, a log axis's
+# decades).
+
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: float
+    what: str  # the range in words, for the note
+    zero: bool = False  # 0 as well (a count or a counter that can read 0), though below lo
+    whole: bool = False  # a whole number (a step, a rank count)
+
+    def why_not(self, v: float) -> str | None:
+        """Why `v` is not a value of this range (None: it is)."""
+        if not math.isfinite(v):
+            return "not finite"
+        if not (self.lo <= v <= self.hi or (self.zero and v == 0)):
+            return f"outside {self.what}"
+        if self.whole and v != int(v):
+            return "not a whole number"
+        return None
+
+    def holds(self, v: float) -> bool:
+        return self.why_not(v) is None
+
+
+LOSS = Range(-1e6, 1e6, "-1e6 to 1e6")
+STEP = Range(0, 1e9, "0 to 1e9", whole=True)
+COUNT = Range(0, 1e9, "0 to 1e9", whole=True)
+WORLD_SIZE = Range(1, 1e7, "1 to 1e7 ranks", whole=True)
+SECONDS = Range(1e-6, 1e7, "1e-6 to 1e7 s (about 116 days)")
+SIGNED_SECONDS = Range(-1e7, 1e7, "-1e7 to 1e7 s")  # first step minus steady: below 0 when step 1 was the faster
+TOKENS_PER_S = Range(1e-6, 1e12, "0, or 1e-6 to 1e12 tokens/s", zero=True)
+MFU = Range(1e-9, 1.0, "1e-9 to 1 (a fraction of the peak)")  # 1e-9: an axis in % spans 11 decades at most
+FLOPS_PER_TOKEN = Range(1.0, 1e18, "1 to 1e18 FLOPs")
+PEAK_FLOPS = Range(1e6, 1e19, "1e6 to 1e19 FLOP/s")
+GIB = Range(1e-6, 1e6, "0, or 1e-6 to 1e6 GiB (1 KiB to 1 PiB)", zero=True)
+RATIO = Range(0.0, 1e6, "0 to 1e6")
+
+# Which panel of the picture shows a note on a field (a list's items like the list); other fields: the tables only.
+PANEL_OF = {"history": 1, "history.losses": 1, "losses": 1, "eval_losses": 1, "timing": 2, "timing.first_step_s": 2,
+            "timing.steady_step_s": 2, "timing.steady_tokens_per_s": 3, "tokens_per_s": 3, "mfu": 3, "memory": 4,
+            "memory.peak_gib": 4, "memory.planned_gib": 4, "memory.ratio": 4}
+
+
+def _panel(note: str) -> int | None:
+    """The panel of a note (`field = value: why`, `field: ...`)."""
+    return PANEL_OF.get(note.split(" ", 1)[0].rstrip(":").split("[", 1)[0])
+
+
+def _shown(x) -> str:
+    """A results.json value in a note: a number as the table writes it, anything else by its type or as short text."""
+    if isinstance(x, bool) or x is None:
+        return json.dumps(x)
+    if isinstance(x, int) and _num(x) is None:
+        return f"an integer of {len(str(abs(x)))} digits" if abs(x) > 10 ** 30 else str(x)
+    if isinstance(x, (int, float)):
+        return _fmt(float(x))
+    if isinstance(x, str):
+        text = one_line(x)
+        return json.dumps(text[:30] + ("\N{HORIZONTAL ELLIPSIS}" if len(text) > 30 else ""), ensure_ascii=False)
+    return {"dict": "an object", "list": "a list"}.get(type(x).__name__, type(x).__name__)
+
+
+class Fields:
+    """Reads results.json's fields, each checked for its type and its range; what does not pass is None, and a note
+    says which field held what."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def note(self, name: str, value, why: str) -> None:
+        self.notes.append(f"{name} = {_shown(value)}: {why}")
+
+    def obj(self, d: dict, key: str) -> dict:
+        x = d.get(key)
+        if x is None or isinstance(x, dict):
+            return x or {}
+        self.note(key, x, "not an object")
+        return {}
+
+    def number(self, x, name: str, rng: Range) -> float | None:
+        if x is None:  # absent, or JSON null: the script had no figure
+            return None
+        v = _num(x)
+        if v is None:
+            self.note(name, x, f"outside {rng.what}" if isinstance(x, int) and not isinstance(x, bool)
+                      else "not a number")
+            return None
+        why = rng.why_not(v)
+        if why:
+            self.note(name, x, why)
+            return None
+        return v
+
+    def text(self, x, name: str) -> str | None:
+        if x is None:
+            return None
+        t = _text(x)
+        if t is None:
+            self.note(name, x, "not text")
+        return t
 
 
 @dataclass
@@ -109,6 +211,7 @@ class Run:
     stopped: str | None = None
     cost: str | None = None
     versions: dict[str, str | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # values left out: `field = value: why`
 
     @property
     def tokens_per_s(self) -> tuple[float | None, bool]:
@@ -145,51 +248,82 @@ def read_results(run_dir: str) -> dict:
         raise UserError(f"{shown} is not a readable JSON results file ({one_line(type(e).__name__)}: "
                         f"{one_line(str(e))[:200]})") from None
     if not isinstance(data, dict):
-        raise UserError(f"{shown} holds JSON but not a results object (a {type(data).__name__}): "
-                        "name a training run's --out_dir")
+        kind = ("null" if data is None else "true or false" if isinstance(data, bool)
+                else {"int": "a number", "float": "a number", "str": "a string", "list": "a list"}[type(data).__name__])
+        raise UserError(f"{shown} holds JSON {kind}, not a results object: name a training run's --out_dir")
     return data
 
 
-def _steps_and_losses(d: dict) -> tuple[list[int], list[float]]:
+def _listed(f: Fields, name: str, points: list[tuple[object, object]], what: str) -> tuple[list[int], list]:
+    """(steps, losses) of (step, loss) pairs: a pair whose step is not a step is left out, a loss that is not a
+    loss is None (a gap in the curve, "-" in the table); one note for each kind, with the first few values."""
+    steps, losses, bad_steps, bad_losses = [], [], [], []
+    for s, v in points:
+        step = _num(s)
+        if step is None or not STEP.holds(step):
+            bad_steps.append(s)
+            continue
+        loss = _num(v)
+        if loss is None or not LOSS.holds(loss):
+            bad_losses.append((int(step), v))
+            loss = None
+        steps.append(int(step))
+        losses.append(loss)
+    if bad_steps:
+        shown = ", ".join(_shown(x) for x in bad_steps[:3]) + (", ..." if len(bad_steps) > 3 else "")
+        f.notes.append(f"{name}: {len(bad_steps)} step{'s' * (len(bad_steps) != 1)} not a whole number from "
+                       f"{STEP.what}, {what} left out ({shown})")
+    if bad_losses:
+        shown = ", ".join(f"step {s}: {_shown(x)}" for s, x in bad_losses[:3]) + (", ..." if len(bad_losses) > 3
+                                                                                  else "")
+        f.notes.append(f"{name}: {len(bad_losses)} value{'s' * (len(bad_losses) != 1)} not a finite number from "
+                       f"{LOSS.what}, not drawn ({shown})")
+    return steps, losses
+
+
+def _steps_and_losses(f: Fields, d: dict) -> tuple[list[int], list[float | None]]:
     """The whole loss curve: history {steps, losses} (every step, across resumes), else steps/losses."""
-    for src in (_dict(d.get("history")), d):
+    for src, prefix in ((f.obj(d, "history"), "history."), (d, "")):
         losses, steps = src.get("losses"), src.get("steps")
+        if losses is not None and not isinstance(losses, list):
+            f.note(prefix + "losses", losses, "not a list")
         if isinstance(losses, list) and losses:
             if not (isinstance(steps, list) and len(steps) == len(losses)):
                 steps = list(range(1, len(losses) + 1))
-            pairs = [(_num(s), _num(v)) for s, v in zip(steps, losses)]
-            pairs = [(int(s), v) for s, v in pairs if s is not None and math.isfinite(s) and v is not None]
-            return [s for s, _ in pairs], [v for _, v in pairs]
+            return _listed(f, prefix + "losses", list(zip(steps, losses)), "its loss")
     return [], []
 
 
-def _eval_losses(d: dict) -> tuple[list[int], list[float]]:
+def _eval_losses(f: Fields, d: dict) -> tuple[list[int], list[float | None]]:
     items = d.get("eval_losses")
-    pairs = []
-    for item in items if isinstance(items, list) else ():
-        item = _dict(item)
-        s, v = _finite(item.get("step")), _num(item.get("loss"))
-        if s is not None and v is not None:
-            pairs.append((int(s), v))
-    pairs.sort()
+    if items is not None and not isinstance(items, list):
+        f.note("eval_losses", items, "not a list of {step, loss}")
+    points = []
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if isinstance(item, dict):
+            points.append((item.get("step"), item.get("loss")))
+        else:
+            f.note(f"eval_losses[{i}]", item, "not a {step, loss} object")
+    steps, losses = _listed(f, "eval_losses", points, "that held-out loss")
+    pairs = sorted(zip(steps, losses), key=lambda p: p[0])
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _cost(x) -> str | None:
+def _cost(f: Fields, x) -> str | None:
     """`cost` as `key value` pairs of its scalar fields (its schema is the writing script's)."""
     if isinstance(x, dict):
         parts = [f"{one_line(str(k))} {_fmt_any(v)}" for k, v in x.items()
                  if isinstance(v, (str, int, float)) and not isinstance(v, bool)]
         return ", ".join(parts) or None
-    return _text(x)
+    return f.text(x, "cost")
 
 
-def _stopped(x) -> str | None:
+def _stopped(f: Fields, x) -> str | None:
     """`stopped` ({reason, step, checkpoint} when a signal or --time_limit stopped the run) in a few words."""
     if isinstance(x, dict):
-        reason, step = _text(x.get("reason")), _finite(x.get("step"))
+        reason, step = f.text(x.get("reason"), "stopped.reason"), f.number(x.get("step"), "stopped.step", COUNT)
         return (reason or "stopped") + (f" after step {int(step)}" if step is not None else "")
-    return _text(x) if x else None
+    return f.text(x, "stopped") if x else None
 
 
 def _fmt_any(v) -> str:
@@ -199,40 +333,57 @@ def _fmt_any(v) -> str:
 
 def load_run(run_dir: str, label: str) -> Run:
     d = read_results(run_dir)
-    config, timing, memory = _dict(d.get("config")), _dict(d.get("timing")), _dict(d.get("memory"))
-    peak = memory.get("peak_gib")
-    peaks = [v for v in (peak if isinstance(peak, list) else [peak]) if _finite(v) is not None]
+    f = Fields()
+    config, timing, memory = f.obj(d, "config"), f.obj(d, "timing"), f.obj(d, "memory")
     run = Run(label=label, path=results_path(run_dir))
-    run.script = _text(d.get("script"))
-    run.preset = _text(config.get("preset"))
-    run.device = _text(d.get("device")) or _text(config.get("device"))
-    ws = _finite(d.get("world_size"))
+    run.script = f.text(d.get("script"), "script")
+    run.preset = f.text(config.get("preset"), "config.preset")
+    run.device = f.text(d.get("device"), "device") or f.text(config.get("device"), "config.device")
+    ws = f.number(d.get("world_size"), "world_size", WORLD_SIZE)
     run.world_size = int(ws) if ws is not None else None
-    run.steps, run.losses = _steps_and_losses(d)
-    run.eval_steps, run.eval_losses = _eval_losses(d)
-    run.first_step_s = _finite(timing.get("first_step_s"))
-    run.steady_step_s = _finite(timing.get("steady_step_s"))
-    w = _finite(timing.get("warmup_steps_excluded"))
+    run.steps, run.losses = _steps_and_losses(f, d)
+    run.eval_steps, run.eval_losses = _eval_losses(f, d)
+    run.first_step_s = f.number(timing.get("first_step_s"), "timing.first_step_s", SECONDS)
+    run.steady_step_s = f.number(timing.get("steady_step_s"), "timing.steady_step_s", SECONDS)
+    w = f.number(timing.get("warmup_steps_excluded"), "timing.warmup_steps_excluded", COUNT)
     run.warmup_steps_excluded = int(w) if w is not None else None
-    run.compile_or_warmup_s = _finite(timing.get("compile_or_warmup_s"))
-    run.steady_tokens_per_s = _finite(timing.get("steady_tokens_per_s"))
-    run.steady_tokens_per_s_per_rank = _finite(timing.get("steady_tokens_per_s_per_rank"))
-    run.run_tokens_per_s = _finite(d.get("tokens_per_s"))
-    run.flops_per_token = _finite(d.get("flops_per_token"))
-    run.mfu = _finite(d.get("mfu"))
+    run.compile_or_warmup_s = f.number(timing.get("compile_or_warmup_s"), "timing.compile_or_warmup_s",
+                                       SIGNED_SECONDS)
+    run.steady_tokens_per_s = f.number(timing.get("steady_tokens_per_s"), "timing.steady_tokens_per_s",
+                                       TOKENS_PER_S)
+    run.steady_tokens_per_s_per_rank = f.number(timing.get("steady_tokens_per_s_per_rank"),
+                                                "timing.steady_tokens_per_s_per_rank", TOKENS_PER_S)
+    run.run_tokens_per_s = f.number(d.get("tokens_per_s"), "tokens_per_s", TOKENS_PER_S)
+    run.flops_per_token = f.number(d.get("flops_per_token"), "flops_per_token", FLOPS_PER_TOKEN)
+    run.mfu = f.number(d.get("mfu"), "mfu", MFU)
     pf = d.get("peak_flops_per_device")
-    run.peak_flops = _finite(_dict(pf).get("value")) if isinstance(pf, dict) else _finite(pf)
-    run.peak_flops_source = _text(_dict(pf).get("source"))
-    run.peak_gib = max(float(v) for v in peaks) if peaks else None
-    run.planned_gib = _finite(memory.get("planned_gib"))
-    run.memory_ratio = _finite(memory.get("ratio"))
-    if run.memory_ratio is None and run.peak_gib is not None and run.planned_gib:
-        run.memory_ratio = run.peak_gib / run.planned_gib
-    run.measured_by = _text(memory.get("measured_by"))
-    run.stopped = _stopped(d.get("stopped"))
-    run.cost = _cost(d.get("cost"))
-    versions = _dict(d.get("versions"))
-    run.versions = {k: _text(versions.get(k)) for k in ("torch", "torchtitan", "transformers", "torch_neuronx")}
+    if isinstance(pf, dict):
+        run.peak_flops = f.number(pf.get("value"), "peak_flops_per_device.value", PEAK_FLOPS)
+        run.peak_flops_source = f.text(pf.get("source"), "peak_flops_per_device.source")
+    else:
+        run.peak_flops = f.number(pf, "peak_flops_per_device", PEAK_FLOPS)
+    peak = memory.get("peak_gib")
+    if isinstance(peak, list):
+        peaks = [f.number(v, f"memory.peak_gib[{i}]", GIB) for i, v in enumerate(peak)]
+        kept = sum(v is not None for v in peaks)
+        if 0 < kept < len(peaks):
+            f.notes.append(f"memory.peak_gib: {len(peaks) - kept} of {len(peaks)} ranks left out, the largest of the "
+                           f"other {kept} shown")
+        peaks = [v for v in peaks if v is not None]
+    else:
+        peaks = [v for v in [f.number(peak, "memory.peak_gib", GIB)] if v is not None]
+    run.peak_gib = max(peaks) if peaks else None
+    run.planned_gib = f.number(memory.get("planned_gib"), "memory.planned_gib", GIB)
+    run.memory_ratio = f.number(memory.get("ratio"), "memory.ratio", RATIO)
+    if memory.get("ratio") is None and run.peak_gib is not None and run.planned_gib:
+        run.memory_ratio = f.number(run.peak_gib / run.planned_gib, "memory.peak_gib / memory.planned_gib", RATIO)
+    run.measured_by = f.text(memory.get("measured_by"), "memory.measured_by")
+    run.stopped = _stopped(f, d.get("stopped"))
+    run.cost = _cost(f, d.get("cost"))
+    versions = f.obj(d, "versions")
+    run.versions = {k: f.text(versions.get(k), f"versions.{k}")
+                    for k in ("torch", "torchtitan", "transformers", "torch_neuronx")}
+    run.notes = f.notes
     return run
 
 
@@ -326,7 +477,12 @@ def _footnotes(runs: list[Run]) -> list[str]:
     if any(r.tokens_per_s[0] is not None and not r.tokens_per_s[1] for r in runs):
         notes.append("* tokens/s over the whole run, first step included: that results.json has no steady figure "
                      "(`timing`)")
-    notes.append('"-" = not in that run\'s results.json')
+    if any(r.notes for r in runs):
+        notes.append('"-" = not in that run\'s results.json, or a value there left out (below)')
+        notes.append("Left out: a value of the wrong type, or out of its range, is shown as \"-\" and not drawn:")
+        notes += [f"{r.label}: {n}" for r in runs for n in r.notes]
+    else:
+        notes.append('"-" = not in that run\'s results.json')
     return notes
 
 
@@ -422,6 +578,27 @@ def _scale(ax, values: list[float | None], headroom: float = 1.18) -> None:
         ax.set_ylim(0, max(present) * headroom)
 
 
+NOTE_LINE_PT = 10  # a line of a panel's notes (7 pt text)
+
+
+def _note_lines(runs: list[Run], panel: int, path: Path, most: int = 2) -> list[str]:
+    """The notes on the values a panel leaves out, as its lines: the first few, then how many more FILE.md has."""
+    lines = [f"{r.label}: {n}" for r in runs for n in r.notes if _panel(n) == panel]
+    shown = [_plot_text("left out, " + line, 120) for line in lines[:most]]
+    if len(lines) > most:
+        shown.append(_plot_text(f"and {len(lines) - most} more: {path.with_suffix('.md').name}", 120))
+    return shown
+
+
+def _notes(ax, runs: list[Run], panel: int, path: Path) -> None:
+    """A panel's notes in dark red between its title and its axes."""
+    lines = _note_lines(runs, panel, path)
+    if lines:
+        ax.annotate("\n".join(lines), (0, 1), xycoords="axes fraction", xytext=(0, 3), textcoords="offset points",
+                    ha="left", va="bottom", fontsize=7, color="darkred", linespacing=1.2)
+        ax.set_title(ax.get_title(), fontsize=10, pad=6 + NOTE_LINE_PT * len(lines))
+
+
 SOLID = {"alpha": 0.9}
 HATCHED = {"alpha": 0.35, "hatch": "//"}
 
@@ -439,21 +616,25 @@ def draw(runs: list[Run], path: Path) -> None:
     colors = [cmap(i % 10) for i in range(n)]
     w, h = figure_size(n)
     fig = plt.figure(figsize=(w, h), dpi=DPI)
+    top_notes = max(len(_note_lines(runs, 1, path)), len(_note_lines(runs, 2, path)))  # room for them below the title
     grid = fig.add_gridspec(3, 2, height_ratios=[5, 5, 0.3 * (n + 1) + 0.3], hspace=0.4, wspace=0.25,
-                            left=0.06, right=0.95, top=0.94, bottom=0.02)
+                            left=0.06, right=0.95, top=0.94 - top_notes * NOTE_LINE_PT / 72 / h, bottom=0.02)
     fig.suptitle(f"{n} run{'s' * (n != 1)} side by side (python -m tools.report)", fontsize=12)
     solid, hatched = Patch(facecolor="0.3", label=""), Patch(facecolor="0.6", alpha=0.35, hatch="//", label="")
+
+    def where(panel: int) -> str:  # why a panel is empty
+        return "to draw (left out: above)" if _note_lines(runs, panel, path) else "in these results.json"
 
     # (1) loss curves
     ax = fig.add_subplot(grid[0, 0])
     drawn = False
     for r, c in zip(runs, colors):
-        if r.losses:
-            ax.plot(r.steps, [v if math.isfinite(v) else math.nan for v in r.losses], color=c, marker="o",
+        if any(v is not None for v in r.losses):
+            ax.plot(r.steps, [math.nan if v is None else v for v in r.losses], color=c, marker="o",
                     markersize=3, label=_plot_text(r.label))
             drawn = True
-        if r.eval_losses:
-            ax.plot(r.eval_steps, [v if math.isfinite(v) else math.nan for v in r.eval_losses], color=c,
+        if any(v is not None for v in r.eval_losses):
+            ax.plot(r.eval_steps, [math.nan if v is None else v for v in r.eval_losses], color=c,
                     linestyle="--", marker="s", markersize=3, label=_plot_text(r.label, 20) + " (held-out)")
             drawn = True
     ax.set_title("(1) loss per step: training solid, held-out dashed", fontsize=10)
@@ -464,7 +645,8 @@ def draw(runs: list[Run], path: Path) -> None:
     if drawn:
         ax.legend(fontsize=8)
     else:
-        _empty(ax, "no losses in these results.json")
+        _empty(ax, "no losses " + where(1))
+    _notes(ax, runs, 1, path)
 
     # (2) first step vs steady step
     ax = fig.add_subplot(grid[0, 1])
@@ -481,7 +663,8 @@ def draw(runs: list[Run], path: Path) -> None:
         hatched.set_label("first step")
         ax.legend(handles=[hatched, solid], fontsize=8)
     else:
-        _empty(ax, "no step times (`timing`) in these results.json")
+        _empty(ax, "no step times (`timing`) " + where(2))
+    _notes(ax, runs, 2, path)
 
     # (3) tokens/s and MFU
     ax = fig.add_subplot(grid[1, 0])
@@ -499,7 +682,8 @@ def draw(runs: list[Run], path: Path) -> None:
             a.set_yticks([])
     ax.grid(alpha=0.3, axis="y")
     if all(v is None for v in tokens + mfus):
-        _empty(ax, "no throughput in these results.json")
+        _empty(ax, "no throughput " + where(3))
+    _notes(ax, runs, 3, path)
 
     # (4) memory against the plan
     ax = fig.add_subplot(grid[1, 1])
@@ -513,11 +697,12 @@ def draw(runs: list[Run], path: Path) -> None:
                         xytext=(0, 14), textcoords="offset points", fontweight="bold")
     ax.set_title("(4) memory per rank: peak of the largest rank (solid) vs planned (hatched)", fontsize=10)
     if all(v is None for v in peaks + planned):
-        _empty(ax, "no memory figures in these results.json")
+        _empty(ax, "no memory figures " + where(4))
     else:
         _scale(ax, peaks + planned, 1.3)
         ax.set_ylabel("GiB")
         ax.grid(alpha=0.3, axis="y")
+    _notes(ax, runs, 4, path)
 
     # a row per run
     ax = fig.add_subplot(grid[2, :])
