@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from common import results
@@ -34,7 +33,7 @@ def apply_checkpoint_settings(cfg, *, steps: int, export: bool, every: int = 0,
     from the latest one when the same command runs again. The last save is model-only in HF
     safetensors: the export. `initial_hf` is an HF folder to start from when there is nothing to
     resume."""
-    cfg.checkpoint.enable = True  # a stop signal or --time_limit may save any step (common/harness/resume.py)
+    cfg.checkpoint.enable = True  # a stop signal or --time_limit may save any step (common/harness/stops.py)
     cfg.checkpoint.interval = every or steps + 1
     cfg.checkpoint.initial_load_path = str(initial_hf) if initial_hf else None
     cfg.checkpoint.initial_load_in_hf = initial_hf is not None
@@ -74,8 +73,8 @@ def make_owned_dir(folder: Path) -> Path:
 
 
 def clear_stale_checkpoints(out_dir: Path, is_main: bool) -> None:
-    """A run resumes only from a whole distributed checkpoint (its .metadata is written last; common/harness/resume.py has
-    checked that this command may continue it): a step folder without one is a save cut short, or the model-only
+    """A run resumes only from a whole distributed checkpoint (its .metadata is written last; the harness has checked
+    that this command may continue it: common/harness/resume.py): a step folder without one is a save cut short, or the model-only
     HF save of a run killed before its export was completed, which torchtitan would load (it has an index) and
     fail on or resume without optimizer state; it is removed. Whole checkpoints are never removed. Only a folder a
     run made (its marker) is touched. Call on rank 0 before a barrier."""
@@ -122,87 +121,6 @@ def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_p
     if is_main:
         with results.atomic_path(path) as tmp:
             save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(tmp))
-
-
-LOAD_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}  # max abs logit difference; bf16 compute rounds
-COMPARED_SETTINGS = ("rope_theta", "rms_norm_eps", "head_dim", "tie_word_embeddings")
-
-
-def _settings(config) -> dict:
-    """The compared settings of a config.json dict or a transformers config object."""
-    from common.checkpoint import rope_theta
-
-    if not isinstance(config, dict):
-        config = {k: getattr(config, k, None) for k in ("rope_parameters", "rope_scaling", "rope_theta",
-                                                        *COMPARED_SETTINGS[1:])}
-    out = {k: config.get(k) for k in COMPARED_SETTINGS[1:]}
-    out["tie_word_embeddings"] = bool(out["tie_word_embeddings"])
-    try:
-        out["rope_theta"] = rope_theta(config)
-    except UserError:
-        out["rope_theta"] = None
-    return out
-
-
-def _settings_differences(built_config, ckpt_dir) -> dict:
-    ours, theirs = _settings(built_config), _settings(read_hf_config(ckpt_dir))
-    return {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
-
-
-def attach_load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is_main: bool,
-                      pass_positions: bool = False) -> dict:
-    """Check that the model torchtitan builds is the checkpoint: its settings (`built_config`, a config.json dict
-    or a transformers config) against the folder's config.json now, before anything loads (a wrong head_dim or
-    theta is named here, not in the loader); then, right before the first step of a fresh run (a resumed run
-    holds trained weights), its logits against transformers' `from_pretrained` of the folder (float32, in a fresh
-    process: the Transformers backend patches transformers' classes). Catches weights not loaded and config
-    values read wrong or replaced by defaults. Returns the dict the logit check's result is written into; a
-    failure is one UserError on every rank."""
-    differing = _settings_differences(built_config, ckpt_dir)
-    if differing:
-        _fail(ckpt_dir, [f"{k}: trained model {a}, config.json {b}" for k, (a, b) in differing.items()])
-    original, result = trainer.train_step, {}
-
-    def first_step(*args, **kw):
-        trainer.train_step = original
-        if trainer.step == 1:
-            result.update(_logit_check(trainer, ckpt_dir, tokenizer_dir, dtype, is_main, pass_positions))
-        return original(*args, **kw)
-
-    trainer.train_step = first_step
-    return result
-
-
-def _fail(ckpt_dir, named: list[str]):
-    raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
-                    + "; ".join(named) + "); pass --no-load_check to train anyway")
-
-
-def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool) -> dict:
-    import torch
-    from safetensors.torch import save_file
-
-    tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
-    check = None
-    if is_main:
-        with tempfile.TemporaryDirectory() as tmp:
-            reference = Path(tmp) / "load_reference.safetensors"
-            save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
-            read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
-        diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
-        check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
-                 **({"error": read_back["error"]} if "error" in read_back else {})}
-    if torch.distributed.is_initialized():
-        box = [check]
-        torch.distributed.broadcast_object_list(box, src=0)
-        check = box[0]
-    if not check["passed"]:
-        _fail(ckpt_dir, [check.get("error") or f"max abs logit diff {check['max_abs_logit_diff']:.3g} > "
-                                               f"{check['tolerance']:g}"])
-    if is_main:
-        print(f"[load check] max abs logit diff {check['max_abs_logit_diff']:.3g} (tolerance {check['tolerance']:g}), "
-              "settings agree: the built model is the checkpoint", flush=True)
-    return check
 
 
 def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokenizer_dir: Path,

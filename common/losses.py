@@ -1,11 +1,9 @@
 """A training run's loss curve and its closing results: the losses torchtitan's MetricsProcessor logs
-(`LossRecorder`, never scraped from log lines), losses.jsonl across resumes, loss.png, the comparison
-with reference losses (`--compare_losses`) and `finish_run` (results.json, the error line of a failed
-check). loss.png also shows results.json's `eval_losses` (the held-out loss of `--eval_every`), dashed.
+(`LossRecorder`, never scraped from log lines), loss.png and `finish_run` (results.json, the error line of a
+failed check). loss.png also shows results.json's `eval_losses` (the held-out loss of `--eval_every`), dashed.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -14,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import UserError
-from common.results import atomic_path, atomic_write_text, write_results
+from common.results import atomic_path, write_results
 
 
 def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
@@ -47,57 +45,10 @@ def plot_losses(path: str | os.PathLike, losses: list[float], title: str,
     return path
 
 
-def read_reference_losses(path: str | os.PathLike) -> list[float]:
-    """Losses from a reference file: a results.json or a golden file (both hold `losses`)."""
-    try:
-        data = json.loads(Path(path).read_text())
-        losses = [float(x) for x in data["losses"]]
-    except FileNotFoundError:
-        raise UserError(f"--compare_losses: no file {path}") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--compare_losses: {path} is not a JSON file with a 'losses' list ({e})") from None
-    if not losses:
-        raise UserError(f"--compare_losses: {path} holds no losses")
-    if not all(math.isfinite(x) for x in losses):
-        raise UserError(f"--compare_losses: {path} holds NaN or infinite losses: it cannot be a reference")
-    return losses
-
-
-def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: float,
-                   steps: list[int] | None = None) -> dict:
-    """Per-step differences between a run's losses and a reference file's first N losses, so a user
-    on trn2 or CUDA sees at step N whether the hardware reproduces the reference. `steps` numbers
-    the losses (from 1; a resumed run starts later); the reference's loss i is step i."""
-    reference = read_reference_losses(path)
-    numbered = list(zip(steps or range(1, len(losses) + 1), losses))
-    pairs = [(s, loss) for s, loss in numbered if 1 <= s <= len(reference)]
-    n = len(pairs)
-    per_step = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
-                for s, loss in pairs]
-    worst = max((r["abs_diff"] for r in per_step), default=float("nan"))
-    first = next((r["step"] for r in per_step if not r["abs_diff"] <= tolerance), None)  # NaN differs
-    return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
-            "first_differing_step": first, "passed": n > 0 and first is None, "per_step": per_step}
-
-
-def format_loss_comparison(c: dict) -> str:
-    rows = [f"[compare] {c['steps_compared']} steps against {c['reference']} (tolerance {c['tolerance']:g})"]
-    rows += [f"    step {s['step']:3d}  loss {s['loss']:.6f}  reference {s['reference']:.6f}  diff {s['abs_diff']:.2e}"
-             for s in c["per_step"]]
-    rows.append(f"[compare] max abs diff {c['max_abs_diff']:.2e}: "
-                + ("reproduces the reference" if c["passed"] else
-                   f"DIFFERS from the reference from step {c['first_differing_step']}"))
-    return "\n".join(rows)
-
-
-def finish_run(results: dict, history: dict, *, compare_with: str | None, tolerance: float, out_dir: Path,
-               title: str, is_main: bool) -> Path | None:
-    """A training run's last steps: the loss comparison (`--compare_losses`) over the whole curve,
-    then on rank 0 loss.png and results.json (atomic). Returns the results.json path on rank 0."""
-    if compare_with:
-        results["loss_comparison"] = compare_losses(history["losses"], compare_with, tolerance, steps=history["steps"])
-        if is_main:
-            print(format_loss_comparison(results["loss_comparison"]), flush=True)
+def finish_run(results: dict, history: dict, *, out_dir: Path, title: str, is_main: bool) -> Path | None:
+    """A training run's last steps on rank 0: loss.png and results.json (atomic); then one UserError naming every
+    check that failed (the export's, and a `loss_comparison` the harness added). Returns the results.json path on
+    rank 0."""
     if not is_main:
         return None
     plot_losses(Path(out_dir) / "loss.png", history["losses"], title, steps=history["steps"],
@@ -139,8 +90,8 @@ class LossRecorder:
     grad_norms: list[float] = field(default_factory=list)
     tokens_seen: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    on_step: list = field(default_factory=list)  # (step, loss) -> None, after each step is recorded
 
-    progress: Path | None = None  # rank 0: OUT_DIR/losses.jsonl, one line a step, kept across resumes
 
     def attach(self, trainer) -> None:
         mp = trainer.metrics_processor
@@ -155,8 +106,8 @@ class LossRecorder:
             self.grad_norms.append(float(grad_norm))
             self.tokens_seen.append(int((extra_metrics or {}).get("n_tokens_seen", 0)))
             self.times.append(time.perf_counter())
-            if self.progress is not None:
-                self._append_progress(int(step), float(global_avg_loss))
+            for hook in self.on_step:
+                hook(int(step), float(global_avg_loss))
             return original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
         mp.log = log
@@ -178,21 +129,9 @@ class LossRecorder:
         trainer.train = train_or_one_line
         self.times.append(time.perf_counter())  # t0: training starts after attach
 
-    def _append_progress(self, step: int, loss: float) -> None:
-        """Append one line; on a run's first step keep only the earlier steps of the run it resumes
-        (a fresh run starts the file anew), so the file is the whole loss curve across kills. The one
-        writer here that appends instead of writing atomically: a step's line must not cost a rewrite."""
-        if len(self.steps) == 1:
-            kept = [r for r in read_progress(self.progress) if r["step"] < step]
-            atomic_write_text(self.progress, "".join(json.dumps(r) + "\n" for r in kept))
-        with open(self.progress, "a") as f:  # a kill can cut the last line; read_progress skips it
-            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-
     def history(self) -> dict:
-        """Steps and losses of the whole run, resumed parts included (rank 0, with `progress`)."""
-        rows = read_progress(self.progress) if self.progress is not None else []
-        rows = rows or [{"step": s, "loss": l} for s, l in zip(self.steps, self.losses)]
-        return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows]}
+        """Steps and losses of this process's run (the harness adds the steps before a resume)."""
+        return {"steps": list(self.steps), "losses": list(self.losses)}
 
     def tokens_per_s(self) -> float:
         """Global tokens per second, leaving out step 1 (warm-up, compilation) when there are more."""
@@ -204,17 +143,3 @@ class LossRecorder:
         else:
             return math.nan
         return dn / dt if dt > 0 else math.nan
-
-
-def read_progress(path: Path) -> list[dict]:
-    """The rows of a losses.jsonl; a last line cut by a kill is skipped."""
-    rows = []
-    if path is not None and Path(path).is_file():
-        for line in Path(path).read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), float):
-                rows.append(row)
-    return rows

@@ -146,16 +146,17 @@ class Hooks:
         """After the recipe's Trainer.Config, before the build: settings, files; notes for the log."""
         return []
 
-    def attach(self, trainer, dev, shape: dict, rec: LossRecorder) -> None:
+    def attach(self, trainer, tc, dev, shape: dict, rec: LossRecorder) -> None:
         """After the build, before step 1."""
+
+    def history(self, rec: LossRecorder) -> dict:
+        """The loss curve results.json and loss.png show: this process's steps."""
+        return rec.history()
 
     def results(self, rec: LossRecorder, dev, shape: dict, out_dir: Path) -> dict:
         """After training: results entries; a `stopped` entry that is not None means the run stopped early."""
         return {}
 
-    def finish(self) -> dict:
-        """finish_run's comparison settings: compare_with, tolerance."""
-        return {"compare_with": None, "tolerance": 0.0}
 
 
 def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dict, guards: Hooks) -> dict:
@@ -178,28 +179,24 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dic
     gc.freeze()  # what the imports made stays for good: torchtitan's first collection looks only at the run's objects
     trainer = tc.build()
     extra = recipe.after_build(cfg, trainer, tc, found, log) if recipe.after_build else {}
-    load_check = None  # trainer.train() loads the initial weights (or resumes); checked before step 1
-    if found.get("initial_hf") and cfg.load_check:
-        load_check = export.attach_load_check(
-            trainer, found["initial_hf"], found["tokenizer_dir"], dtype=cfg.dtype, is_main=dev.is_main,
-            built_config=recipe.model_config(cfg, tc, found, trainer=trainer), pass_positions=recipe.pass_positions)
-    rec = LossRecorder(progress=out_dir / "losses.jsonl" if dev.is_main else None)
+    rec = LossRecorder()
     rec.attach(trainer)
     shape = recipe.model_config(cfg, tc, found)
-    guards.attach(trainer, dev, shape, rec)
+    guards.attach(trainer, tc, dev, shape, rec)
     t0 = time.perf_counter()
-    trainer.train()
+    trainer.train()  # loads the initial HF weights (or resumes), then trains
     train_s = time.perf_counter() - t0
-    history = rec.history()  # the whole curve, steps before a resume included
+    history = guards.history(rec)
     guarded = guards.results(rec, dev, shape, out_dir)
     if recipe.after_train:
         extra.update(recipe.after_train(cfg, trainer, found))
     results = {
         "script": recipe.name, "config": cfg, "versions": versions(), "device": dev.device_type,
-        "world_size": dev.world_size, "steps": rec.steps, "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
+        "world_size": dev.world_size, "steps": rec.steps,
+        "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "first_step_loss": rec.losses[0] if rec.losses else None, "grad_norms": rec.grad_norms,
-        "tokens_per_s": rec.tokens_per_s(), "history": history, "load_check": load_check or None,
-        "train_seconds": train_s, **extra, "export_dir": None, "export_check": None, **guarded,
+        "tokens_per_s": rec.tokens_per_s(), "history": history, "train_seconds": train_s, **extra,
+        "export_dir": None, "export_check": None, **guarded,
     }
     stopped = guarded.get("stopped")
     if cfg.export and not stopped:
@@ -211,9 +208,10 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dic
     else:
         trainer.close()
     path = finish_run(results, history, out_dir=out_dir, title=f"{Path(recipe.name).stem} ({cfg.preset})",
-                      is_main=dev.is_main, **guards.finish())
+                      is_main=dev.is_main)
     if dev.is_main and not stopped:
-        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; {path}")
+        log(f"[done] losses {rec.losses[0]:.3f} -> {rec.losses[-1]:.3f}; {results['tokens_per_s']:.0f} tokens/s; "
+            f"{path}")
     return results
 
 

@@ -120,19 +120,6 @@ def refuse_non_file(path: str | os.PathLike, what: str = "a file this run writes
         raise UserError(f"{path} is {kind}, not {what}: it is left alone; {fix}")
 
 
-# What a training run writes in OUT_DIR, each replaced atomically (results.json, the loss curve, the export check).
-RUN_OUTPUTS = ("results.json", "losses.jsonl", "loss.png", "export_check.json", "export_reference.safetensors",
-               ".export_check.json")
-
-
-def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
-    """Before any work: each file a run will write in OUT_DIR is absent or a regular file (or a link to one). A
-    folder, FIFO, socket or device of one of those names is a UserError naming it, not a hang (a FIFO opened for
-    reading) or a crash after training."""
-    for name in names:
-        refuse_non_file(Path(out_dir) / name)
-
-
 def write_results(out_dir: str | os.PathLike, results: dict) -> Path:
     path = Path(out_dir) / "results.json"
     atomic_write_text(path, json.dumps(results, indent=2, default=_json_default) + "\n")

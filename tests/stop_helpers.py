@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from common.losses import read_progress
+from common.harness.checks import read_progress
 from conftest import PreforkedProcess, start_python
 
 SCRIPT = "train_native_qwen3.py"

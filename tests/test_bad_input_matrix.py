@@ -354,7 +354,8 @@ def test_outputs_that_are_folders_or_fifos_are_refused_before_any_work(tmp_path)
     import os
 
     from common.errors import UserError
-    from common.results import RUN_OUTPUTS, check_outputs, write_results
+    from common.harness.checks import RUN_OUTPUTS, check_outputs
+    from common.results import write_results
 
     assert {"results.json", "losses.jsonl", "loss.png", "export_check.json"} <= set(RUN_OUTPUTS)
     check_outputs(tmp_path)  # nothing there yet

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from conftest import ROOT, read_results
 from common import checkpoint, device, export, paths
 from common.errors import UserError
+from common.harness import checks
 from common.losses import finish_run
 from common.results import versions
 
@@ -40,7 +41,7 @@ EXAMPLES = ROOT / "examples"
 ONE_STEP = ("--steps", "1", "--seq_len", "64")
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-LOAD_TOL = export.LOAD_TOLERANCE["float32"]
+LOAD_TOL = checks.LOAD_TOLERANCE["float32"]
 
 
 class _Tee(io.TextIOBase):
@@ -88,8 +89,8 @@ def run_here(script: str, *args: str) -> tuple[int, str]:
 def run_error(check: dict, out_dir: Path) -> str:
     """The error line a training run ends with for this export check (common.losses.finish_run)."""
     with pytest.raises(UserError) as e:
-        finish_run({"export_check": check}, {"steps": [], "losses": []}, compare_with=None, tolerance=1.0,
-                   out_dir=out_dir, title="bug replay", is_main=True)
+        finish_run({"export_check": check}, {"steps": [], "losses": []}, out_dir=out_dir, title="bug replay",
+                   is_main=True)
     return f"error: {e.value}"
 
 

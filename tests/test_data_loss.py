@@ -79,7 +79,7 @@ def test_empty_out_dir_is_refused_and_foreign_folders_are_left_alone(prepared_as
 
 
 def test_nan_loss_comparison_is_a_mismatch(tmp_path):
-    from common.losses import compare_losses
+    from common.harness.checks import compare_losses
 
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps({"losses": [11.0, 10.0]}))

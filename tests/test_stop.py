@@ -12,7 +12,7 @@ import socket
 import psutil
 import pytest
 
-from common.harness.resume import EXIT_STOPPED
+from common.harness.stops import EXIT_STOPPED
 from conftest import assert_clean_error, example_command, read_results, run_example
 from stop_helpers import (SCRIPT, STEPS, TWO_RANKS, close, finish, no_process_outlives, start, wait_for_step,
                           workers)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common.harness.resume import EXIT_STOPPED, whole_checkpoints
+from common.harness.resume import whole_checkpoints
+from common.harness.stops import EXIT_STOPPED
 from conftest import assert_clean_error, example_command, read_results, run_example
 from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 

@@ -125,7 +125,7 @@ def test_golden_losses(tiny_run):
 def test_compare_losses_reports_the_first_differing_step(tiny_run, tmp_path):
     """A reference perturbed from step 4 on is reported as differing from step 4 (the same
     function --compare_losses calls, on the losses of the tiny run)."""
-    from common.losses import compare_losses, format_loss_comparison
+    from common.harness.checks import compare_losses, format_loss_comparison
 
     _, res = tiny_run
     golden = json.loads(GOLDEN.read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common.device import GIB, die_with_parent
 from common.errors import UserError, one_line
-from common.harness.resume import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_SIGNALS
+from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_SIGNALS
 
 
 def under_launcher() -> bool:
@@ -98,7 +98,7 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
     """Re-run this script under torchrun with --nproc_per_node workers on this host (with --nnodes > 1: this host's
     share of a run that the same command with another --node_rank starts on each other host); returns the exit
     code. A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) to this process is passed to the workers, which finish
-    their step, agree with every other rank (on every node) to stop there, save it and end (common/harness/resume.py); each
+    their step, agree with every other rank (on every node) to stop there, save it and end (harness/stops.py); each
     node's launch then exits EXIT_STOPPED. A second signal kills every process of this node's share at once.
     torchrun gets SIGTERM if this process dies (however), the workers SIGKILL if torchrun does: nothing outlives
     the launch."""

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import cli, device, export, paths
-from common.harness import dryrun, launcher, pilot, resume, verifier
+from common.harness import dryrun, launcher, pilot, resume, stops, verifier
+from common.harness.checks import Progress, attach_load_check, check_outputs, compare_losses, \
+    format_loss_comparison, read_reference_losses
 from common.harness.evaluation import EvalRecorder, apply_eval_settings, eval_dataset
 from common.harness.preflight import require_stack, wants_neuron
-from common.losses import read_reference_losses
 from common.recipe import Hooks, Recipe, inputs, train
-from common.results import check_outputs
 
 
 @dataclass
@@ -117,13 +117,13 @@ def main(recipe: Recipe, cfg) -> dict:
     check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
-    end = resume.deadline(cfg.time_limit)
+    end = stops.deadline(cfg.time_limit)
     found = preflight(recipe, cfg)  # every input checked before a launch: one error line, not one per rank
     found["record"] = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found["dataset"])
     resume.check_resume(out_dir, found["record"], cfg.steps)  # the same run, with steps left, or refused
     if launch:
         raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, end))
-    stop = resume.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
+    stop = stops.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     if launcher.is_rank_zero():  # the checks' verifier; the dry run's memory for this very configuration
         dev_type = device.resolve_device_type(cfg.device)
@@ -132,22 +132,23 @@ def main(recipe: Recipe, cfg) -> dict:
             lambda: dry_run(recipe, cfg, out_dir, ranks=world_size)["total_bytes"], dev_type, key=found["record"])
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
-        results = train(recipe, cfg, dev, out_dir, found, GuardHooks(cfg, found, stop))
+        results = train(recipe, cfg, dev, out_dir, found, GuardHooks(recipe, cfg, found, stop))
     finally:
         device.teardown()
     if results.get("stopped") and dev.is_main:
-        print(resume.resume_line(results["stopped"]), flush=True)
-    resume.exit_if_stopped(results)
+        print(stops.resume_line(results["stopped"]), flush=True)
+    stops.exit_if_stopped(results)
     return results
 
 
 class GuardHooks(Hooks):
     """The guards inside a run: the resume record, checkpoint interval, metrics and validator settings; the stop
-    control, the held-out losses and MFU in torchtitan's trainer; the pilot report and the loss comparison."""
+    control, the load check, the held-out losses, losses.jsonl and MFU in torchtitan's trainer; the pilot report
+    and the loss comparison in results.json."""
 
-    def __init__(self, cfg, found: dict, stop: resume.StopControl):
-        self.cfg, self.found, self.stop = cfg, found, stop
-        self.evals = EvalRecorder()
+    def __init__(self, recipe: Recipe, cfg, found: dict, stop: stops.StopControl):
+        self.recipe, self.cfg, self.found, self.stop = recipe, cfg, found, stop
+        self.evals, self.load_check, self.progress = EvalRecorder(), None, None
 
     def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
         cfg = self.cfg
@@ -155,25 +156,43 @@ class GuardHooks(Hooks):
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
         if dev.is_main:
             resume.write_record(out_dir, found["record"])
+            self.progress = Progress(out_dir / "losses.jsonl")
         note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"))  # the validator
         return [note] if note else []
 
-    def attach(self, trainer, dev, shape: dict, rec) -> None:
+    def attach(self, trainer, tc, dev, shape: dict, rec) -> None:
+        cfg, found = self.cfg, self.found
+        if found.get("initial_hf") and cfg.load_check:  # the loaded weights against transformers, before step 1
+            self.load_check = attach_load_check(
+                trainer, found["initial_hf"], found["tokenizer_dir"], dtype=cfg.dtype, is_main=dev.is_main,
+                built_config=self.recipe.model_config(cfg, tc, found, trainer=trainer),
+                pass_positions=self.recipe.pass_positions)
+        if self.progress is not None:
+            rec.on_step.append(self.progress.append)
         self.evals.attach(trainer)  # the validator's held-out losses (--eval_every)
-        self.stop.attach(trainer, dev.device, export=self.cfg.export)
-        self.peak = pilot.peak_flops(dev.device_type, self.cfg.dtype, self.cfg.peak_tflops)
-        pilot.use_in_torchtitan(trainer, pilot.flops_per_token(shape, self.cfg.seq_len), self.peak)
+        self.stop.attach(trainer, dev.device, export=cfg.export)
+        self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops)
+        pilot.use_in_torchtitan(trainer, pilot.flops_per_token(shape, cfg.seq_len), self.peak)
+
+    def history(self, rec) -> dict:
+        return self.progress.history(rec) if self.progress is not None else rec.history()
 
     def results(self, rec, dev, shape: dict, out_dir: Path) -> dict:
-        report = pilot.report(rec, shape=shape, seq_len=self.cfg.seq_len, world_size=dev.world_size, peak=self.peak,
+        cfg = self.cfg
+        report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
                               memory=pilot.peak_memory(dev.device_type, dev.device),
-                              planned_gib=self.found.get("planned_gib"), price_per_hour=self.cfg.price_per_hour)
+                              planned_gib=self.found.get("planned_gib"), price_per_hour=cfg.price_per_hour)
+        out = {"load_check": self.load_check or None, "eval_losses": self.evals.rows(),
+               "stopped": self.stop.stopped(out_dir), **report}
+        if cfg.compare_losses:  # over the whole curve, steps before a resume included
+            history = self.history(rec)
+            out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
+                                                    steps=history["steps"])
         if dev.is_main:
             print(pilot.format_line(report), flush=True)
-        return {"eval_losses": self.evals.rows(), "stopped": self.stop.stopped(out_dir), **report}
-
-    def finish(self) -> dict:
-        return {"compare_with": self.cfg.compare_losses, "tolerance": self.cfg.loss_tolerance}
+            if cfg.compare_losses:
+                print(format_loss_comparison(out["loss_comparison"]), flush=True)
+        return out
 
 
 def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dict:

@@ -139,7 +139,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements.txt"
+REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements.txt"  # beside common/
 
 
 def _cpu_pins() -> tuple[dict[str, str], list[str]]:

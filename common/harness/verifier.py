@@ -122,8 +122,8 @@ def _close_at_exit() -> None:
 def _served(request: dict) -> tuple[int, str]:
     if not _server:
         log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
-        _server.append(export.python_module("common.harness.verifier", "serve", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log))
+        _server.append(export.python_module("common.harness.verifier", "serve", stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=log))
         _server[0].log = log
         _close_at_exit()
     proc = _server[0]
@@ -158,8 +158,8 @@ def _close_server() -> None:
 
 
 def _serve(requests, replies) -> int:
-    """`python -m common.harness.verifier serve`: a JSON request a line on stdin ({export_dir, reference, out, files}), the
-    check written to `out` as `verify` writes it, and a reply a line on stdout ({code, error}: 0, 2 for a folder or
+    """`python -m common.harness.verifier serve`: a JSON request a line on stdin ({export_dir, reference, out,
+    files}), the check written to `out` as `verify` writes it, and a reply a line on stdout ({code, error}: 0, 2 for a folder or
     reference it refuses, 1 for anything else). Ends at the end of its input."""
     import gc
 

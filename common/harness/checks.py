@@ -1,0 +1,195 @@
+"""The checks a guarded training run makes beyond the core's export check:
+
+- the load check: an HF checkpoint a run starts from is compared, settings and logits against transformers,
+  with what torchtitan built and loaded (attach_load_check), before step 1;
+- the loss comparison with reference losses (`--compare_losses`, golden losses) over the whole curve;
+- losses.jsonl: the loss curve across stops and resumes (`Progress`);
+- the run's outputs: each file it will write is absent or a regular file, before any work (`check_outputs`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from common.checkpoint import read_hf_config
+from common.errors import UserError
+from common.export import model_logits, verify_export_subprocess
+from common.results import atomic_write_text, refuse_non_file
+
+
+LOAD_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}  # max abs logit difference; bf16 compute rounds
+COMPARED_SETTINGS = ("rope_theta", "rms_norm_eps", "head_dim", "tie_word_embeddings")
+
+
+def _settings(config) -> dict:
+    """The compared settings of a config.json dict or a transformers config object."""
+    from common.checkpoint import rope_theta
+
+    if not isinstance(config, dict):
+        config = {k: getattr(config, k, None) for k in ("rope_parameters", "rope_scaling", "rope_theta",
+                                                        *COMPARED_SETTINGS[1:])}
+    out = {k: config.get(k) for k in COMPARED_SETTINGS[1:]}
+    out["tie_word_embeddings"] = bool(out["tie_word_embeddings"])
+    try:
+        out["rope_theta"] = rope_theta(config)
+    except UserError:
+        out["rope_theta"] = None
+    return out
+
+
+def _settings_differences(built_config, ckpt_dir) -> dict:
+    ours, theirs = _settings(built_config), _settings(read_hf_config(ckpt_dir))
+    return {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
+
+
+def attach_load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is_main: bool,
+                      pass_positions: bool = False) -> dict:
+    """Check that the model torchtitan builds is the checkpoint: its settings (`built_config`, a config.json dict
+    or a transformers config) against the folder's config.json now, before anything loads (a wrong head_dim or
+    theta is named here, not in the loader); then, right before the first step of a fresh run (a resumed run
+    holds trained weights), its logits against transformers' `from_pretrained` of the folder (float32, in a fresh
+    process: the Transformers backend patches transformers' classes). Catches weights not loaded and config
+    values read wrong or replaced by defaults. Returns the dict the logit check's result is written into; a
+    failure is one UserError on every rank."""
+    differing = _settings_differences(built_config, ckpt_dir)
+    if differing:
+        _fail(ckpt_dir, [f"{k}: trained model {a}, config.json {b}" for k, (a, b) in differing.items()])
+    original, result = trainer.train_step, {}
+
+    def first_step(*args, **kw):
+        trainer.train_step = original
+        if trainer.step == 1:
+            result.update(_logit_check(trainer, ckpt_dir, tokenizer_dir, dtype, is_main, pass_positions))
+        return original(*args, **kw)
+
+    trainer.train_step = first_step
+    return result
+
+
+def _fail(ckpt_dir, named: list[str]):
+    raise UserError(f"load check failed: the model built from {ckpt_dir} is not the checkpoint ("
+                    + "; ".join(named) + "); pass --no-load_check to train anyway")
+
+
+def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    tokens, positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
+    check = None
+    if is_main:
+        with tempfile.TemporaryDirectory() as tmp:
+            reference = Path(tmp) / "load_reference.safetensors"
+            save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
+            read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
+        diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
+        check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
+                 **({"error": read_back["error"]} if "error" in read_back else {})}
+    if torch.distributed.is_initialized():
+        box = [check]
+        torch.distributed.broadcast_object_list(box, src=0)
+        check = box[0]
+    if not check["passed"]:
+        _fail(ckpt_dir, [check.get("error") or f"max abs logit diff {check['max_abs_logit_diff']:.3g} > "
+                                               f"{check['tolerance']:g}"])
+    if is_main:
+        print(f"[load check] max abs logit diff {check['max_abs_logit_diff']:.3g} (tolerance {check['tolerance']:g}), "
+              "settings agree: the built model is the checkpoint", flush=True)
+    return check
+
+
+def read_reference_losses(path: str | os.PathLike) -> list[float]:
+    """Losses from a reference file: a results.json or a golden file (both hold `losses`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        losses = [float(x) for x in data["losses"]]
+    except FileNotFoundError:
+        raise UserError(f"--compare_losses: no file {path}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--compare_losses: {path} is not a JSON file with a 'losses' list ({e})") from None
+    if not losses:
+        raise UserError(f"--compare_losses: {path} holds no losses")
+    if not all(math.isfinite(x) for x in losses):
+        raise UserError(f"--compare_losses: {path} holds NaN or infinite losses: it cannot be a reference")
+    return losses
+
+
+def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: float,
+                   steps: list[int] | None = None) -> dict:
+    """Per-step differences between a run's losses and a reference file's first N losses, so a user
+    on trn2 or CUDA sees at step N whether the hardware reproduces the reference. `steps` numbers
+    the losses (from 1; a resumed run starts later); the reference's loss i is step i."""
+    reference = read_reference_losses(path)
+    numbered = list(zip(steps or range(1, len(losses) + 1), losses))
+    pairs = [(s, loss) for s, loss in numbered if 1 <= s <= len(reference)]
+    n = len(pairs)
+    per_step = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
+                for s, loss in pairs]
+    worst = max((r["abs_diff"] for r in per_step), default=float("nan"))
+    first = next((r["step"] for r in per_step if not r["abs_diff"] <= tolerance), None)  # NaN differs
+    return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
+            "first_differing_step": first, "passed": n > 0 and first is None, "per_step": per_step}
+
+
+def format_loss_comparison(c: dict) -> str:
+    rows = [f"[compare] {c['steps_compared']} steps against {c['reference']} (tolerance {c['tolerance']:g})"]
+    rows += [f"    step {s['step']:3d}  loss {s['loss']:.6f}  reference {s['reference']:.6f}  diff {s['abs_diff']:.2e}"
+             for s in c["per_step"]]
+    rows.append(f"[compare] max abs diff {c['max_abs_diff']:.2e}: "
+                + ("reproduces the reference" if c["passed"] else
+                   f"DIFFERS from the reference from step {c['first_differing_step']}"))
+    return "\n".join(rows)
+
+
+class Progress:
+    """OUT_DIR/losses.jsonl on rank 0: a line a step, kept across stops and resumes, so that results.json and
+    loss.png hold the whole loss curve of a resumed run."""
+
+    def __init__(self, path: Path):
+        self.path, self.first = Path(path), True
+
+    def append(self, step: int, loss: float) -> None:
+        """Append one line; on a run's first step keep only the earlier steps of the run it resumes (a fresh run
+        starts the file anew). The one writer that appends instead of writing atomically: a step's line must not
+        cost a rewrite."""
+        if self.first:
+            self.first = False
+            kept = [r for r in read_progress(self.path) if r["step"] < step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        with open(self.path, "a") as f:  # a kill can cut the last line; read_progress skips it
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+
+    def history(self, rec) -> dict:
+        """Steps and losses of the whole run, resumed parts included (`rec`'s own where the file has none)."""
+        rows = read_progress(self.path) or [{"step": s, "loss": v} for s, v in zip(rec.steps, rec.losses)]
+        return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows]}
+
+
+def read_progress(path: Path) -> list[dict]:
+    """The rows of a losses.jsonl; a last line cut by a kill is skipped."""
+    rows = []
+    if path is not None and Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), float):
+                rows.append(row)
+    return rows
+
+
+# What a training run writes in OUT_DIR, each replaced atomically (results.json, the loss curve, the export check).
+RUN_OUTPUTS = ("results.json", "losses.jsonl", "loss.png", "export_check.json", "export_reference.safetensors",
+               ".export_check.json")
+
+
+def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
+    """Before any work: each file a run will write in OUT_DIR is absent or a regular file (or a link to one). A
+    folder, FIFO, socket or device of one of those names is a UserError naming it, not a hang (a FIFO opened for
+    reading) or a crash after training."""
+    for name in names:
+        refuse_non_file(Path(out_dir) / name)

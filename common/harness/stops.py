@@ -1,0 +1,159 @@
+"""Stopping a training run without losing it.
+
+Stop signals (SIGTERM: a spot reclaim, `kill`, Kubernetes, SLURM; SIGINT: Ctrl-C; SIGUSR1: SLURM's --signal;
+SIGHUP) and `--time_limit` end a run at the next step boundary: every rank finishes the step it is in, the ranks
+agree to stop (one all-reduce per step, so a signal that reached one rank stops them all at the same step),
+torchtitan saves that step's whole training state in OUT_DIR/checkpoint/step-N (what --checkpoint_every saves),
+results.json says `stopped`, and the process exits with EXIT_STOPPED. A second signal ends the run at once; the
+previous checkpoint stays usable (a save cut short has no .metadata and is never loaded). The same command resumes
+it (common/harness/resume.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+from common.errors import UserError
+from common.results import atomic_write_text
+
+EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped at a step boundary with a checkpoint; run the same command again
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+SELF_LAUNCHED = "QWEN3_RECIPES_SELF_LAUNCHED"  # set by the launcher for its workers: where a stop is reported
+DEADLINE = "QWEN3_RECIPES_DEADLINE"  # --time_limit as an absolute time, set once by the launcher for every worker
+TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its number)
+
+
+def parse_time_limit(text: str | None, now: float | None = None) -> float | None:
+    """--time_limit as an absolute time.time(): minutes from now ("90", "0.5"), or an end time in ISO 8601 with a
+    time zone ("2026-12-02T18:00:00+00:00", "...Z"), such as a capacity block's end."""
+    if text is None:
+        return None
+    now = time.time() if now is None else now
+    try:
+        minutes = float(text)
+    except ValueError:
+        try:
+            end = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise UserError(f"--time_limit {text!r} is neither minutes (90) nor an end time with its time zone "
+                            "(2026-12-02T18:00:00Z)") from None
+        if end.tzinfo is None:
+            raise UserError(f"--time_limit {text!r} has no time zone: add one (Z for UTC, or +HH:MM)")
+        if end.timestamp() <= now:
+            raise UserError(f"--time_limit {text} has already passed")
+        return end.timestamp()
+    if not (0 < minutes < 1e7):
+        raise UserError(f"--time_limit must be a positive number of minutes, got {text}")
+    return now + 60 * minutes
+
+
+def deadline(time_limit: str | None) -> float | None:
+    """The run's end time: the launcher's (every worker the same) or this process's own."""
+    if os.environ.get(DEADLINE):
+        return float(os.environ[DEADLINE])
+    return parse_time_limit(time_limit)
+
+
+class StopControl:
+    """Stop signals and the time limit, decided together at each step boundary (`attach`)."""
+
+    DUPLICATE_S = 1.0  # a launcher forwarding the signal this process already got is the same signal
+
+    def __init__(self, *, end: float | None, margin_s: float, is_main: bool):
+        self.end, self.margin_s, self.is_main = end, margin_s, is_main
+        self.reason: str | None = None
+        self.first_at = 0.0
+        self.stopped_at: int | None = None
+        self.save_s: list[float] = []
+        self.step_s = 0.0
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if self.reason is None:
+            self.reason, self.first_at = name, now
+            if self.is_main:
+                os.write(2, f"[stop] {name}: finishing this step, then saving a checkpoint (a second signal ends the "
+                            "run at once)\n".encode())
+        elif now - self.first_at > self.DUPLICATE_S:
+            os.write(2, f"error: {name} again: ended at once; the last complete checkpoint in the out_dir stays "
+                        "usable\n".encode())
+            os._exit(128 + signum)
+
+    def _wants_stop(self) -> bool:
+        if self.reason is not None:
+            return True
+        if self.end is None:
+            return False
+        room = max(self.save_s) if self.save_s else self.margin_s
+        if time.time() + self.step_s + room >= self.end:  # room for one more step and its save?
+            self.reason = "time_limit"
+            return True
+        return False
+
+    def attach(self, trainer, device, *, export: bool) -> None:
+        """Wrap the trainer's checkpoint save, which torchtitan calls after every step: there the ranks agree on a
+        stop, and a stop saves this step through torchtitan's own save and ends the loop."""
+        import torch
+        import torch.distributed as dist
+
+        ckpt, save = trainer.checkpointer, trainer.checkpointer.save
+        last = [time.monotonic()]
+
+        def save_or_stop(curr_step: int, last_step: bool = False) -> bool:
+            now = time.monotonic()
+            self.step_s, last[0] = max(self.step_s, now - last[0]), now
+            if last_step:  # the run ends here anyway: its last save is the HF export (none without --export)
+                return save(curr_step, last_step=True) if export else False
+            wants = self._wants_stop()  # a signal's number, or TIME_LIMIT: the same reason on every rank
+            code = 0 if not wants else TIME_LIMIT if self.reason == "time_limit" else signal.Signals[self.reason]
+            flag = torch.tensor([float(code)], device=device)
+            if dist.is_initialized():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            code = int(flag.item())
+            if not code:
+                saved = save(curr_step, last_step=False)
+                if saved:
+                    self.save_s.append(time.monotonic() - now)
+                last[0] = time.monotonic()
+                return saved
+            self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
+            interval, ckpt.interval = ckpt.interval, curr_step  # this step is a save step: torchtitan's own save
+            try:
+                save(curr_step, last_step=False)
+            finally:
+                ckpt.interval = interval
+            self.stopped_at = curr_step
+            trainer.should_continue_training = lambda: False
+            return True
+
+        ckpt.save = save_or_stop
+
+    def stopped(self, out_dir: Path) -> dict | None:
+        if self.stopped_at is None:
+            return None
+        return {"reason": self.reason, "step": self.stopped_at,
+                "checkpoint": str(Path(out_dir) / "checkpoint" / f"step-{self.stopped_at}")}
+
+
+def resume_line(stopped: dict) -> str:
+    return (f"[stopped] {stopped['reason']} after step {stopped['step']}: checkpoint {stopped['checkpoint']}; run the "
+            f"same command again to resume from it (exit code {EXIT_STOPPED})")
+
+
+def exit_if_stopped(results: dict) -> None:
+    """A stopped run exits EXIT_STOPPED; a worker of the scripts' own launch leaves a mark in its launcher's folder
+    and exits 0, and the launcher (on each node) exits EXIT_STOPPED (torchrun would print a failure report for a
+    worker's non-zero exit)."""
+    if not results.get("stopped"):
+        return
+    if os.environ.get(SELF_LAUNCHED):
+        atomic_write_text(Path(os.environ[SELF_LAUNCHED]), resume_line(results["stopped"]) + "\n")
+        return
+    raise SystemExit(EXIT_STOPPED)
