@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import io
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,13 @@ TRN2_PINS = {"torch": "==2.14.0", "torch-neuronx": "==2.14.3.0.*", "neuronx-cc":
              "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.1"}  # torchtitan-neuron: release-2.33
 TRN2_PYTHON = (3, 12)
 TRN2_INFO = ("nki-library",)  # reported: the public index has only a placeholder (the kernels: nkilib, neuronx-cc's)
-NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
+# The Neuron runtime, collectives and driver are OS packages (deb or rpm), at least at the Neuron 2.33.1 release's
+# versions (tests/assets/neuron-2.33.1.json): 2.33.1 changes only these (the pip stack stays 2.33.0's) and fixes a
+# hang when HWDGE DMA transposes race collectives, as the blockwise MoE backward kernel's transposes do while FSDP's
+# collectives run. An older one is a warning row; one not found (a container's driver is the host's) is reported.
+NEURON_SYSTEM = {"aws-neuronx-runtime-lib": "2.35.33.0", "aws-neuronx-collectives": "2.35.49.0",
+                 "aws-neuronx-dkms": "2.31.8.0"}
+SYSTEM_RELEASE = "Neuron 2.33.1"
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
 # Every external symbol the scripts use, a line each: "module:name name ...", then after "|" the keywords their calls
@@ -194,12 +201,40 @@ def _versions(target: str) -> list[tuple[str, str, str]]:
         rows.append((f"{dist}{want}", have or "not installed", OK if admits(want, have) else WARN))
     if target == "trn2":
         rows += [(dist, _version(dist) or "not installed", INFO) for dist in TRN2_INFO]
-        rows += [(pkg, _system_version(pkg) or "not found", INFO) for pkg in NEURON_SYSTEM]
+        rows += [_system_row(pkg, minimum) for pkg, minimum in NEURON_SYSTEM.items()]
     return rows
 
 
+def _system_row(pkg: str, minimum: str) -> tuple[str, str, str]:
+    """An OS package of the Neuron stack against the version of SYSTEM_RELEASE: older is a warning (not an error:
+    the pip stack runs on 2.33.0's packages too, with the hang 2.33.1 fixes)."""
+    requirement = f"{pkg} >= {minimum} ({SYSTEM_RELEASE})"
+    have = _system_version(pkg)
+    if have is None:
+        return requirement, "not found", INFO
+    found = _release_numbers(have)
+    if found is None:
+        return requirement, f"{have}: cannot be compared", WARN
+    if found < _release_numbers(minimum):
+        return requirement, f"{have}: older than {SYSTEM_RELEASE}'s", WARN
+    return requirement, have, OK
+
+
+def _release_numbers(version: str) -> tuple[int, ...] | None:
+    """The dotted numbers a deb or rpm version starts with (an epoch `1:` and a suffix `-1a2b3c` dropped), trailing
+    zeros dropped: "2.35.33.0-7f3e" -> (2, 35, 33). None when it does not start with a number."""
+    match = re.match(r"(?:\d+:)?(\d+(?:\.\d+)*)", version.strip())
+    if match is None:
+        return None
+    numbers = [int(n) for n in match.group(1).split(".")]
+    while len(numbers) > 1 and numbers[-1] == 0:
+        numbers.pop()
+    return tuple(numbers)
+
+
 def _system_version(pkg: str) -> str | None:
-    """An OS package's version (the Neuron runtime, collectives and driver are deb or rpm packages)."""
+    """An OS package's version (the Neuron runtime, collectives and driver are deb or rpm packages), from the
+    `dpkg-query` (else `rpm`) found first on PATH."""
     cmd = (["dpkg-query", "-W", "-f=${Version}", pkg] if shutil.which("dpkg-query") else
            ["rpm", "-q", "--qf", "%{VERSION}", pkg] if shutil.which("rpm") else None)
     if cmd is None:
