@@ -137,6 +137,10 @@ SYMBOLS = _symbol_rows(CPU_AND_TRN2, ("cpu", "trn2")) + _symbol_rows(TRN2_ONLY, 
 FIELDS = [(spec.split()[0], tuple(spec.split()[1:]) + keywords, users)
           for _, spec, keywords, users in _symbol_rows(CONFIG_FIELDS, ("cpu", "trn2"))]
 OK, WARN, ERROR, INFO = "ok", "WARN", "ERROR", "info"
+# Where the scripts' config.model_spec is missing: the torchtitan that dropped ModelSpec (after 0.3.0) takes the
+# model config itself as Trainer.Config(model=...), which the scripts do not build.
+MODEL_SPEC_GONE = ("this torchtitan has no ModelSpec: it takes Trainer.Config(model=...), as torchtitan after 0.3.0 "
+                   "does; install torchtitan 0.3.0 (trn2: torchtitan-neuron release-2.33)")
 
 
 def _version(dist: str) -> str | None:
@@ -315,7 +319,8 @@ def _check_symbol(spec: str, keywords: tuple[str, ...]) -> tuple[str, str, str]:
     except BaseException as e:  # anything a broken module raises at import, sys.exit() included
         return spec, _failure(e), ERROR
     if missing:
-        return spec, f"missing {', '.join(missing)}", ERROR
+        gone = any(name.endswith("model_spec") for name in missing)
+        return spec, f"missing {', '.join(missing)}" + (f": {MODEL_SPEC_GONE}" if gone else ""), ERROR
     if not keywords:
         return spec, "found", OK
     try:
@@ -347,7 +352,8 @@ def _check_fields(spec: str, fields: tuple[str, ...]) -> tuple[str, str, str]:
     required = [f for f in fields if not f.endswith("?")]
     missing = [f for f in required if f not in have]
     if missing:
-        return requirement, f"missing field {', '.join(missing)} in {cls.__module__}", ERROR
+        gone = f": {MODEL_SPEC_GONE}" if "model_spec" in missing else ""
+        return requirement, f"missing field {', '.join(missing)} in {cls.__module__}{gone}", ERROR
     optional = [f.removesuffix("?") for f in fields if f.endswith("?")]
     absent = [f for f in optional if f not in have]
     if absent:  # a CUDA setting this torchtitan does not have: the scripts leave it unset
@@ -410,11 +416,15 @@ def check(target: str, script: str | None = None, wrap_nki: bool = False) -> lis
 
 
 def problems(rows) -> list[str]:
-    """One phrase per missing piece; packages missing altogether are named once, first."""
+    """One phrase per missing piece; packages missing altogether are named once, first; the missing ModelSpec's
+    explanation once, in the first phrase that has it."""
     errors = [(r, f) for r, f, v in rows if v == ERROR]
     absent = list(dict.fromkeys(f.removeprefix("not installed: ") for _, f in errors if f.startswith("not installed")))
-    return ([f"not installed: {', '.join(absent)}"] if absent else []) + [
-        f"{r}: {f}" for r, f in errors if not f.startswith("not installed")]
+    phrases = [f"{r}: {f}" for r, f in errors if not f.startswith("not installed")]
+    gone = [i for i, phrase in enumerate(phrases) if phrase.endswith(f": {MODEL_SPEC_GONE}")]
+    for i in gone[1:]:
+        phrases[i] = phrases[i].removesuffix(f": {MODEL_SPEC_GONE}")
+    return ([f"not installed: {', '.join(absent)}"] if absent else []) + phrases
 
 
 def format_table(rows, used_by: list[str] | None = None) -> str:

@@ -385,3 +385,38 @@ def test_the_driver_row_compares_the_version_dpkg_reports(tmp_path, monkeypatch,
     rows = [row for row in preflight._versions("trn2") if row[0].startswith("aws-neuronx-dkms")]
     assert rows == [("aws-neuronx-dkms >= 2.31.8.0 (Neuron 2.33.1)", found, verdict)]
 
+
+def test_a_torchtitan_without_model_spec_names_the_form_it_takes_and_the_pin(tmp_path):
+    """A torchtitan after ModelSpec's removal takes the model as Trainer.Config(model=...): the rows that look for
+    config.model_spec (the Trainer.Config field and the registry builders' `.model_spec`) name that form and the
+    torchtitan to install, and the error line names it once."""
+    shadow = _shadow_torchtitan(tmp_path, "def derive(*a, **k): pass\ndef apply_overrides(*a, **k): pass\n")
+    files = {"torchtitan/trainer.py": """
+                 from dataclasses import dataclass
+
+                 class Trainer:
+                     @dataclass(slots=True)
+                     class Config:  # the model config itself, no ModelSpec
+                         model: object = None
+                 """,
+             "torchtitan/models/__init__.py": "", "torchtitan/models/qwen3/__init__.py": "",
+             "torchtitan/models/qwen3/config_registry.py": """
+                 from torchtitan.trainer import Trainer
+
+                 def qwen3_32b():
+                     return Trainer.Config()
+
+                 def qwen3_30b_a3b():
+                     return Trainer.Config()
+                 """}
+    for rel, text in files.items():
+        (shadow / rel).parent.mkdir(parents=True, exist_ok=True)
+        (shadow / rel).write_text(textwrap.dedent(text))
+    proc = _preflight("--target", "cpu", shadow=shadow)
+    line = _error_line(proc)
+    rows = [r for r in proc.stdout.splitlines() if " ERROR " in r and "model_spec" in r.split(" ERROR ")[0]]
+    assert any(r.startswith("torchtitan.trainer:Trainer.Config fields ") for r in rows), proc.stdout
+    assert any(r.startswith("torchtitan.models.qwen3.config_registry:qwen3_32b().model_spec ") for r in rows)
+    for row in rows:
+        assert "Trainer.Config(model=...)" in row and "torchtitan 0.3.0" in row and "release-2.33" in row, row
+    assert line.count("Trainer.Config(model=...)") == 1 and "torchtitan-neuron release-2.33" in line, line
