@@ -323,3 +323,100 @@ def test_a_requirements_txt_that_cannot_be_read_is_an_error_row(tmp_path, conten
     assert needle in line, line
     assert "checks passed" not in proc.stdout
     assert any(r.startswith("requirements.txt ") and " ERROR " in r for r in proc.stdout.splitlines()), proc.stdout
+
+
+PATCH = json.loads((ROOT / "tests" / "assets" / "neuron-2.33.1.json").read_text())
+
+
+def _dpkg_query(folder: Path, versions: dict[str, str]) -> Path:
+    """An executable `dpkg-query` in `folder` that answers `dpkg-query -W -f=${Version} PACKAGE` with `versions` (as
+    dpkg prints them: an epoch or a build suffix around the number), and any other package as dpkg does: not found,
+    exit 1. First on PATH, it is the one the preflight runs (it looks dpkg-query up on PATH)."""
+    cases = "".join(f"  {pkg}) printf '%s' '{version}' ;;\n" for pkg, version in versions.items())
+    script = folder / "dpkg-query"
+    script.write_text('#!/bin/sh\nfor pkg; do :; done\ncase "$pkg" in\n' + cases +
+                      '  *) echo "dpkg-query: no packages found matching $pkg" >&2; exit 1 ;;\nesac\n')
+    script.chmod(0o755)
+    return folder
+
+
+def test_the_system_package_minimums_are_the_2331_release():
+    """The runtime, collectives and driver the preflight asks for are Neuron 2.33.1's (its release notes' package
+    updates), each newer than 2.33.0's."""
+    assert preflight.NEURON_SYSTEM == PATCH["system"]
+    for pkg, version in PATCH["system"].items():
+        assert preflight._release_numbers(RELEASE["not_pip"][pkg]) < preflight._release_numbers(version), pkg
+
+
+def test_neuron_system_packages_older_than_2331_are_warning_rows(tmp_path):
+    """Neuron 2.33.1 fixes a hang of HWDGE DMA transposes racing collectives (the MoE backward kernel's, under FSDP):
+    with a dpkg-query first on PATH that reports 2.33.0's runtime, 2.33.1's collectives (with a build suffix) and no
+    driver (a container's is the host's), the runtime row is a WARN naming 2.33.1, the collectives row ok, the driver
+    row info; none of them is an error."""
+    folder = _dpkg_query(tmp_path, {
+        "aws-neuronx-runtime-lib": RELEASE["not_pip"]["aws-neuronx-runtime-lib"] + "-5d0c7e2a1",
+        "aws-neuronx-collectives": PATCH["system"]["aws-neuronx-collectives"] + "-8b3f1a9c4"})
+    env = script_env()
+    env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
+    proc = run_python([sys.executable, "-m", "common.preflight", "--target", "trn2"], env=env, timeout=300,
+                      torchtitan=False)
+    rows = {r.split()[0]: r for r in proc.stdout.splitlines() if r.startswith("aws-neuronx-")}
+    runtime, collectives, driver = (rows[p] for p in ("aws-neuronx-runtime-lib", "aws-neuronx-collectives",
+                                                     "aws-neuronx-dkms"))
+    assert runtime.startswith("aws-neuronx-runtime-lib >= 2.35.33.0 (Neuron 2.33.1) "), runtime
+    assert "2.35.30.0-5d0c7e2a1: older than Neuron 2.33.1's" in runtime and runtime.split()[-2] == "WARN", runtime
+    assert "2.35.49.0-8b3f1a9c4" in collectives and collectives.split()[-2] == "ok", collectives
+    assert "not found" in driver and driver.split()[-2] == "info", driver
+    assert "aws-neuronx" not in _error_line(proc)  # a warning, not an error (the error is the missing torch-neuronx)
+
+
+@pytest.mark.parametrize("version, verdict, found", [
+    ("2.31.7.0", "WARN", "2.31.7.0: older than Neuron 2.33.1's"),
+    ("2.31.8.0-3c5e", "ok", "2.31.8.0-3c5e"),
+    ("1:2.31.8", "ok", "1:2.31.8"),
+    ("2.32.0.0", "ok", "2.32.0.0"),
+    ("unknown", "WARN", "unknown: cannot be compared"),
+], ids=["2.33.0", "2.33.1", "epoch", "newer", "unreadable"])
+def test_the_driver_row_compares_the_version_dpkg_reports(tmp_path, monkeypatch, version, verdict, found):
+    """The same comparison in this process (the version rows of the trn2 table), the dpkg-query on PATH reporting
+    the driver at each version."""
+    monkeypatch.setenv("PATH", os.pathsep.join([str(_dpkg_query(tmp_path, {"aws-neuronx-dkms": version})),
+                                                os.environ["PATH"]]))
+    rows = [row for row in preflight._versions("trn2") if row[0].startswith("aws-neuronx-dkms")]
+    assert rows == [("aws-neuronx-dkms >= 2.31.8.0 (Neuron 2.33.1)", found, verdict)]
+
+
+def test_a_torchtitan_without_model_spec_names_the_form_it_takes_and_the_pin(tmp_path):
+    """A torchtitan after ModelSpec's removal takes the model as Trainer.Config(model=...): the rows that look for
+    config.model_spec (the Trainer.Config field and the registry builders' `.model_spec`) name that form and the
+    torchtitan to install, and the error line names it once."""
+    shadow = _shadow_torchtitan(tmp_path, "def derive(*a, **k): pass\ndef apply_overrides(*a, **k): pass\n")
+    files = {"torchtitan/trainer.py": """
+                 from dataclasses import dataclass
+
+                 class Trainer:
+                     @dataclass(slots=True)
+                     class Config:  # the model config itself, no ModelSpec
+                         model: object = None
+                 """,
+             "torchtitan/models/__init__.py": "", "torchtitan/models/qwen3/__init__.py": "",
+             "torchtitan/models/qwen3/config_registry.py": """
+                 from torchtitan.trainer import Trainer
+
+                 def qwen3_32b():
+                     return Trainer.Config()
+
+                 def qwen3_30b_a3b():
+                     return Trainer.Config()
+                 """}
+    for rel, text in files.items():
+        (shadow / rel).parent.mkdir(parents=True, exist_ok=True)
+        (shadow / rel).write_text(textwrap.dedent(text))
+    proc = _preflight("--target", "cpu", shadow=shadow)
+    line = _error_line(proc)
+    rows = [r for r in proc.stdout.splitlines() if " ERROR " in r and "model_spec" in r.split(" ERROR ")[0]]
+    assert any(r.startswith("torchtitan.trainer:Trainer.Config fields ") for r in rows), proc.stdout
+    assert any(r.startswith("torchtitan.models.qwen3.config_registry:qwen3_32b().model_spec ") for r in rows)
+    for row in rows:
+        assert "Trainer.Config(model=...)" in row and "torchtitan 0.3.0" in row and "release-2.33" in row, row
+    assert line.count("Trainer.Config(model=...)") == 1 and "torchtitan-neuron release-2.33" in line, line

@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import io
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -32,7 +33,13 @@ TRN2_PINS = {"torch": "==2.14.0", "torch-neuronx": "==2.14.3.0.*", "neuronx-cc":
              "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.1"}  # torchtitan-neuron: release-2.33
 TRN2_PYTHON = (3, 12)
 TRN2_INFO = ("nki-library",)  # reported: the public index has only a placeholder (the kernels: nkilib, neuronx-cc's)
-NEURON_SYSTEM = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
+# The Neuron runtime, collectives and driver are OS packages (deb or rpm), at least at the Neuron 2.33.1 release's
+# versions (tests/assets/neuron-2.33.1.json): 2.33.1 changes only these (the pip stack stays 2.33.0's) and fixes a
+# hang when HWDGE DMA transposes race collectives, as the blockwise MoE backward kernel's transposes do while FSDP's
+# collectives run. An older one is a warning row; one not found (a container's driver is the host's) is reported.
+NEURON_SYSTEM = {"aws-neuronx-runtime-lib": "2.35.33.0", "aws-neuronx-collectives": "2.35.49.0",
+                 "aws-neuronx-dkms": "2.31.8.0"}
+SYSTEM_RELEASE = "Neuron 2.33.1"
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
 # Every external symbol the scripts use, a line each: "module:name name ...", then after "|" the keywords their calls
@@ -130,6 +137,10 @@ SYMBOLS = _symbol_rows(CPU_AND_TRN2, ("cpu", "trn2")) + _symbol_rows(TRN2_ONLY, 
 FIELDS = [(spec.split()[0], tuple(spec.split()[1:]) + keywords, users)
           for _, spec, keywords, users in _symbol_rows(CONFIG_FIELDS, ("cpu", "trn2"))]
 OK, WARN, ERROR, INFO = "ok", "WARN", "ERROR", "info"
+# Where the scripts' config.model_spec is missing: the torchtitan that dropped ModelSpec (after 0.3.0) takes the
+# model config itself as Trainer.Config(model=...), which the scripts do not build.
+MODEL_SPEC_GONE = ("this torchtitan has no ModelSpec: it takes Trainer.Config(model=...), as torchtitan after 0.3.0 "
+                   "does; install torchtitan 0.3.0 (trn2: torchtitan-neuron release-2.33)")
 
 
 def _version(dist: str) -> str | None:
@@ -194,12 +205,40 @@ def _versions(target: str) -> list[tuple[str, str, str]]:
         rows.append((f"{dist}{want}", have or "not installed", OK if admits(want, have) else WARN))
     if target == "trn2":
         rows += [(dist, _version(dist) or "not installed", INFO) for dist in TRN2_INFO]
-        rows += [(pkg, _system_version(pkg) or "not found", INFO) for pkg in NEURON_SYSTEM]
+        rows += [_system_row(pkg, minimum) for pkg, minimum in NEURON_SYSTEM.items()]
     return rows
 
 
+def _system_row(pkg: str, minimum: str) -> tuple[str, str, str]:
+    """An OS package of the Neuron stack against the version of SYSTEM_RELEASE: older is a warning (not an error:
+    the pip stack runs on 2.33.0's packages too, with the hang 2.33.1 fixes)."""
+    requirement = f"{pkg} >= {minimum} ({SYSTEM_RELEASE})"
+    have = _system_version(pkg)
+    if have is None:
+        return requirement, "not found", INFO
+    found = _release_numbers(have)
+    if found is None:
+        return requirement, f"{have}: cannot be compared", WARN
+    if found < _release_numbers(minimum):
+        return requirement, f"{have}: older than {SYSTEM_RELEASE}'s", WARN
+    return requirement, have, OK
+
+
+def _release_numbers(version: str) -> tuple[int, ...] | None:
+    """The dotted numbers a deb or rpm version starts with (an epoch `1:` and a suffix `-1a2b3c` dropped), trailing
+    zeros dropped: "2.35.33.0-7f3e" -> (2, 35, 33). None when it does not start with a number."""
+    match = re.match(r"(?:\d+:)?(\d+(?:\.\d+)*)", version.strip())
+    if match is None:
+        return None
+    numbers = [int(n) for n in match.group(1).split(".")]
+    while len(numbers) > 1 and numbers[-1] == 0:
+        numbers.pop()
+    return tuple(numbers)
+
+
 def _system_version(pkg: str) -> str | None:
-    """An OS package's version (the Neuron runtime, collectives and driver are deb or rpm packages)."""
+    """An OS package's version (the Neuron runtime, collectives and driver are deb or rpm packages), from the
+    `dpkg-query` (else `rpm`) found first on PATH."""
     cmd = (["dpkg-query", "-W", "-f=${Version}", pkg] if shutil.which("dpkg-query") else
            ["rpm", "-q", "--qf", "%{VERSION}", pkg] if shutil.which("rpm") else None)
     if cmd is None:
@@ -280,7 +319,8 @@ def _check_symbol(spec: str, keywords: tuple[str, ...]) -> tuple[str, str, str]:
     except BaseException as e:  # anything a broken module raises at import, sys.exit() included
         return spec, _failure(e), ERROR
     if missing:
-        return spec, f"missing {', '.join(missing)}", ERROR
+        gone = any(name.endswith("model_spec") for name in missing)
+        return spec, f"missing {', '.join(missing)}" + (f": {MODEL_SPEC_GONE}" if gone else ""), ERROR
     if not keywords:
         return spec, "found", OK
     try:
@@ -312,7 +352,8 @@ def _check_fields(spec: str, fields: tuple[str, ...]) -> tuple[str, str, str]:
     required = [f for f in fields if not f.endswith("?")]
     missing = [f for f in required if f not in have]
     if missing:
-        return requirement, f"missing field {', '.join(missing)} in {cls.__module__}", ERROR
+        gone = f": {MODEL_SPEC_GONE}" if "model_spec" in missing else ""
+        return requirement, f"missing field {', '.join(missing)} in {cls.__module__}{gone}", ERROR
     optional = [f.removesuffix("?") for f in fields if f.endswith("?")]
     absent = [f for f in optional if f not in have]
     if absent:  # a CUDA setting this torchtitan does not have: the scripts leave it unset
@@ -375,11 +416,15 @@ def check(target: str, script: str | None = None, wrap_nki: bool = False) -> lis
 
 
 def problems(rows) -> list[str]:
-    """One phrase per missing piece; packages missing altogether are named once, first."""
+    """One phrase per missing piece; packages missing altogether are named once, first; the missing ModelSpec's
+    explanation once, in the first phrase that has it."""
     errors = [(r, f) for r, f, v in rows if v == ERROR]
     absent = list(dict.fromkeys(f.removeprefix("not installed: ") for _, f in errors if f.startswith("not installed")))
-    return ([f"not installed: {', '.join(absent)}"] if absent else []) + [
-        f"{r}: {f}" for r, f in errors if not f.startswith("not installed")]
+    phrases = [f"{r}: {f}" for r, f in errors if not f.startswith("not installed")]
+    gone = [i for i, phrase in enumerate(phrases) if phrase.endswith(f": {MODEL_SPEC_GONE}")]
+    for i in gone[1:]:
+        phrases[i] = phrases[i].removesuffix(f": {MODEL_SPEC_GONE}")
+    return ([f"not installed: {', '.join(absent)}"] if absent else []) + phrases
 
 
 def format_table(rows, used_by: list[str] | None = None) -> str:
