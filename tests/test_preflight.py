@@ -358,7 +358,7 @@ def test_neuron_system_packages_older_than_2331_are_warning_rows(tmp_path):
         "aws-neuronx-collectives": PATCH["system"]["aws-neuronx-collectives"] + "-8b3f1a9c4"})
     env = script_env()
     env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
-    proc = run_python([sys.executable, "-m", "common.preflight", "--target", "trn2"], env=env, timeout=300,
+    proc = run_python([sys.executable, "-m", "common.harness.preflight", "--target", "trn2"], env=env, timeout=300,
                       torchtitan=False)
     rows = {r.split()[0]: r for r in proc.stdout.splitlines() if r.startswith("aws-neuronx-")}
     runtime, collectives, driver = (rows[p] for p in ("aws-neuronx-runtime-lib", "aws-neuronx-collectives",
