@@ -585,6 +585,10 @@ def main(cfg: Config) -> dict:
 
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     check_results_json(out_dir, cfg.out_dir)
+    stack = rows.stack_versions()
+    path = rows.results_file(out_dir, stack)
+    for output in (path, out_dir / "results.json"):  # each replaced under its lock file: a bad one is refused now,
+        rows.check_lock(output)                       # not once a model has been measured
     specs = model_specs(cfg.models)
     check_specs(specs)
     if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
@@ -598,8 +602,6 @@ def main(cfg: Config) -> dict:
     if cfg.task == "train":  # the training script runs too: keep its source beside this one
         script = training.TRAIN_SCRIPT
         run_py += f"\n# ---- {script.name}, run as a subprocess by --task train ----\n" + script.read_text()
-    stack = rows.stack_versions()
-    path = rows.results_file(out_dir, stack)
     tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
     check_flags_fit(cfg, specs, path, stack, tasks)
     print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line

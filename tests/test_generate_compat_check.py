@@ -15,6 +15,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -528,3 +529,25 @@ def test_rows_take_the_public_types_and_both_forms_read(tmp_path, capsys):
     assert lookup.lookup_main([str(public), str(ours), str(old)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "4 row(s): 4 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
 
+
+def test_a_lock_that_is_a_link_or_a_fifo_is_refused_before_any_model(tmp_path, model_assets):
+    """A results file is locked through `.<name>.lock` beside it (results.json through `.results.json.lock`). A lock
+    that is a symbolic link (here to a file of the user's) or a FIFO is never followed nor opened: one error line,
+    exit 2, before any model runs; the file it points to stays byte for byte."""
+    user = tmp_path / "notes.txt"
+    user.write_bytes(b"my own notes\n")
+    out = tmp_path / "out"
+    results = rows.results_file(out, rows.stack_versions())
+    cases = ((results.with_name(f".{results.name}.lock"), "link"), (out / ".results.json.lock", "link"),
+             (results.with_name(f".{results.name}.lock"), "fifo"))
+    for lock, kind in cases:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        lock.symlink_to(user) if kind == "link" else os.mkfifo(lock)
+        proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--no_compile", "--new_tokens", "2",
+                           "--no-judge_single_core", "--out_dir", str(out), check=False)
+        assert proc.returncode == 2, (lock, kind, proc.stderr[-3000:])
+        assert_clean_error(proc, f"{lock} is a ")
+        assert not [line for line in proc.stdout.splitlines() if line.startswith("[model]")], proc.stdout
+        assert user.read_bytes() == b"my own notes\n" and not list(out.glob("*.parquet"))
+        assert (lock.is_symlink() if kind == "link" else stat.S_ISFIFO(lock.lstat().st_mode))  # left as it was

@@ -19,7 +19,7 @@ microseconds) is converted when a row is added to it; reading takes both forms.
 
 Writing is a locked read-modify-write (`locked`: a lock file beside the results file, held while the
 file is read, a row added and the file replaced atomically), so two checks writing into one --out_dir
-lose no row.
+lose no row. The lock file is never a symbolic link or anything but a regular file (`check_lock`).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import re
+import stat
 from collections import Counter
 from datetime import datetime, timezone
 from importlib import metadata
@@ -292,17 +293,59 @@ def recorded(path: Path, model_id: str, stack: dict, tasks: tuple[str, ...]) -> 
 
 
 # ------------------------------------------------------------------------------------------ writing
+def lock_file(path: str | os.PathLike) -> Path:
+    """The lock file of a file that is read, changed and replaced under a lock (`locked`): `.<name>.lock` beside it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+def _not_a_lock(lock: Path) -> str | None:
+    """What is at `lock` when it cannot be a lock file (the entry itself, never what a link points to): "a symbolic
+    link", "a FIFO", "a folder", ...; None for a regular file or nothing."""
+    try:
+        mode = os.lstat(lock).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a folder" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+
+
+def check_lock(path: str | os.PathLike) -> None:
+    """UserError unless `path`'s lock file is a regular file or absent: a symbolic link (to a file of the user's, say)
+    or a FIFO is never followed nor opened. The check calls it for its outputs before any model runs."""
+    lock = lock_file(path)
+    if kind := _not_a_lock(lock):
+        raise UserError(f"{lock} is {kind}, not the lock file of {Path(path).name}: it is left alone (never followed "
+                        "nor opened); remove it or choose another --out_dir")
+
+
 @contextlib.contextmanager
 def locked(path: str | os.PathLike):
-    """Held while `path` is read, changed and replaced: a lock on `.<name>.lock` beside it (the lock file stays;
-    the kernel releases the lock when its holder ends, however it ends). Two checks writing into one --out_dir
-    take turns, so neither rewrites the file without the other's rows."""
-    from filelock import FileLock
+    """Held while `path` is read, changed and replaced: an exclusive flock(2) on `.<name>.lock` beside it (the lock
+    file stays; the kernel releases the lock when its holder ends, however it ends). Two checks writing into one
+    --out_dir take turns, so neither rewrites the file without the other's rows. The lock file is opened without
+    following a link, without blocking on a FIFO, and used only if it is a regular file (`check_lock`)."""
+    import fcntl
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path.with_name(f".{path.name}.lock"))):
+    check_lock(path)
+    lock = lock_file(path)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:  # a link or FIFO put there since check_lock (ELOOP, ENXIO), a folder, no permission
+        raise UserError(f"{lock}, the lock file of {path.name}, cannot be opened as a regular file "
+                        f"({e.strerror or e}): it is left alone; remove it or choose another --out_dir") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UserError(f"{lock} is not a regular file, not the lock file of {path.name}: it is left alone; "
+                            "remove it or choose another --out_dir")
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _bool_text(value) -> str | None:
