@@ -341,8 +341,8 @@ def generate_on_device(job: dict) -> dict:
     model.generation_config.disable_compile = True  # compiled explicitly below, or not at all
     eager_forward = model.forward  # what the compile audit hands to Dynamo
     if compiled:
-        backend = "neuron" if dev.device_type == "neuron" else "inductor"
-        model.forward = torch.compile(model.forward, backend=backend, fullgraph=job["fullgraph"])
+        model.forward = compile_forward(model.forward, "neuron" if dev.device_type == "neuron" else "inductor",
+                                        job["fullgraph"])
     greedy = {"max_new_tokens": job["new_tokens"], "do_sample": False, "output_logits": True,
               "return_dict_in_generate": True,
               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
@@ -373,6 +373,14 @@ def generate_on_device(job: dict) -> dict:
         report["nonfinite"] = report["nonfinite"] or measure.nonfinite_logits(ref_out.logits)
         report["timings"]["reference_s"] = time.perf_counter() - ref_start
     return report
+
+
+def compile_forward(forward, backend, fullgraph: bool):
+    """The check's torch.compile call: `backend` (neuron on Trainium, inductor elsewhere) with the arguments the compile
+    audit uses too (compile_audit.compile_options: dynamic=False, as AWS's documentation asks of the neuron backend)."""
+    import torch
+
+    return torch.compile(forward, backend=backend, **compile_audit.compile_options(fullgraph))
 
 
 def audit_compile(model, forward, generate_kwargs: dict, job: dict, tokens: list[int], prompt_len: int) -> dict:
