@@ -1,8 +1,8 @@
 # Copy with this file (all it imports from the repository):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/preflight.py
-#   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, lookup, page,
-#   compile_audit, rankings)
+#   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, compile_audit, and
+#   for the subcommands: subcommands, lookup, page, rankings)
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
 """The Trainium model-compatibility protocol: a short, reproducible generation run per model, kept in Parquet.
 
@@ -34,9 +34,11 @@ training subprocess also die with the check if it is SIGKILLed (PR_SET_PDEATHSIG
 --compile_audit every row) carries a compile audit: the same generation under Dynamo with a backend that only counts
 (seconds on CPU) gives the graphs the compiler gets (neuronx-cc on Trainium, minutes each), the recompiles after the
 first decode step and the graph breaks, each with its reasons; a decode that recompiles per token says what that
-costs on Trainium. `rankings` writes the Hub's most downloaded and trending models per task; `lookup --rankings`
-shows them in that order, untested ones as "not tested". docs/compatibility-check.md has the details, the lookup
-and its web page.
+costs on Trainium. docs/compatibility-check.md has the details.
+
+This file is the one entry point; its two subcommands live in examples/compat_check/subcommands.py: `lookup` searches
+the rows (ours and files in the public schema), prints a row's run_py or writes the lookup page, and `rankings` writes
+the Hub's most downloaded and trending models per task, which `lookup --rankings` shows in that order.
 
 CPU (preset `offline`: tiny Qwen3, tiny Qwen3-MoE, SmolLM2-135M-Instruct, a tiny Qwen3-VL and a photograph,
 all from `make setup`; `--task auto` picks each model's task from its config):
@@ -44,15 +46,8 @@ all from `make setup`; `--task auto` picks each model's task from its config):
     python examples/generate_compat_check.py --task train --out_dir runs/compat          # training rows
     python examples/generate_compat_check.py --models smollm2-135m-instruct --core_memory_gib 0.3 --no_compile \\
         --out_dir runs/compat_tp               # sharded: 2 cores of 0.3 GiB -> 3 gloo processes, judged for English
-    python examples/generate_compat_check.py lookup runs/compat --name qwen3 [--task image-text-to-text]
-    python examples/generate_compat_check.py lookup runs/compat --name smollm2 --run_py   # print a row's script
-    python examples/generate_compat_check.py lookup runs/compat --html runs/compat/page.html  # the lookup page
     python examples/generate_compat_check.py --no_compile --compile_audit --out_dir runs/compat  # with the audit
-Where the Hub is reachable (then offline: the lookup and its page read the file):
-    python examples/generate_compat_check.py rankings --task text-generation --task image-text-to-text \\
-        --limit 100 --out runs/compat/rankings.json
-    python examples/generate_compat_check.py lookup runs/compat --rankings runs/compat/rankings.json \\
-        [--view downloads] [--html runs/compat/page.html]
+    python examples/generate_compat_check.py lookup runs/compat --name qwen3 [--html runs/compat/page.html]
 One trn2.48xlarge (Neuron DLAMI with the AWS guide's stack; models from the Hub):
     python examples/generate_compat_check.py --preset trn2_selected --out_dir runs/compat_trn2
 
@@ -83,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examp
 from common import cli, device, paths, preflight  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
-from compat_check import compile_audit, judge as judging, lookup, measure, processes, rankings, rows, sizing, \
+from compat_check import compile_audit, judge as judging, lookup, measure, processes, rows, sizing, subcommands, \
     training  # noqa: E402
 
 TASK_HELP = ("auto: image-text-to-text for a vision-language model, text-generation otherwise; "
@@ -523,29 +518,6 @@ def rerun_args(cfg: Config, row: dict) -> str:
     return shlex.join(args)
 
 
-def rerun_argv(run_args: str) -> list[str] | None:
-    """A row's run_args as the argv that reruns it (the page's Reproduce command), or None: not reproducible from
-    that row. Only printable words that this script's parser takes as its flags and their values pass; a stray
-    word (a `;`-separated second command), an unknown flag, --help, a value it refuses or an unclosed quote fail."""
-    try:
-        argv = shlex.split(run_args)
-    except ValueError:  # an unclosed quote
-        return None
-    if not argv or any(not a.isprintable() or a in ("-h", "--help") for a in argv):
-        return None
-    parser = cli.build_parser(Config, PRESETS, "", default_preset="offline")
-
-    def refuse(message: str):
-        raise UserError(message)
-
-    parser.error = refuse  # a word it refuses: None, nothing printed
-    try:
-        parser.parse_args(argv)
-    except UserError:
-        return None
-    return argv
-
-
 def check_results_json(out_dir: Path, given: str) -> None:
     """results.json is rewritten after every model: never over one that another script wrote."""
     path = out_dir / "results.json"
@@ -664,12 +636,15 @@ def main(cfg: Config) -> dict:
     return results
 
 
+def check_parser():
+    """A parser of the check's own flags: the lookup decides with it whether a row's run_args rerun the row."""
+    return cli.build_parser(Config, PRESETS, "", default_preset="offline")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["lookup"]:
-        sys.exit(lookup.lookup_main(sys.argv[2:], prog="generate_compat_check.py lookup",
-                                    selected=tuple(model_specs(trn2_selected().models)), rerun=rerun_argv))
-    if sys.argv[1:2] == ["rankings"]:  # the Hub's own rankings per task, for lookup --rankings
-        sys.exit(rankings.rankings_main(sys.argv[2:], prog="generate_compat_check.py rankings"))
+    if sys.argv[1:2] and sys.argv[1] in subcommands.NAMES:  # lookup, rankings: compat_check/subcommands.py
+        sys.exit(subcommands.run(sys.argv[1], sys.argv[2:], check_parser=check_parser,
+                                 selected=tuple(model_specs(trn2_selected().models))))
     processes.stop_on_signals()  # SIGTERM, SIGHUP, SIGINT: every process below this one stopped, one error line
     try:
         code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")
