@@ -194,6 +194,96 @@ OFFLINE_IMAGE = "photograph.png"  # in the tiny-qwen-vl asset: Chelsea the cat (
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]  # never pickles
 
 
+# ------------------------------------------------------------------------------------------ the check
+def main(cfg: Config) -> dict:
+    """The check: its outputs, models and flags checked before any model runs, then each model in turn (skipped where
+    its verdict is recorded for this stack), its row written as soon as it is known, results.json after each."""
+    from tqdm import tqdm
+
+    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    check_results_json(out_dir, cfg.out_dir)
+    stack = rows.stack_versions()
+    path = rows.results_file(out_dir, stack)
+    for output in (path, out_dir / "results.json"):  # each replaced under its lock file: a bad one is refused now,
+        rows.check_lock(output)                       # not once a model has been measured
+    specs = model_specs(cfg.models)
+    check_specs(specs)
+    if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
+        preflight.require_stack("trn2", "compat")
+    dev_type = device.resolve_device_type(cfg.device)
+    most = sizing.machine_cores(dev_type, cfg.lnc)
+    if cfg.cores and most is not None and cfg.cores > most and cfg.task != "train":
+        raise UserError(f"--cores {cfg.cores}: this machine has {most} {dev_type} core(s); give at most {most}, or "
+                        "0 for the fewest that hold each model")
+    run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
+    if cfg.task == "train":  # the training script runs too: keep its source beside this one
+        script = training.TRAIN_SCRIPT
+        run_py += f"\n# ---- {script.name}, run as a subprocess by --task train ----\n" + script.read_text()
+    tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
+    check_flags_fit(cfg, specs, path, stack, tasks)
+    print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
+    print(lookup.printable(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
+
+    judge_cache = []
+
+    def judge():
+        if not judge_cache:
+            folder = resolve_model(cfg.judge_model or "smollm2-135m-instruct")  # not fetched: no verdict either
+            limits = judging.JudgeLimits(max_perplexity=cfg.judge_max_perplexity)
+            judge_cache.append(judging.EnglishJudge(folder, limits))
+        return judge_cache[0]
+
+    summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
+                            "stack": stack, "files": [str(path)], "models": []}
+    bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
+    for spec in bar:
+        bar.set_postfix_str(lookup.printable(spec))
+        old = rows.recorded(path, spec, stack, tasks)
+        if old is not None and not cfg.redo:
+            summary.append({"model_id": spec, "skipped": True, "task": old["task"], "result": old["result"]})
+            tqdm.write(lookup.printable(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
+                                        "--redo to run again"))
+            continue
+        t0 = time.perf_counter()
+        base = {"model_id": spec, "device": dev_type, "task": tasks[0]}
+        try:
+            row = train_row(cfg, spec, base, out_dir) if cfg.task == "train" else \
+                check_model(cfg, spec, dev_type, judge)
+        except FlagsMisfit:  # the command line's mistake, not the model's: no row; the rows before it stay
+            raise
+        except Unavailable as e:  # not a compatibility verdict: say why, and try again next time
+            row = dict(base, result="EXCLUDED", unavailable=True, exclusion=f"not fetched (no verdict; a rerun "
+                       f"tries again): {e}")
+        except Exception as e:  # noqa: BLE001  one model's failure is its row; the next model still runs
+            row = dict(base, result="FAIL", error=f"{type(e).__name__}: {e}"[:4000])
+        row.update(stack, run_py=run_py, packages=json.dumps(rows.other_packages(row["task"])),
+                   run_args=rerun_args(cfg, row), timings=json.dumps(row["timings"]) if row.get("timings") else None)
+        if row.get("unavailable") and old is not None:
+            tqdm.write(lookup.printable(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row "
+                                        "stays"))
+        else:
+            rows.write_row(path, row)
+        keys = ("task", "result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb",
+                "train_losses", "exclusion", "error", "unavailable", "compile_graphs", "compile_recompiles",
+                "compile_graph_breaks")
+        summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
+        tqdm.write(lookup.printable(
+            f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
+            f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
+            f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
+            + (f" graphs={row['compile_graphs']} recompiles={row['compile_recompiles']} graph_breaks="
+               f"{row['compile_graph_breaks']}" if row.get("compile_graphs") is not None else "")
+            + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
+            + (f" excluded: {row['exclusion']}" if row.get("exclusion") else "")))
+        results["models"] = summary
+        save_results(out_dir, results)
+    results["models"] = summary
+    save_results(out_dir, results)
+    print(lookup.printable(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ before any model
 def model_specs(text: str) -> list[str]:
     return [s.strip().rstrip("/") for s in text.split(",") if s.strip()]
 
@@ -206,6 +296,41 @@ def check_specs(specs: list[str]) -> None:
                             f"name ({', '.join(OFFLINE_MODELS)}) or a Hub id)")
 
 
+def check_results_json(out_dir: Path, given: str) -> None:
+    """results.json is rewritten after every model: never over one that another script wrote."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return
+    try:
+        script = json.loads(path.read_text()).get("script")
+    except (OSError, ValueError, AttributeError):  # not readable, not JSON, not an object
+        script = None
+    if script != Path(__file__).name:
+        raise UserError(f"--out_dir {given} holds a results.json that this script did not write "
+                        f"({'written by ' + str(script) if script else 'not one of its files'}): choose another "
+                        "--out_dir")
+
+
+def check_flags_fit(cfg: Config, specs: list[str], path: Path, stack: dict, tasks: tuple[str, ...]) -> None:
+    """Before any row: --cores/--sharding that a model already on this machine (a folder, an offline asset) cannot
+    be split over is one error line (FlagsMisfit). A Hub model is checked the same way once fetched, before its
+    row. Models a rerun skips are not looked at."""
+    if cfg.task == "train" or (not cfg.cores and cfg.sharding == "auto"):
+        return
+    for spec in specs:
+        if not (Path(spec).expanduser().is_dir() or spec in OFFLINE_MODELS):
+            continue
+        if not cfg.redo and rows.recorded(path, spec, stack, tasks) is not None:
+            continue
+        try:
+            folder = resolve_model(spec)
+        except Unavailable:
+            continue
+        task, vision = model_task(cfg, folder)
+        if not_run(cfg, folder, task, vision) is None:
+            model_plan(cfg, spec, folder)
+
+
 class FlagsMisfit(UserError):
     """--cores/--sharding ask for a split the model cannot have: the command line's mistake, never a row."""
 
@@ -215,6 +340,100 @@ def flags_misfit(cfg: Config, spec: str, plan: sizing.Plan) -> FlagsMisfit:
     return FlagsMisfit(f"{' '.join(flags)} cannot run {spec}: {plan.exclusion}; nothing was recorded for it (a "
                        f"choice of the command line, not a verdict on the model): leave {' and '.join(flags)} out "
                        "(the fewest cores that hold the weights) or give a count its heads or experts divide")
+
+
+# ------------------------------------------------------------------------------------------ one model
+def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
+    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py)."""
+    folder = resolve_model(spec, with_code=cfg.trust_remote_code)
+    task, vision = model_task(cfg, folder)
+    row = {"model_id": spec, "device": dev_type, "task": task}
+    if why := not_run(cfg, folder, task, vision):
+        return dict(row, result="EXCLUDED", exclusion=why)
+    size, need, plan = model_plan(cfg, spec, folder)
+    prompt = cfg.image_prompt if vision else cfg.prompt
+    row.update(tp=plan.cores, runner=plan.runner, hbm_capacity_gb=plan.cores * cfg.core_memory_gib, prompt=prompt,
+               notes=f"weights {size / device.GIB:.3f} GiB need {need} core(s) of {cfg.core_memory_gib:g} GiB")
+    if plan.runner is None:
+        return dict(row, result="EXCLUDED", exclusion=plan.exclusion)
+    job = {"folder": str(folder), "cores": plan.cores, "runner": plan.runner, "device": dev_type, "task": task,
+           "dtype": cfg.dtype, "compile": not cfg.no_compile, "fullgraph": cfg.fullgraph, "prompt": prompt,
+           "new_tokens": cfg.new_tokens, "timeout_s": cfg.timeout_s, "lnc": cfg.lnc,
+           "trust_remote_code": cfg.trust_remote_code, "compile_audit": cfg.compile_audit, "cache": cfg.cache}
+    if vision:
+        job["image"] = str(image_file(cfg))
+        row["image"] = f"{job['image']} (sha256 {hashlib.sha256(Path(job['image']).read_bytes()).hexdigest()})"
+    try:
+        rep = processes.run_ranks(worker, job, job["cores"], job["timeout_s"])
+    except (TimeoutError, RuntimeError) as e:
+        return dict(row, result="FAIL", error=str(e))
+    row.update(wall_s=rep["wall_s"], compile_s=rep["compile_s"], hbm_peak_gb=rep["peak_bytes"] / device.GIB,
+               generated_text=rep["text"], timings=rep["timings"],
+               compile_cache=rep["compile_cache"] or "nothing compiled: eager run")
+    how = f"compiled ({'neuron' if dev_type == 'neuron' else 'inductor'})" if rep["compiled"] else "eager"
+    cache = "static cache" if rep["static"] else "dynamic cache (--cache dynamic)" if cfg.cache == "dynamic" else \
+        "dynamic cache: the model does not support static cache and compile (_can_compile_fullgraph is False)"
+    row["notes"] += f"; {plan.runner} on {plan.cores} {dev_type} process(es), {how}, {cache}"
+    if rep.get("audit"):
+        row.update(compile_audit.row_columns(rep["audit"]))
+        row["notes"] += "; " + compile_audit.note(rep["audit"])
+    if dev_type == "cpu":
+        row["notes"] += "; hbm_peak_gb is the peak resident memory of a process (CPU has no HBM)"
+    if plan.runner == "single":
+        row["cpu_match"] = rep["tokens"] == rep["cpu_tokens"]
+        if not row["cpu_match"]:
+            diverge = next((i for i, (a, b) in enumerate(zip(rep["tokens"], rep["cpu_tokens"])) if a != b),
+                           min(len(rep["tokens"]), len(rep["cpu_tokens"])))
+            row["notes"] += f"; tokens differ from the CPU eager reference from new token {diverge}"
+    if plan.runner != "single" or cfg.judge_single_core:
+        t0 = time.perf_counter()
+        verdict = judge().judge(rep["text"], prompt)
+        row["english"], row["judge"] = verdict["english"], json.dumps(verdict)
+        row["timings"]["judge_s"] = time.perf_counter() - t0
+    if rep["nonfinite"]:  # garbage in both runs can still match token for token: never a PASS
+        return dict(row, result="FAIL", error=rep["nonfinite"])
+    passed = row["cpu_match"] if plan.runner == "single" else row["english"]
+    return dict(row, result="PASS" if passed else "FAIL")
+
+
+def train_row(cfg: Config, spec: str, row: dict, out_dir: Path) -> dict:
+    """--task train: a few steps of examples/train_hf_backend.py from the checkpoint (compat_check/training.py)."""
+    folder = resolve_model(spec)
+    if sizing.needs_remote_code(folder):
+        return dict(row, task="train", result="EXCLUDED",
+                    exclusion="ships its own model code (auto_map); training never runs it")
+    return training.train_model(row, folder, out_dir, steps=cfg.train_steps, lr=cfg.train_lr, device=cfg.device,
+                                timeout_s=cfg.timeout_s)
+
+
+def model_task(cfg: Config, folder: Path) -> tuple[str, bool]:
+    """(the task a model is checked for, whether it is a vision-language model)."""
+    vision = sizing.is_vision_language(folder)
+    return (("image-text-to-text" if vision else "text-generation") if cfg.task == "auto" else cfg.task), vision
+
+
+def not_run(cfg: Config, folder: Path, task: str, vision: bool) -> str | None:
+    """Why a model is EXCLUDED before its plan (model code without --trust_remote_code, not a vision-language
+    model for image-text-to-text), or None."""
+    if sizing.needs_remote_code(folder) and not cfg.trust_remote_code:
+        return "ships its own model code (auto_map); pass --trust_remote_code"
+    if task == "image-text-to-text" and not vision:
+        return (f"not a vision-language model: model_type {sizing.model_type(folder)!r} has no image-text-to-text "
+                "class in transformers")
+    return None
+
+
+def model_plan(cfg: Config, spec: str, folder: Path) -> tuple[int, int, sizing.Plan]:
+    """(weight bytes, fewest cores that hold them, plan). FlagsMisfit where --cores/--sharding cannot split it."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    size = sizing.weight_bytes(folder, {"auto": None, "float32": 4, "bfloat16": 2}[cfg.dtype])
+    need = sizing.min_cores(size, cfg.core_memory_gib)
+    plan = sizing.choose_plan(hf_config, need, cfg.max_cores, cfg.sharding, cfg.cores)
+    if plan.by_flags:
+        raise flags_misfit(cfg, spec, plan)
+    return size, need, plan
 
 
 class Unavailable(Exception):
@@ -388,120 +607,7 @@ def audit_compile(model, forward, generate_kwargs: dict, job: dict, tokens: list
     return audit
 
 
-# ------------------------------------------------------------------------------------------ one model
-def model_task(cfg: Config, folder: Path) -> tuple[str, bool]:
-    """(the task a model is checked for, whether it is a vision-language model)."""
-    vision = sizing.is_vision_language(folder)
-    return (("image-text-to-text" if vision else "text-generation") if cfg.task == "auto" else cfg.task), vision
-
-
-def not_run(cfg: Config, folder: Path, task: str, vision: bool) -> str | None:
-    """Why a model is EXCLUDED before its plan (model code without --trust_remote_code, not a vision-language
-    model for image-text-to-text), or None."""
-    if sizing.needs_remote_code(folder) and not cfg.trust_remote_code:
-        return "ships its own model code (auto_map); pass --trust_remote_code"
-    if task == "image-text-to-text" and not vision:
-        return (f"not a vision-language model: model_type {sizing.model_type(folder)!r} has no image-text-to-text "
-                "class in transformers")
-    return None
-
-
-def model_plan(cfg: Config, spec: str, folder: Path) -> tuple[int, int, sizing.Plan]:
-    """(weight bytes, fewest cores that hold them, plan). FlagsMisfit where --cores/--sharding cannot split it."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
-    size = sizing.weight_bytes(folder, {"auto": None, "float32": 4, "bfloat16": 2}[cfg.dtype])
-    need = sizing.min_cores(size, cfg.core_memory_gib)
-    plan = sizing.choose_plan(hf_config, need, cfg.max_cores, cfg.sharding, cfg.cores)
-    if plan.by_flags:
-        raise flags_misfit(cfg, spec, plan)
-    return size, need, plan
-
-
-def check_flags_fit(cfg: Config, specs: list[str], path: Path, stack: dict, tasks: tuple[str, ...]) -> None:
-    """Before any row: --cores/--sharding that a model already on this machine (a folder, an offline asset) cannot
-    be split over is one error line (FlagsMisfit). A Hub model is checked the same way once fetched, before its
-    row. Models a rerun skips are not looked at."""
-    if cfg.task == "train" or (not cfg.cores and cfg.sharding == "auto"):
-        return
-    for spec in specs:
-        if not (Path(spec).expanduser().is_dir() or spec in OFFLINE_MODELS):
-            continue
-        if not cfg.redo and rows.recorded(path, spec, stack, tasks) is not None:
-            continue
-        try:
-            folder = resolve_model(spec)
-        except Unavailable:
-            continue
-        task, vision = model_task(cfg, folder)
-        if not_run(cfg, folder, task, vision) is None:
-            model_plan(cfg, spec, folder)
-
-
-def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
-    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py)."""
-    folder = resolve_model(spec, with_code=cfg.trust_remote_code)
-    task, vision = model_task(cfg, folder)
-    row = {"model_id": spec, "device": dev_type, "task": task}
-    if why := not_run(cfg, folder, task, vision):
-        return dict(row, result="EXCLUDED", exclusion=why)
-    size, need, plan = model_plan(cfg, spec, folder)
-    prompt = cfg.image_prompt if vision else cfg.prompt
-    row.update(tp=plan.cores, runner=plan.runner, hbm_capacity_gb=plan.cores * cfg.core_memory_gib, prompt=prompt,
-               notes=f"weights {size / device.GIB:.3f} GiB need {need} core(s) of {cfg.core_memory_gib:g} GiB")
-    if plan.runner is None:
-        return dict(row, result="EXCLUDED", exclusion=plan.exclusion)
-    job = {"folder": str(folder), "cores": plan.cores, "runner": plan.runner, "device": dev_type, "task": task,
-           "dtype": cfg.dtype, "compile": not cfg.no_compile, "fullgraph": cfg.fullgraph, "prompt": prompt,
-           "new_tokens": cfg.new_tokens, "timeout_s": cfg.timeout_s, "lnc": cfg.lnc,
-           "trust_remote_code": cfg.trust_remote_code, "compile_audit": cfg.compile_audit, "cache": cfg.cache}
-    if vision:
-        job["image"] = str(image_file(cfg))
-        row["image"] = f"{job['image']} (sha256 {hashlib.sha256(Path(job['image']).read_bytes()).hexdigest()})"
-    try:
-        rep = processes.run_ranks(worker, job, job["cores"], job["timeout_s"])
-    except (TimeoutError, RuntimeError) as e:
-        return dict(row, result="FAIL", error=str(e))
-    row.update(wall_s=rep["wall_s"], compile_s=rep["compile_s"], hbm_peak_gb=rep["peak_bytes"] / device.GIB,
-               generated_text=rep["text"], timings=rep["timings"],
-               compile_cache=rep["compile_cache"] or "nothing compiled: eager run")
-    how = f"compiled ({'neuron' if dev_type == 'neuron' else 'inductor'})" if rep["compiled"] else "eager"
-    cache = "static cache" if rep["static"] else "dynamic cache (--cache dynamic)" if cfg.cache == "dynamic" else \
-        "dynamic cache: the model does not support static cache and compile (_can_compile_fullgraph is False)"
-    row["notes"] += f"; {plan.runner} on {plan.cores} {dev_type} process(es), {how}, {cache}"
-    if rep.get("audit"):
-        row.update(compile_audit.row_columns(rep["audit"]))
-        row["notes"] += "; " + compile_audit.note(rep["audit"])
-    if dev_type == "cpu":
-        row["notes"] += "; hbm_peak_gb is the peak resident memory of a process (CPU has no HBM)"
-    if plan.runner == "single":
-        row["cpu_match"] = rep["tokens"] == rep["cpu_tokens"]
-        if not row["cpu_match"]:
-            diverge = next((i for i, (a, b) in enumerate(zip(rep["tokens"], rep["cpu_tokens"])) if a != b),
-                           min(len(rep["tokens"]), len(rep["cpu_tokens"])))
-            row["notes"] += f"; tokens differ from the CPU eager reference from new token {diverge}"
-    if plan.runner != "single" or cfg.judge_single_core:
-        t0 = time.perf_counter()
-        verdict = judge().judge(rep["text"], prompt)
-        row["english"], row["judge"] = verdict["english"], json.dumps(verdict)
-        row["timings"]["judge_s"] = time.perf_counter() - t0
-    if rep["nonfinite"]:  # garbage in both runs can still match token for token: never a PASS
-        return dict(row, result="FAIL", error=rep["nonfinite"])
-    passed = row["cpu_match"] if plan.runner == "single" else row["english"]
-    return dict(row, result="PASS" if passed else "FAIL")
-
-
-def train_row(cfg: Config, spec: str, row: dict, out_dir: Path) -> dict:
-    """--task train: a few steps of examples/train_hf_backend.py from the checkpoint (compat_check/training.py)."""
-    folder = resolve_model(spec)
-    if sizing.needs_remote_code(folder):
-        return dict(row, task="train", result="EXCLUDED",
-                    exclusion="ships its own model code (auto_map); training never runs it")
-    return training.train_model(row, folder, out_dir, steps=cfg.train_steps, lr=cfg.train_lr, device=cfg.device,
-                                timeout_s=cfg.timeout_s)
-
-
+# ------------------------------------------------------------------------------------------ what is stored
 def rerun_args(cfg: Config, row: dict) -> str:
     """The flags that run this one model again with the settings that produced its row."""
     args = ["--models", row["model_id"], "--task", row["task"], "--device", row["device"]]
@@ -516,21 +622,6 @@ def rerun_args(cfg: Config, row: dict) -> str:
         if f.name in names and value != getattr(defaults, f.name):
             args += [f"--{f.name}"] if value is True else [f"--{f.name}", str(value)]
     return shlex.join(args)
-
-
-def check_results_json(out_dir: Path, given: str) -> None:
-    """results.json is rewritten after every model: never over one that another script wrote."""
-    path = out_dir / "results.json"
-    if not path.exists():
-        return
-    try:
-        script = json.loads(path.read_text()).get("script")
-    except (OSError, ValueError, AttributeError):  # not readable, not JSON, not an object
-        script = None
-    if script != Path(__file__).name:
-        raise UserError(f"--out_dir {given} holds a results.json that this script did not write "
-                        f"({'written by ' + str(script) if script else 'not one of its files'}): choose another "
-                        "--out_dir")
 
 
 def save_results(out_dir: Path, results: dict) -> None:
@@ -550,92 +641,7 @@ def save_results(out_dir: Path, results: dict) -> None:
                                     files=list(dict.fromkeys(files + results["files"]))))
 
 
-def main(cfg: Config) -> dict:
-    from tqdm import tqdm
-
-    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    check_results_json(out_dir, cfg.out_dir)
-    stack = rows.stack_versions()
-    path = rows.results_file(out_dir, stack)
-    for output in (path, out_dir / "results.json"):  # each replaced under its lock file: a bad one is refused now,
-        rows.check_lock(output)                       # not once a model has been measured
-    specs = model_specs(cfg.models)
-    check_specs(specs)
-    if preflight.wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds
-        preflight.require_stack("trn2", "compat")
-    dev_type = device.resolve_device_type(cfg.device)
-    most = sizing.machine_cores(dev_type, cfg.lnc)
-    if cfg.cores and most is not None and cfg.cores > most and cfg.task != "train":
-        raise UserError(f"--cores {cfg.cores}: this machine has {most} {dev_type} core(s); give at most {most}, or "
-                        "0 for the fewest that hold each model")
-    run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
-    if cfg.task == "train":  # the training script runs too: keep its source beside this one
-        script = training.TRAIN_SCRIPT
-        run_py += f"\n# ---- {script.name}, run as a subprocess by --task train ----\n" + script.read_text()
-    tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
-    check_flags_fit(cfg, specs, path, stack, tasks)
-    print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
-    print(lookup.printable(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
-
-    judge_cache = []
-
-    def judge():
-        if not judge_cache:
-            folder = resolve_model(cfg.judge_model or "smollm2-135m-instruct")  # not fetched: no verdict either
-            limits = judging.JudgeLimits(max_perplexity=cfg.judge_max_perplexity)
-            judge_cache.append(judging.EnglishJudge(folder, limits))
-        return judge_cache[0]
-
-    summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
-                            "stack": stack, "files": [str(path)], "models": []}
-    bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
-    for spec in bar:
-        bar.set_postfix_str(lookup.printable(spec))
-        old = rows.recorded(path, spec, stack, tasks)
-        if old is not None and not cfg.redo:
-            summary.append({"model_id": spec, "skipped": True, "task": old["task"], "result": old["result"]})
-            tqdm.write(lookup.printable(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
-                                        "--redo to run again"))
-            continue
-        t0 = time.perf_counter()
-        base = {"model_id": spec, "device": dev_type, "task": tasks[0]}
-        try:
-            row = train_row(cfg, spec, base, out_dir) if cfg.task == "train" else \
-                check_model(cfg, spec, dev_type, judge)
-        except FlagsMisfit:  # the command line's mistake, not the model's: no row; the rows before it stay
-            raise
-        except Unavailable as e:  # not a compatibility verdict: say why, and try again next time
-            row = dict(base, result="EXCLUDED", unavailable=True, exclusion=f"not fetched (no verdict; a rerun "
-                       f"tries again): {e}")
-        except Exception as e:  # noqa: BLE001  one model's failure is its row; the next model still runs
-            row = dict(base, result="FAIL", error=f"{type(e).__name__}: {e}"[:4000])
-        row.update(stack, run_py=run_py, packages=json.dumps(rows.other_packages(row["task"])),
-                   run_args=rerun_args(cfg, row), timings=json.dumps(row["timings"]) if row.get("timings") else None)
-        if row.get("unavailable") and old is not None:
-            tqdm.write(lookup.printable(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row "
-                                        "stays"))
-        else:
-            rows.write_row(path, row)
-        keys = ("task", "result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb",
-                "train_losses", "exclusion", "error", "unavailable", "compile_graphs", "compile_recompiles",
-                "compile_graph_breaks")
-        summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
-        tqdm.write(lookup.printable(
-            f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
-            f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
-            f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
-            + (f" graphs={row['compile_graphs']} recompiles={row['compile_recompiles']} graph_breaks="
-               f"{row['compile_graph_breaks']}" if row.get("compile_graphs") is not None else "")
-            + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
-            + (f" excluded: {row['exclusion']}" if row.get("exclusion") else "")))
-        results["models"] = summary
-        save_results(out_dir, results)
-    results["models"] = summary
-    save_results(out_dir, results)
-    print(lookup.printable(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
-    return results
-
-
+# ------------------------------------------------------------------------------------------ the entry point
 def check_parser():
     """A parser of the check's own flags: the lookup decides with it whether a row's run_args rerun the row."""
     return cli.build_parser(Config, PRESETS, "", default_preset="offline")
