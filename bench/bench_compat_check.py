@@ -2,7 +2,7 @@
 
 Each sample is the example's own command, `python examples/generate_compat_check.py --models M --redo
 --new_tokens N [--no_compile] --out_dir OUT/runs`, in a subprocess, timed from outside (process_s). The
-stage split comes from the row the command writes (its Parquet `wall_s`, `compile_s` and `timings`,
+stage split comes from the row the command writes (its Parquet `wall_s_precise`, `compile_s` and `timings`,
 measured inside the run by the script itself):
     load_s        model load, tokenizer or processor, inputs (the device run)
     compile_s     torch.compile (Dynamo + inductor; 0 with --no_compile, the default here)
@@ -88,8 +88,9 @@ def run_check(cfg: Config, model: str, out_dir: Path) -> dict:
     compile_s = row["compile_s"] or 0.0
     stages = {"load_s": t["load_s"], "compile_s": compile_s, "generation_s": t["generate_s"] - compile_s,
               "reference_s": t.get("reference_s", 0.0), "judging_s": t.get("judge_s", 0.0)}
-    return {**stages, "script_wall_s": row["wall_s"], "process_s": process_s,
-            "other_s": process_s - sum(stages.values()), "cpu_match": row["cpu_match"], "task": row["task"]}
+    cpu_match = {"true": True, "false": False}.get(row["cpu_match"])  # text, as in the public dataset
+    return {**stages, "script_wall_s": row["wall_s_precise"], "process_s": process_s,
+            "other_s": process_s - sum(stages.values()), "cpu_match": cpu_match, "task": row["task"]}
 
 
 def main(cfg: Config) -> dict:

@@ -1,8 +1,8 @@
 # Copy with this file the core (it checks models and writes their rows):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py
-#   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, lookup, page,
-#   compile_audit, rankings)
+#   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, compile_audit, and
+#   for the subcommands: subcommands, lookup, page, rankings)
 # and, for the Neuron stack's preflight before a Trainium run, from the harness:
 #   common/harness/__init__.py common/harness/preflight.py
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
@@ -36,9 +36,11 @@ training subprocess also die with the check if it is SIGKILLed (PR_SET_PDEATHSIG
 --compile_audit every row) carries a compile audit: the same generation under Dynamo with a backend that only counts
 (seconds on CPU) gives the graphs the compiler gets (neuronx-cc on Trainium, minutes each), the recompiles after the
 first decode step and the graph breaks, each with its reasons; a decode that recompiles per token says what that
-costs on Trainium. `rankings` writes the Hub's most downloaded and trending models per task; `lookup --rankings`
-shows them in that order, untested ones as "not tested". docs/compatibility-check.md has the details, the lookup
-and its web page.
+costs on Trainium. docs/compatibility-check.md has the details.
+
+This file is the one entry point; its two subcommands live in examples/compat_check/subcommands.py: `lookup` searches
+the rows (ours and files in the public schema), prints a row's run_py or writes the lookup page, and `rankings` writes
+the Hub's most downloaded and trending models per task, which `lookup --rankings` shows in that order.
 
 CPU (preset `offline`: tiny Qwen3, tiny Qwen3-MoE, SmolLM2-135M-Instruct, a tiny Qwen3-VL and a photograph,
 all from `make setup`; `--task auto` picks each model's task from its config):
@@ -46,15 +48,8 @@ all from `make setup`; `--task auto` picks each model's task from its config):
     python examples/generate_compat_check.py --task train --out_dir runs/compat          # training rows
     python examples/generate_compat_check.py --models smollm2-135m-instruct --core_memory_gib 0.3 --no_compile \\
         --out_dir runs/compat_tp               # sharded: 2 cores of 0.3 GiB -> 3 gloo processes, judged for English
-    python examples/generate_compat_check.py lookup runs/compat --name qwen3 [--task image-text-to-text]
-    python examples/generate_compat_check.py lookup runs/compat --name smollm2 --run_py   # print a row's script
-    python examples/generate_compat_check.py lookup runs/compat --html runs/compat/page.html  # the lookup page
     python examples/generate_compat_check.py --no_compile --compile_audit --out_dir runs/compat  # with the audit
-Where the Hub is reachable (then offline: the lookup and its page read the file):
-    python examples/generate_compat_check.py rankings --task text-generation --task image-text-to-text \\
-        --limit 100 --out runs/compat/rankings.json
-    python examples/generate_compat_check.py lookup runs/compat --rankings runs/compat/rankings.json \\
-        [--view downloads] [--html runs/compat/page.html]
+    python examples/generate_compat_check.py lookup runs/compat --name qwen3 [--html runs/compat/page.html]
 One trn2.48xlarge (Neuron DLAMI with the AWS guide's stack; models from the Hub):
     python examples/generate_compat_check.py --preset trn2_selected --out_dir runs/compat_trn2
 
@@ -70,7 +65,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import math
 import os
 import shlex
 import signal
@@ -86,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examp
 from common import cli, device, paths  # noqa: E402
 from common.errors import UserError, harness_missing  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
-from compat_check import compile_audit, judge as judging, lookup, measure, processes, rankings, rows, sizing, \
+from compat_check import compile_audit, judge as judging, lookup, measure, processes, rows, sizing, subcommands, \
     training  # noqa: E402
 
 try:  # the installed stack's check before a Trainium run (common/harness/preflight.py)
@@ -154,17 +148,8 @@ class Config:
                                           **cli.bounds(1, 2)})
 
     def validate(self) -> None:
-        """Every number is checked before anything runs: a bad flag must never become a stored verdict."""
-        whole = {"max_cores": (1, 128), "new_tokens": (1, 4096), "timeout_s": (1, 7 * 24 * 3600),
-                 "train_steps": (1, 10_000), "lnc": (1, 2)}  # 128: trn2.48xlarge's physical cores at LNC=1
-        for name, (lo, hi) in whole.items():
-            if not lo <= getattr(self, name) <= hi:
-                raise UserError(f"--{name} must be between {lo} and {hi}, got {getattr(self, name)}")
-        real = {"core_memory_gib": 4096.0, "judge_max_perplexity": 1e9, "train_lr": 1.0}
-        for name, hi in real.items():
-            value = getattr(self, name)
-            if not (math.isfinite(value) and 0 < value <= hi):
-                raise UserError(f"--{name} must be a number above 0 and at most {hi:g}, got {value}")
+        """What the flags' bounds (cli.bounds, checked first by cli.parse_config: every number finite and in its
+        range) cannot say alone, checked before anything runs: a bad flag must never become a stored verdict."""
         if not 0 <= self.cores <= self.max_cores:
             raise UserError(f"--cores must be between 0 (automatic) and --max_cores {self.max_cores}, got {self.cores}")
         for name in ("prompt", "image_prompt"):
@@ -217,6 +202,96 @@ OFFLINE_IMAGE = "photograph.png"  # in the tiny-qwen-vl asset: Chelsea the cat (
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]  # never pickles
 
 
+# ------------------------------------------------------------------------------------------ the check
+def main(cfg: Config) -> dict:
+    """The check: its outputs, models and flags checked before any model runs, then each model in turn (skipped where
+    its verdict is recorded for this stack), its row written as soon as it is known, results.json after each."""
+    from tqdm import tqdm
+
+    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
+    check_results_json(out_dir, cfg.out_dir)
+    stack = rows.stack_versions()
+    path = rows.results_file(out_dir, stack)
+    for output in (path, out_dir / "results.json"):  # each replaced under its lock file: a bad one is refused now,
+        rows.check_lock(output)                       # not once a model has been measured
+    specs = model_specs(cfg.models)
+    check_specs(specs)
+    if preflight is not None and preflight.wants_neuron(cfg.device):  # the installed Neuron stack: seconds
+        preflight.require_stack("trn2", "compat")
+    dev_type = device.resolve_device_type(cfg.device)
+    most = sizing.machine_cores(dev_type, cfg.lnc)
+    if cfg.cores and most is not None and cfg.cores > most and cfg.task != "train":
+        raise UserError(f"--cores {cfg.cores}: this machine has {most} {dev_type} core(s); give at most {most}, or "
+                        "0 for the fewest that hold each model")
+    run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
+    if cfg.task == "train":  # the training script runs too: keep its source beside this one
+        script = training.TRAIN_SCRIPT
+        run_py += f"\n# ---- {script.name}, run as a subprocess by --task train ----\n" + script.read_text()
+    tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
+    check_flags_fit(cfg, specs, path, stack, tasks)
+    print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
+    print(lookup.printable(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
+
+    judge_cache = []
+
+    def judge():
+        if not judge_cache:
+            folder = resolve_model(cfg.judge_model or "smollm2-135m-instruct")  # not fetched: no verdict either
+            limits = judging.JudgeLimits(max_perplexity=cfg.judge_max_perplexity)
+            judge_cache.append(judging.EnglishJudge(folder, limits))
+        return judge_cache[0]
+
+    summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
+                            "stack": stack, "files": [str(path)], "models": []}
+    bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
+    for spec in bar:
+        bar.set_postfix_str(lookup.printable(spec))
+        old = rows.recorded(path, spec, stack, tasks)
+        if old is not None and not cfg.redo:
+            summary.append({"model_id": spec, "skipped": True, "task": old["task"], "result": old["result"]})
+            tqdm.write(lookup.printable(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
+                                        "--redo to run again"))
+            continue
+        t0 = time.perf_counter()
+        base = {"model_id": spec, "device": dev_type, "task": tasks[0]}
+        try:
+            row = train_row(cfg, spec, base, out_dir) if cfg.task == "train" else \
+                check_model(cfg, spec, dev_type, judge)
+        except FlagsMisfit:  # the command line's mistake, not the model's: no row; the rows before it stay
+            raise
+        except Unavailable as e:  # not a compatibility verdict: say why, and try again next time
+            row = dict(base, result="EXCLUDED", unavailable=True, exclusion=f"not fetched (no verdict; a rerun "
+                       f"tries again): {e}")
+        except Exception as e:  # noqa: BLE001  one model's failure is its row; the next model still runs
+            row = dict(base, result="FAIL", error=f"{type(e).__name__}: {e}"[:4000])
+        row.update(stack, run_py=run_py, packages=json.dumps(rows.other_packages(row["task"])),
+                   run_args=rerun_args(cfg, row), timings=json.dumps(row["timings"]) if row.get("timings") else None)
+        if row.get("unavailable") and old is not None:
+            tqdm.write(lookup.printable(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row "
+                                        "stays"))
+        else:
+            rows.write_row(path, row)
+        keys = ("task", "result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb",
+                "train_losses", "exclusion", "error", "unavailable", "compile_graphs", "compile_recompiles",
+                "compile_graph_breaks")
+        summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
+        tqdm.write(lookup.printable(
+            f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
+            f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
+            f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
+            + (f" graphs={row['compile_graphs']} recompiles={row['compile_recompiles']} graph_breaks="
+               f"{row['compile_graph_breaks']}" if row.get("compile_graphs") is not None else "")
+            + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
+            + (f" excluded: {row['exclusion']}" if row.get("exclusion") else "")))
+        results["models"] = summary
+        save_results(out_dir, results)
+    results["models"] = summary
+    save_results(out_dir, results)
+    print(lookup.printable(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ before any model
 def model_specs(text: str) -> list[str]:
     return [s.strip().rstrip("/") for s in text.split(",") if s.strip()]
 
@@ -229,6 +304,41 @@ def check_specs(specs: list[str]) -> None:
                             f"name ({', '.join(OFFLINE_MODELS)}) or a Hub id)")
 
 
+def check_results_json(out_dir: Path, given: str) -> None:
+    """results.json is rewritten after every model: never over one that another script wrote."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return
+    try:
+        script = json.loads(path.read_text()).get("script")
+    except (OSError, ValueError, AttributeError):  # not readable, not JSON, not an object
+        script = None
+    if script != Path(__file__).name:
+        raise UserError(f"--out_dir {given} holds a results.json that this script did not write "
+                        f"({'written by ' + str(script) if script else 'not one of its files'}): choose another "
+                        "--out_dir")
+
+
+def check_flags_fit(cfg: Config, specs: list[str], path: Path, stack: dict, tasks: tuple[str, ...]) -> None:
+    """Before any row: --cores/--sharding that a model already on this machine (a folder, an offline asset) cannot
+    be split over is one error line (FlagsMisfit). A Hub model is checked the same way once fetched, before its
+    row. Models a rerun skips are not looked at."""
+    if cfg.task == "train" or (not cfg.cores and cfg.sharding == "auto"):
+        return
+    for spec in specs:
+        if not (Path(spec).expanduser().is_dir() or spec in OFFLINE_MODELS):
+            continue
+        if not cfg.redo and rows.recorded(path, spec, stack, tasks) is not None:
+            continue
+        try:
+            folder = resolve_model(spec)
+        except Unavailable:
+            continue
+        task, vision = model_task(cfg, folder)
+        if not_run(cfg, folder, task, vision) is None:
+            model_plan(cfg, spec, folder)
+
+
 class FlagsMisfit(UserError):
     """--cores/--sharding ask for a split the model cannot have: the command line's mistake, never a row."""
 
@@ -238,6 +348,100 @@ def flags_misfit(cfg: Config, spec: str, plan: sizing.Plan) -> FlagsMisfit:
     return FlagsMisfit(f"{' '.join(flags)} cannot run {spec}: {plan.exclusion}; nothing was recorded for it (a "
                        f"choice of the command line, not a verdict on the model): leave {' and '.join(flags)} out "
                        "(the fewest cores that hold the weights) or give a count its heads or experts divide")
+
+
+# ------------------------------------------------------------------------------------------ one model
+def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
+    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py)."""
+    folder = resolve_model(spec, with_code=cfg.trust_remote_code)
+    task, vision = model_task(cfg, folder)
+    row = {"model_id": spec, "device": dev_type, "task": task}
+    if why := not_run(cfg, folder, task, vision):
+        return dict(row, result="EXCLUDED", exclusion=why)
+    size, need, plan = model_plan(cfg, spec, folder)
+    prompt = cfg.image_prompt if vision else cfg.prompt
+    row.update(tp=plan.cores, runner=plan.runner, hbm_capacity_gb=plan.cores * cfg.core_memory_gib, prompt=prompt,
+               notes=f"weights {size / device.GIB:.3f} GiB need {need} core(s) of {cfg.core_memory_gib:g} GiB")
+    if plan.runner is None:
+        return dict(row, result="EXCLUDED", exclusion=plan.exclusion)
+    job = {"folder": str(folder), "cores": plan.cores, "runner": plan.runner, "device": dev_type, "task": task,
+           "dtype": cfg.dtype, "compile": not cfg.no_compile, "fullgraph": cfg.fullgraph, "prompt": prompt,
+           "new_tokens": cfg.new_tokens, "timeout_s": cfg.timeout_s, "lnc": cfg.lnc,
+           "trust_remote_code": cfg.trust_remote_code, "compile_audit": cfg.compile_audit, "cache": cfg.cache}
+    if vision:
+        job["image"] = str(image_file(cfg))
+        row["image"] = f"{job['image']} (sha256 {hashlib.sha256(Path(job['image']).read_bytes()).hexdigest()})"
+    try:
+        rep = processes.run_ranks(worker, job, job["cores"], job["timeout_s"])
+    except (TimeoutError, RuntimeError) as e:
+        return dict(row, result="FAIL", error=str(e))
+    row.update(wall_s=rep["wall_s"], compile_s=rep["compile_s"], hbm_peak_gb=rep["peak_bytes"] / device.GIB,
+               generated_text=rep["text"], timings=rep["timings"],
+               compile_cache=rep["compile_cache"] or "nothing compiled: eager run")
+    how = f"compiled ({'neuron' if dev_type == 'neuron' else 'inductor'})" if rep["compiled"] else "eager"
+    cache = "static cache" if rep["static"] else "dynamic cache (--cache dynamic)" if cfg.cache == "dynamic" else \
+        "dynamic cache: the model does not support static cache and compile (_can_compile_fullgraph is False)"
+    row["notes"] += f"; {plan.runner} on {plan.cores} {dev_type} process(es), {how}, {cache}"
+    if rep.get("audit"):
+        row.update(compile_audit.row_columns(rep["audit"]))
+        row["notes"] += "; " + compile_audit.note(rep["audit"])
+    if dev_type == "cpu":
+        row["notes"] += "; hbm_peak_gb is the peak resident memory of a process (CPU has no HBM)"
+    if plan.runner == "single":
+        row["cpu_match"] = rep["tokens"] == rep["cpu_tokens"]
+        if not row["cpu_match"]:
+            diverge = next((i for i, (a, b) in enumerate(zip(rep["tokens"], rep["cpu_tokens"])) if a != b),
+                           min(len(rep["tokens"]), len(rep["cpu_tokens"])))
+            row["notes"] += f"; tokens differ from the CPU eager reference from new token {diverge}"
+    if plan.runner != "single" or cfg.judge_single_core:
+        t0 = time.perf_counter()
+        verdict = judge().judge(rep["text"], prompt)
+        row["english"], row["judge"] = verdict["english"], json.dumps(verdict)
+        row["timings"]["judge_s"] = time.perf_counter() - t0
+    if rep["nonfinite"]:  # garbage in both runs can still match token for token: never a PASS
+        return dict(row, result="FAIL", error=rep["nonfinite"])
+    passed = row["cpu_match"] if plan.runner == "single" else row["english"]
+    return dict(row, result="PASS" if passed else "FAIL")
+
+
+def train_row(cfg: Config, spec: str, row: dict, out_dir: Path) -> dict:
+    """--task train: a few steps of examples/train_hf_backend.py from the checkpoint (compat_check/training.py)."""
+    folder = resolve_model(spec)
+    if sizing.needs_remote_code(folder):
+        return dict(row, task="train", result="EXCLUDED",
+                    exclusion="ships its own model code (auto_map); training never runs it")
+    return training.train_model(row, folder, out_dir, steps=cfg.train_steps, lr=cfg.train_lr, device=cfg.device,
+                                timeout_s=cfg.timeout_s)
+
+
+def model_task(cfg: Config, folder: Path) -> tuple[str, bool]:
+    """(the task a model is checked for, whether it is a vision-language model)."""
+    vision = sizing.is_vision_language(folder)
+    return (("image-text-to-text" if vision else "text-generation") if cfg.task == "auto" else cfg.task), vision
+
+
+def not_run(cfg: Config, folder: Path, task: str, vision: bool) -> str | None:
+    """Why a model is EXCLUDED before its plan (model code without --trust_remote_code, not a vision-language
+    model for image-text-to-text), or None."""
+    if sizing.needs_remote_code(folder) and not cfg.trust_remote_code:
+        return "ships its own model code (auto_map); pass --trust_remote_code"
+    if task == "image-text-to-text" and not vision:
+        return (f"not a vision-language model: model_type {sizing.model_type(folder)!r} has no image-text-to-text "
+                "class in transformers")
+    return None
+
+
+def model_plan(cfg: Config, spec: str, folder: Path) -> tuple[int, int, sizing.Plan]:
+    """(weight bytes, fewest cores that hold them, plan). FlagsMisfit where --cores/--sharding cannot split it."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    size = sizing.weight_bytes(folder, {"auto": None, "float32": 4, "bfloat16": 2}[cfg.dtype])
+    need = sizing.min_cores(size, cfg.core_memory_gib)
+    plan = sizing.choose_plan(hf_config, need, cfg.max_cores, cfg.sharding, cfg.cores)
+    if plan.by_flags:
+        raise flags_misfit(cfg, spec, plan)
+    return size, need, plan
 
 
 class Unavailable(Exception):
@@ -349,8 +553,8 @@ def generate_on_device(job: dict) -> dict:
     model.generation_config.disable_compile = True  # compiled explicitly below, or not at all
     eager_forward = model.forward  # what the compile audit hands to Dynamo
     if compiled:
-        backend = "neuron" if dev.device_type == "neuron" else "inductor"
-        model.forward = torch.compile(model.forward, backend=backend, fullgraph=job["fullgraph"])
+        model.forward = compile_forward(model.forward, "neuron" if dev.device_type == "neuron" else "inductor",
+                                        job["fullgraph"])
     greedy = {"max_new_tokens": job["new_tokens"], "do_sample": False, "output_logits": True,
               "return_dict_in_generate": True,
               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
@@ -383,6 +587,14 @@ def generate_on_device(job: dict) -> dict:
     return report
 
 
+def compile_forward(forward, backend, fullgraph: bool):
+    """The check's torch.compile call: `backend` (neuron on Trainium, inductor elsewhere) with the arguments the compile
+    audit uses too (compile_audit.compile_options: dynamic=False, as AWS's documentation asks of the neuron backend)."""
+    import torch
+
+    return torch.compile(forward, backend=backend, **compile_audit.compile_options(fullgraph))
+
+
 def audit_compile(model, forward, generate_kwargs: dict, job: dict, tokens: list[int], prompt_len: int) -> dict:
     """The same generation under Dynamo with a counting backend (compat_check/compile_audit.py): graphs,
     recompiles, graph breaks. A failure of the audit is recorded as such, never the model's verdict."""
@@ -403,120 +615,7 @@ def audit_compile(model, forward, generate_kwargs: dict, job: dict, tokens: list
     return audit
 
 
-# ------------------------------------------------------------------------------------------ one model
-def model_task(cfg: Config, folder: Path) -> tuple[str, bool]:
-    """(the task a model is checked for, whether it is a vision-language model)."""
-    vision = sizing.is_vision_language(folder)
-    return (("image-text-to-text" if vision else "text-generation") if cfg.task == "auto" else cfg.task), vision
-
-
-def not_run(cfg: Config, folder: Path, task: str, vision: bool) -> str | None:
-    """Why a model is EXCLUDED before its plan (model code without --trust_remote_code, not a vision-language
-    model for image-text-to-text), or None."""
-    if sizing.needs_remote_code(folder) and not cfg.trust_remote_code:
-        return "ships its own model code (auto_map); pass --trust_remote_code"
-    if task == "image-text-to-text" and not vision:
-        return (f"not a vision-language model: model_type {sizing.model_type(folder)!r} has no image-text-to-text "
-                "class in transformers")
-    return None
-
-
-def model_plan(cfg: Config, spec: str, folder: Path) -> tuple[int, int, sizing.Plan]:
-    """(weight bytes, fewest cores that hold them, plan). FlagsMisfit where --cores/--sharding cannot split it."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
-    size = sizing.weight_bytes(folder, {"auto": None, "float32": 4, "bfloat16": 2}[cfg.dtype])
-    need = sizing.min_cores(size, cfg.core_memory_gib)
-    plan = sizing.choose_plan(hf_config, need, cfg.max_cores, cfg.sharding, cfg.cores)
-    if plan.by_flags:
-        raise flags_misfit(cfg, spec, plan)
-    return size, need, plan
-
-
-def check_flags_fit(cfg: Config, specs: list[str], path: Path, stack: dict, tasks: tuple[str, ...]) -> None:
-    """Before any row: --cores/--sharding that a model already on this machine (a folder, an offline asset) cannot
-    be split over is one error line (FlagsMisfit). A Hub model is checked the same way once fetched, before its
-    row. Models a rerun skips are not looked at."""
-    if cfg.task == "train" or (not cfg.cores and cfg.sharding == "auto"):
-        return
-    for spec in specs:
-        if not (Path(spec).expanduser().is_dir() or spec in OFFLINE_MODELS):
-            continue
-        if not cfg.redo and rows.recorded(path, spec, stack, tasks) is not None:
-            continue
-        try:
-            folder = resolve_model(spec)
-        except Unavailable:
-            continue
-        task, vision = model_task(cfg, folder)
-        if not_run(cfg, folder, task, vision) is None:
-            model_plan(cfg, spec, folder)
-
-
-def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
-    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py)."""
-    folder = resolve_model(spec, with_code=cfg.trust_remote_code)
-    task, vision = model_task(cfg, folder)
-    row = {"model_id": spec, "device": dev_type, "task": task}
-    if why := not_run(cfg, folder, task, vision):
-        return dict(row, result="EXCLUDED", exclusion=why)
-    size, need, plan = model_plan(cfg, spec, folder)
-    prompt = cfg.image_prompt if vision else cfg.prompt
-    row.update(tp=plan.cores, runner=plan.runner, hbm_capacity_gb=plan.cores * cfg.core_memory_gib, prompt=prompt,
-               notes=f"weights {size / device.GIB:.3f} GiB need {need} core(s) of {cfg.core_memory_gib:g} GiB")
-    if plan.runner is None:
-        return dict(row, result="EXCLUDED", exclusion=plan.exclusion)
-    job = {"folder": str(folder), "cores": plan.cores, "runner": plan.runner, "device": dev_type, "task": task,
-           "dtype": cfg.dtype, "compile": not cfg.no_compile, "fullgraph": cfg.fullgraph, "prompt": prompt,
-           "new_tokens": cfg.new_tokens, "timeout_s": cfg.timeout_s, "lnc": cfg.lnc,
-           "trust_remote_code": cfg.trust_remote_code, "compile_audit": cfg.compile_audit, "cache": cfg.cache}
-    if vision:
-        job["image"] = str(image_file(cfg))
-        row["image"] = f"{job['image']} (sha256 {hashlib.sha256(Path(job['image']).read_bytes()).hexdigest()})"
-    try:
-        rep = processes.run_ranks(worker, job, job["cores"], job["timeout_s"])
-    except (TimeoutError, RuntimeError) as e:
-        return dict(row, result="FAIL", error=str(e))
-    row.update(wall_s=rep["wall_s"], compile_s=rep["compile_s"], hbm_peak_gb=rep["peak_bytes"] / device.GIB,
-               generated_text=rep["text"], timings=rep["timings"],
-               compile_cache=rep["compile_cache"] or "nothing compiled: eager run")
-    how = f"compiled ({'neuron' if dev_type == 'neuron' else 'inductor'})" if rep["compiled"] else "eager"
-    cache = "static cache" if rep["static"] else "dynamic cache (--cache dynamic)" if cfg.cache == "dynamic" else \
-        "dynamic cache: the model does not support static cache and compile (_can_compile_fullgraph is False)"
-    row["notes"] += f"; {plan.runner} on {plan.cores} {dev_type} process(es), {how}, {cache}"
-    if rep.get("audit"):
-        row.update(compile_audit.row_columns(rep["audit"]))
-        row["notes"] += "; " + compile_audit.note(rep["audit"])
-    if dev_type == "cpu":
-        row["notes"] += "; hbm_peak_gb is the peak resident memory of a process (CPU has no HBM)"
-    if plan.runner == "single":
-        row["cpu_match"] = rep["tokens"] == rep["cpu_tokens"]
-        if not row["cpu_match"]:
-            diverge = next((i for i, (a, b) in enumerate(zip(rep["tokens"], rep["cpu_tokens"])) if a != b),
-                           min(len(rep["tokens"]), len(rep["cpu_tokens"])))
-            row["notes"] += f"; tokens differ from the CPU eager reference from new token {diverge}"
-    if plan.runner != "single" or cfg.judge_single_core:
-        t0 = time.perf_counter()
-        verdict = judge().judge(rep["text"], prompt)
-        row["english"], row["judge"] = verdict["english"], json.dumps(verdict)
-        row["timings"]["judge_s"] = time.perf_counter() - t0
-    if rep["nonfinite"]:  # garbage in both runs can still match token for token: never a PASS
-        return dict(row, result="FAIL", error=rep["nonfinite"])
-    passed = row["cpu_match"] if plan.runner == "single" else row["english"]
-    return dict(row, result="PASS" if passed else "FAIL")
-
-
-def train_row(cfg: Config, spec: str, row: dict, out_dir: Path) -> dict:
-    """--task train: a few steps of examples/train_hf_backend.py from the checkpoint (compat_check/training.py)."""
-    folder = resolve_model(spec)
-    if sizing.needs_remote_code(folder):
-        return dict(row, task="train", result="EXCLUDED",
-                    exclusion="ships its own model code (auto_map); training never runs it")
-    return training.train_model(row, folder, out_dir, steps=cfg.train_steps, lr=cfg.train_lr, device=cfg.device,
-                                timeout_s=cfg.timeout_s)
-
-
+# ------------------------------------------------------------------------------------------ what is stored
 def rerun_args(cfg: Config, row: dict) -> str:
     """The flags that run this one model again with the settings that produced its row."""
     args = ["--models", row["model_id"], "--task", row["task"], "--device", row["device"]]
@@ -531,44 +630,6 @@ def rerun_args(cfg: Config, row: dict) -> str:
         if f.name in names and value != getattr(defaults, f.name):
             args += [f"--{f.name}"] if value is True else [f"--{f.name}", str(value)]
     return shlex.join(args)
-
-
-def rerun_argv(run_args: str) -> list[str] | None:
-    """A row's run_args as the argv that reruns it (the page's Reproduce command), or None: not reproducible from
-    that row. Only printable words that this script's parser takes as its flags and their values pass; a stray
-    word (a `;`-separated second command), an unknown flag, --help, a value it refuses or an unclosed quote fail."""
-    try:
-        argv = shlex.split(run_args)
-    except ValueError:  # an unclosed quote
-        return None
-    if not argv or any(not a.isprintable() or a in ("-h", "--help") for a in argv):
-        return None
-    parser = cli.build_parser(Config, PRESETS, "", default_preset="offline")
-
-    def refuse(message: str):
-        raise UserError(message)
-
-    parser.error = refuse  # a word it refuses: None, nothing printed
-    try:
-        parser.parse_args(argv)
-    except UserError:
-        return None
-    return argv
-
-
-def check_results_json(out_dir: Path, given: str) -> None:
-    """results.json is rewritten after every model: never over one that another script wrote."""
-    path = out_dir / "results.json"
-    if not path.exists():
-        return
-    try:
-        script = json.loads(path.read_text()).get("script")
-    except (OSError, ValueError, AttributeError):  # not readable, not JSON, not an object
-        script = None
-    if script != Path(__file__).name:
-        raise UserError(f"--out_dir {given} holds a results.json that this script did not write "
-                        f"({'written by ' + str(script) if script else 'not one of its files'}): choose another "
-                        "--out_dir")
 
 
 def save_results(out_dir: Path, results: dict) -> None:
@@ -588,96 +649,16 @@ def save_results(out_dir: Path, results: dict) -> None:
                                     files=list(dict.fromkeys(files + results["files"]))))
 
 
-def main(cfg: Config) -> dict:
-    from tqdm import tqdm
-
-    out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    check_results_json(out_dir, cfg.out_dir)
-    specs = model_specs(cfg.models)
-    check_specs(specs)
-    if preflight is not None and preflight.wants_neuron(cfg.device):  # the installed Neuron stack: seconds
-        preflight.require_stack("trn2", "compat")
-    dev_type = device.resolve_device_type(cfg.device)
-    most = sizing.machine_cores(dev_type, cfg.lnc)
-    if cfg.cores and most is not None and cfg.cores > most and cfg.task != "train":
-        raise UserError(f"--cores {cfg.cores}: this machine has {most} {dev_type} core(s); give at most {most}, or "
-                        "0 for the fewest that hold each model")
-    run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
-    if cfg.task == "train":  # the training script runs too: keep its source beside this one
-        script = training.TRAIN_SCRIPT
-        run_py += f"\n# ---- {script.name}, run as a subprocess by --task train ----\n" + script.read_text()
-    stack = rows.stack_versions()
-    path = rows.results_file(out_dir, stack)
-    tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
-    check_flags_fit(cfg, specs, path, stack, tasks)
-    print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
-    print(lookup.printable(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
-
-    judge_cache = []
-
-    def judge():
-        if not judge_cache:
-            folder = resolve_model(cfg.judge_model or "smollm2-135m-instruct")  # not fetched: no verdict either
-            limits = judging.JudgeLimits(max_perplexity=cfg.judge_max_perplexity)
-            judge_cache.append(judging.EnglishJudge(folder, limits))
-        return judge_cache[0]
-
-    summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
-                            "stack": stack, "files": [str(path)], "models": []}
-    bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
-    for spec in bar:
-        bar.set_postfix_str(lookup.printable(spec))
-        old = rows.recorded(path, spec, stack, tasks)
-        if old is not None and not cfg.redo:
-            summary.append({"model_id": spec, "skipped": True, "task": old["task"], "result": old["result"]})
-            tqdm.write(lookup.printable(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
-                                        "--redo to run again"))
-            continue
-        t0 = time.perf_counter()
-        base = {"model_id": spec, "device": dev_type, "task": tasks[0]}
-        try:
-            row = train_row(cfg, spec, base, out_dir) if cfg.task == "train" else \
-                check_model(cfg, spec, dev_type, judge)
-        except FlagsMisfit:  # the command line's mistake, not the model's: no row; the rows before it stay
-            raise
-        except Unavailable as e:  # not a compatibility verdict: say why, and try again next time
-            row = dict(base, result="EXCLUDED", unavailable=True, exclusion=f"not fetched (no verdict; a rerun "
-                       f"tries again): {e}")
-        except Exception as e:  # noqa: BLE001  one model's failure is its row; the next model still runs
-            row = dict(base, result="FAIL", error=f"{type(e).__name__}: {e}"[:4000])
-        row.update(stack, run_py=run_py, packages=json.dumps(rows.other_packages(row["task"])),
-                   run_args=rerun_args(cfg, row), timings=json.dumps(row["timings"]) if row.get("timings") else None)
-        if row.get("unavailable") and old is not None:
-            tqdm.write(lookup.printable(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row "
-                                        "stays"))
-        else:
-            rows.write_row(path, row)
-        keys = ("task", "result", "tp", "runner", "cpu_match", "english", "wall_s", "compile_s", "hbm_peak_gb",
-                "train_losses", "exclusion", "error", "unavailable", "compile_graphs", "compile_recompiles",
-                "compile_graph_breaks")
-        summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
-        tqdm.write(lookup.printable(
-            f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
-            f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
-            f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
-            + (f" graphs={row['compile_graphs']} recompiles={row['compile_recompiles']} graph_breaks="
-               f"{row['compile_graph_breaks']}" if row.get("compile_graphs") is not None else "")
-            + (f" error: {str(row['error']).strip().splitlines()[0][:200]}" if row.get("error") else "")
-            + (f" excluded: {row['exclusion']}" if row.get("exclusion") else "")))
-        results["models"] = summary
-        save_results(out_dir, results)
-    results["models"] = summary
-    save_results(out_dir, results)
-    print(lookup.printable(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
-    return results
+# ------------------------------------------------------------------------------------------ the entry point
+def check_parser():
+    """A parser of the check's own flags: the lookup decides with it whether a row's run_args rerun the row."""
+    return cli.build_parser(Config, PRESETS, "", default_preset="offline")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["lookup"]:
-        sys.exit(lookup.lookup_main(sys.argv[2:], prog="generate_compat_check.py lookup",
-                                    selected=tuple(model_specs(trn2_selected().models)), rerun=rerun_argv))
-    if sys.argv[1:2] == ["rankings"]:  # the Hub's own rankings per task, for lookup --rankings
-        sys.exit(rankings.rankings_main(sys.argv[2:], prog="generate_compat_check.py rankings"))
+    if sys.argv[1:2] and sys.argv[1] in subcommands.NAMES:  # lookup, rankings: compat_check/subcommands.py
+        sys.exit(subcommands.run(sys.argv[1], sys.argv[2:], check_parser=check_parser,
+                                 selected=tuple(model_specs(trn2_selected().models))))
     processes.stop_on_signals()  # SIGTERM, SIGHUP, SIGINT: every process below this one stopped, one error line
     try:
         code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")

@@ -107,12 +107,13 @@ def test_offline_preset_rows(offline_run, capsys):
     assert crashed["run_py"] and crashed["torch"] == stack["torch"] and crashed["tp"] == 1
 
     for model_id, r in by_id.items():
-        assert r["result"] == "PASS" and bool(r["cpu_match"]) is True, (model_id, r["notes"], r["error"])
+        assert r["result"] == "PASS" and r["cpu_match"] == "true", (model_id, r["notes"], r["error"])
         assert r["task"] == ("image-text-to-text" if model_id == "tiny-qwen-vl" else "text-generation")
         assert "static cache" in r["notes"] and r["compile_cache"] == "nothing compiled: eager run"
         assert "--no_compile" in r["run_args"] and json.loads(r["timings"])["reference_s"] > 0
         assert (r["tp"], r["runner"], r["device"], r["library"]) == (1, "single", "cpu", "transformers"), model_id
-        assert r["wall_s"] > 0 and r["hbm_peak_gb"] > 0 and r["compile_s"] == 0.0
+        assert r["wall_s_precise"] > 0 and r["wall_s"] == round(r["wall_s_precise"])  # the public type: whole seconds
+        assert r["hbm_peak_gb"] > 0 and r["compile_s"] == 0.0
         assert r["hbm_capacity_gb"] == 24.0
         assert (r["torch"], r["transformers"], r["library_version"]) == (
             stack["torch"], stack["transformers"], stack["transformers"])
@@ -129,10 +130,10 @@ def test_offline_preset_rows(offline_run, capsys):
 
     # The offline preset also asks the judge about single-core runs: the real pretrained model
     # writes English, the random tiny models do not.
-    assert bool(by_id["smollm2-135m-instruct"]["english"]) is True, by_id["smollm2-135m-instruct"]["judge"]
+    assert by_id["smollm2-135m-instruct"]["english"] == "true", by_id["smollm2-135m-instruct"]["judge"]
     assert len(by_id["smollm2-135m-instruct"]["generated_text"].split()) >= 8
     for tiny in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen-vl"):
-        assert bool(by_id[tiny]["english"]) is False
+        assert by_id[tiny]["english"] == "false"
         assert json.loads(by_id[tiny]["judge"])["reasons"]
     # image-text-to-text: the model's processor, the asset's photograph, the Qwen3 tokenizer's vision tokens
     vl = by_id["tiny-qwen-vl"]
@@ -159,23 +160,26 @@ def test_rerun_skips_recorded_models_and_keeps_the_file(offline_run):
 
 
 def _public_schema_file(path: Path, marker: Path) -> None:
-    """A file in the public dataset's schema, without the `exclusion` column (as some public files are).
-    Its run_py would create `marker` if anything ever executed it."""
+    """A file in the public dataset's schema and types (tp and wall_s int32, tested_at in milliseconds, cpu_match and
+    english text), without the `exclusion` column (as some public files are). Its run_py would create `marker` if
+    anything ever executed it."""
     run_py = f"from pathlib import Path\nPath({str(marker)!r}).write_text('executed')\n"
     public = [
         {"model_id": "Qwen/Qwen3-8B", "library": "transformers", "tp": 2, "runner": "tp", "result": "PASS",
-         "notes": None, "error": None, "wall_s": 812.5, "hbm_peak_gb": 17.9, "hbm_capacity_gb": 48.0,
-         "cpu_match": None, "english": True, "neuronx_cc": "2.23.6484.0", "library_version": "5.16.0",
+         "notes": None, "error": None, "wall_s": 812, "hbm_peak_gb": 17.9, "hbm_capacity_gb": 48.0,
+         "cpu_match": None, "english": "true", "neuronx_cc": "2.23.6484.0", "library_version": "5.16.0",
          "transformers": "5.16.0", "accelerate": "1.15.0", "torch_neuronx": "2.14.3", "torch": "2.14.0",
          "nki": "0.2.0", "python": "3.11.7", "neuron_driver": "2.25.4.0", "run_py": run_py},
         {"model_id": "Qwen/Qwen3-0.6B", "library": "transformers", "tp": 1, "runner": "single", "result": "PASS",
-         "notes": None, "error": None, "wall_s": 201.0, "hbm_peak_gb": 2.1, "hbm_capacity_gb": 24.0,
-         "cpu_match": True, "english": None, "neuronx_cc": "2.23.6484.0", "library_version": "5.16.0",
+         "notes": None, "error": None, "wall_s": 201, "hbm_peak_gb": 2.1, "hbm_capacity_gb": 24.0,
+         "cpu_match": "true", "english": None, "neuronx_cc": "2.23.6484.0", "library_version": "5.16.0",
          "transformers": "5.16.0", "accelerate": "1.15.0", "torch_neuronx": "2.14.3", "torch": "2.14.0",
          "nki": "0.2.0", "python": "3.11.7", "neuron_driver": "2.25.4.0", "run_py": run_py},
     ]
     table = pa.Table.from_pylist(public)
-    ts = pa.array([pd.Timestamp("2026-10-20T12:00:00Z")] * 2, pa.timestamp("us", tz="UTC"))
+    table = table.cast(pa.schema([(f.name, pa.int32() if f.name in ("tp", "wall_s") else
+                                   pa.string() if pa.types.is_null(f.type) else f.type) for f in table.schema]))
+    ts = pa.array([pd.Timestamp("2026-10-20T12:00:00Z")] * 2, pa.timestamp("ms", tz="UTC"))
     pq.write_table(table.append_column("tested_at", ts), path)
 
 

@@ -132,7 +132,7 @@ def test_ranks_forked_after_the_checks_own_threads_ran_still_finish(tmp_path, pr
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_id = {r["model_id"]: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
-    assert by_id["smollm2-135m-instruct"]["tp"] == 3 and by_id["smollm2-135m-instruct"]["english"]
+    assert by_id["smollm2-135m-instruct"]["tp"] == 3 and by_id["smollm2-135m-instruct"]["english"] == "true"
     assert by_id["tiny-qwen3"]["result"] == "PASS", by_id["tiny-qwen3"]["error"]
 
 

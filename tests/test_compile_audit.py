@@ -195,3 +195,28 @@ def test_fullgraph_refusal_is_the_audits_not_the_rows():
     columns = compile_audit.row_columns({"error": f"{type(e.value).__name__}: boom"})
     assert list(columns) == ["compile_audit"] and json.loads(columns["compile_audit"])["error"].endswith("boom")
     assert compile_audit.note({"error": "Unsupported: boom"}) == "compile audit failed: Unsupported: boom"
+
+
+def test_the_audit_compiles_with_the_checks_own_arguments():
+    """One set of torch.compile arguments (compile_audit.compile_options) for the check's compiled forward
+    (generate_compat_check.compile_forward) and for the audit: dynamic=False, one graph per input shape, as the neuron
+    backend takes them. A forward called with four input lengths is four graphs in the check's own call and four in
+    the audit (with dynamic unset, Dynamo compiles the second length as a symbolic graph for every later one)."""
+    import generate_compat_check as check
+    from torch._dynamo.testing import CompileCounter
+
+    assert compile_audit.compile_options(fullgraph=True) == {"fullgraph": True, "dynamic": False}
+    assert compile_audit.compile_options(fullgraph=False) == {"fullgraph": False, "dynamic": False}
+    model = torch.nn.Linear(4, 4)
+    shapes = [(n, 4) for n in (3, 4, 5, 6)]
+    counter = CompileCounter()  # torch's own counting backend
+    torch._dynamo.reset()
+    try:
+        compiled = check.compile_forward(model.forward, counter, fullgraph=False)
+        for shape in shapes:
+            compiled(torch.ones(shape))
+    finally:
+        torch._dynamo.reset()
+    audit = compile_audit.audit_generation(model, model.forward, lambda: [model(torch.ones(s)) for s in shapes],
+                                           fullgraph=False, new_tokens=len(shapes))
+    assert counter.frame_count == audit["graphs"] == len(shapes), (counter.frame_count, audit["graphs"])

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_sharded_run_no_plan_and_remote_code(tmp_path, model_assets):
     models = ",".join(str(p) for p in (moe, gpt2, remote))
     run_example(SCRIPT, "--models", models, "--cores", "2", "--no_compile", "--out_dir", str(out),
                 "--timeout_s", "300")
-    by_name = {Path(r["model_id"]).name: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
+    by_name = {Path(r["model_id"]).name: r for r in rows.read_table(_only_file(out)).to_dict("records")}
     assert len(by_name) == 3
 
     sharded = by_name["tiny-qwen3-moe"]  # qwen3_moe has a TP plan: tensor parallel over 2 gloo processes
@@ -443,3 +444,110 @@ def test_lookup_reads_a_spark_folder_once_and_names_duplicate_columns(tmp_path, 
     assert proc.stderr.splitlines() == [f"skipped: {dup} names the column(s) 'result' more than once: a results file "
                                         "names each column once (rewrite it with one column of each name)"]
     assert proc.stdout.splitlines()[-1].startswith("2 row(s)")
+
+
+# --------------------------------------------------------------------------- the public dataset's types
+# The public dataset's columns and their types as its viewer reports them: tp and wall_s int32, hbm_*_gb float64,
+# tested_at timestamp[ms, UTC], every other column (cpu_match and english included) a string.
+PUBLIC = ("model_id", "library", "tp", "runner", "result", "notes", "error", "exclusion", "wall_s", "hbm_peak_gb",
+          "hbm_capacity_gb", "cpu_match", "english", "neuronx_cc", "library_version", "transformers", "accelerate",
+          "torch_neuronx", "torch", "nki", "python", "neuron_driver", "tested_at", "run_py")
+PUBLIC_TYPES = {"tp": pa.int32(), "wall_s": pa.int32(), "hbm_peak_gb": pa.float64(), "hbm_capacity_gb": pa.float64(),
+                "tested_at": pa.timestamp("ms", tz="UTC")}
+
+
+def _public_typed_file(path: Path) -> Path:
+    schema = pa.schema([(c, PUBLIC_TYPES.get(c, pa.string())) for c in PUBLIC])
+    row = {"model_id": "Qwen/Qwen3-8B", "library": "transformers", "tp": 2, "runner": "tp", "result": "PASS",
+           "wall_s": 812, "hbm_peak_gb": 17.9, "hbm_capacity_gb": 48.0, "cpu_match": None, "english": "true",
+           "neuronx_cc": "2.28.7631.0", "library_version": "5.16.0", "transformers": "5.16.0",
+           "tested_at": pd.Timestamp("2026-10-20T12:00:00.123Z").to_pydatetime(), "run_py": "print('public')\n"}
+    pq.write_table(pa.Table.from_pylist([row], schema=schema), path)
+    return path
+
+
+def _old_file(path: Path) -> Path:
+    """A file as this check wrote its rows before they took the public types: tp int64, wall_s float64, cpu_match and
+    english booleans, tested_at in microseconds."""
+    types = {"tp": pa.int64(), "wall_s": pa.float64(), "hbm_peak_gb": pa.float64(), "hbm_capacity_gb": pa.float64(),
+             "cpu_match": pa.bool_(), "english": pa.bool_(), "tested_at": pa.timestamp("us", tz="UTC"),
+             "compile_s": pa.float64(), "unavailable": pa.bool_(), "compile_graphs": pa.int64()}
+    columns = (*PUBLIC, "device", "compile_s", "task", "unavailable", "compile_graphs")
+    row = {"model_id": "org/old", "library": "transformers", "tp": 1, "runner": "single", "result": "PASS",
+           "wall_s": 3.75, "hbm_peak_gb": 0.25, "hbm_capacity_gb": 24.0, "cpu_match": True, "english": False,
+           "neuronx_cc": None, "transformers": "5.23.0", "library_version": "5.23.0",
+           "tested_at": pd.Timestamp("2026-11-01T08:00:00.123456Z").to_pydatetime(), "device": "cpu",
+           "compile_s": 0.0, "task": "text-generation", "compile_graphs": 2}
+    pq.write_table(pa.Table.from_pylist([row], schema=pa.schema([(c, types.get(c, pa.string())) for c in columns])),
+                   path)
+    return path
+
+
+def test_rows_take_the_public_types_and_both_forms_read(tmp_path, capsys):
+    """A row written here appends to a file typed as the public dataset is, without a cast: its public columns have
+    the public types (pyarrow's concat_tables with its default promotion, which fills missing columns with nulls and
+    casts nothing else). What the public types drop stays in columns of ours (wall_s_precise: the measured seconds).
+    Files of both forms read alike: public-typed ones, and files this check wrote with its earlier types (int64,
+    float64, booleans, microseconds), which a later write converts."""
+    public = _public_typed_file(tmp_path / "public.parquet")
+    ours = tmp_path / "ours.parquet"
+    rows.write_row(ours, {"model_id": "org/ours", "task": "text-generation", "result": "PASS", "tp": 1,
+                          "wall_s": 12.625, "hbm_peak_gb": 0.5, "hbm_capacity_gb": 24.0, "cpu_match": True,
+                          "english": False, "compile_graphs": 2, "unavailable": None})
+    a, b = pq.read_table(public), pq.read_table(ours)
+    assert [(c, str(b.schema.field(c).type)) for c in PUBLIC] == [(c, str(a.schema.field(c).type)) for c in PUBLIC]
+    assert b.column_names[: len(PUBLIC)] == list(PUBLIC)
+    pa.concat_tables([a, b.select(PUBLIC)])  # the public columns alone: identical schemas
+    both = pa.concat_tables([a, b], promote_options="default")
+    got = {r["model_id"]: r for r in both.to_pylist()}
+    assert (got["org/ours"]["tp"], got["org/ours"]["wall_s"], got["org/ours"]["cpu_match"],
+            got["org/ours"]["english"]) == (1, 13, "true", "false")
+    assert got["org/ours"]["wall_s_precise"] == 12.625 and got["Qwen/Qwen3-8B"]["wall_s_precise"] is None
+
+    old = _old_file(tmp_path / "old.parquet")
+    before = rows.read_table(old).iloc[0]
+    assert (before["tp"], before["wall_s"], before["cpu_match"], before["english"]) == (1.0, 3.75, True, False)
+    rows.write_row(old, {"model_id": "org/new", "result": "PASS", "tp": 2, "wall_s": 0.4, "english": True})
+    converted = pq.read_table(old)
+    assert [str(converted.schema.field(c).type) for c in PUBLIC] == [str(a.schema.field(c).type) for c in PUBLIC]
+    by_id = {r["model_id"]: r for r in converted.to_pylist()}
+    assert (by_id["org/old"]["wall_s"], by_id["org/old"]["wall_s_precise"], by_id["org/old"]["cpu_match"]) == (
+        4, 3.75, "true")
+    assert by_id["org/old"]["tested_at"] == pd.Timestamp("2026-11-01T08:00:00.123Z")  # milliseconds kept
+    assert str(converted.schema.field("compile_graphs").type) == "int64" and by_id["org/old"]["compile_graphs"] == 2
+
+    for path in (public, ours, old):  # the reader: each column in one type, whichever form the file has
+        df = rows.read_table(path)
+        assert df["tp"].dtype == df["wall_s"].dtype == "float64" and str(df["tested_at"].dtype).endswith(", UTC]"), path
+        assert set(df["cpu_match"]) <= {True, False, None} and set(df["english"]) <= {True, False, None}, path
+    # the lookup's table and page: wall_s is the measured seconds where a row has them, else the whole seconds
+    df = lookup.load_results([public, ours, old], lookup.FILTER_COLUMNS + ("wall_s", "cpu_match", "english"))[0]
+    df = df.set_index("model_id")
+    assert df.loc["Qwen/Qwen3-8B", "english"] is True and df.loc["org/ours", "cpu_match"] is True
+    assert df.loc["org/ours", "english"] is False and df.loc["org/new", "english"] is True
+    assert df["wall_s"].to_dict() == {"Qwen/Qwen3-8B": 812.0, "org/ours": 12.625, "org/old": 3.75, "org/new": 0.4}
+    assert lookup.lookup_main([str(public), str(ours), str(old)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "4 row(s): 4 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
+
+
+def test_a_lock_that_is_a_link_or_a_fifo_is_refused_before_any_model(tmp_path, model_assets):
+    """A results file is locked through `.<name>.lock` beside it (results.json through `.results.json.lock`). A lock
+    that is a symbolic link (here to a file of the user's) or a FIFO is never followed nor opened: one error line,
+    exit 2, before any model runs; the file it points to stays byte for byte."""
+    user = tmp_path / "notes.txt"
+    user.write_bytes(b"my own notes\n")
+    out = tmp_path / "out"
+    results = rows.results_file(out, rows.stack_versions())
+    cases = ((results.with_name(f".{results.name}.lock"), "link"), (out / ".results.json.lock", "link"),
+             (results.with_name(f".{results.name}.lock"), "fifo"))
+    for lock, kind in cases:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        lock.symlink_to(user) if kind == "link" else os.mkfifo(lock)
+        proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--no_compile", "--new_tokens", "2",
+                           "--no-judge_single_core", "--out_dir", str(out), check=False)
+        assert proc.returncode == 2, (lock, kind, proc.stderr[-3000:])
+        assert_clean_error(proc, f"{lock} is a ")
+        assert not [line for line in proc.stdout.splitlines() if line.startswith("[model]")], proc.stdout
+        assert user.read_bytes() == b"my own notes\n" and not list(out.glob("*.parquet"))
+        assert (lock.is_symlink() if kind == "link" else stat.S_ISFIFO(lock.lstat().st_mode))  # left as it was

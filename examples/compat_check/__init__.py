@@ -10,4 +10,5 @@ page.py     the static HTML lookup page (one self-contained file, data embedded,
 training.py  `--task train`: a few steps of examples/train_hf_backend.py per model, its loss and export check
 compile_audit.py  the compile audit: graphs, recompiles and graph breaks of a generation, counted by Dynamo
 rankings.py  the `rankings` subcommand: the Hub's most downloaded and trending models per task, for lookup's views
+subcommands.py  the entry point's subcommands (lookup, rankings) and what the lookup takes from the check
 """

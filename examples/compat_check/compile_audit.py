@@ -6,11 +6,12 @@ and every recompilation is one more. Which graphs there are, and when one is com
 before any backend runs, so the same generation under Dynamo with a backend that only counts (graph capture, no
 code generation: each captured graph runs as it was traced) shows it on CPU in seconds.
 
-The audit calls Dynamo as torch.compile does (`torch._dynamo.optimize`, what torch.compile returns, with the row's
-`fullgraph`), with three differences, so that it sees what Trainium will compile:
-- `dynamic=False`: one graph per input shape. The neuron backend takes no symbolic shapes (its torch.compile
-  reference: dynamic=True is rejected, a shape that changes is compiled again), so a cache whose tensors grow by
-  one position per token is a new graph per token there, never one graph for every length;
+The audit calls Dynamo as torch.compile does (`torch._dynamo.optimize`, what torch.compile returns) with the
+arguments of the check's own torch.compile call (`compile_options`, one set for both: the row's `fullgraph`, and
+`dynamic=False`), so that it counts the graphs of the call the check makes. `dynamic=False`: one graph per input
+shape. The neuron backend takes no symbolic shapes (AWS's torch.compile reference: pass dynamic=False; a shape that
+changes is compiled again), so a cache whose tensors grow by one position per token is a new graph per token there,
+never one graph for every length. Two differences, so that it sees what Trainium will compile:
 - a recompile limit above the number of forward calls, so that every recompilation is counted (Dynamo's default,
   8, would stop compiling the frame and run the rest uncompiled, hiding them);
 - `guard_fail_fn`, Dynamo's hook for a failed guard: why each recompilation happened.
@@ -33,6 +34,14 @@ from collections import Counter
 MODE = ("Dynamo with a counting backend (graph capture only, no code generation), dynamic=False: one graph per "
         "input shape, as the neuron backend compiles")
 MAX_LISTED = 40  # reasons and compiles kept per row; a per-token recompile repeats one guard with other numbers
+_AS_DYNAMO = {"fullgraph": "nopython", "dynamic": "dynamic"}  # torch.compile's names -> torch._dynamo.optimize's
+
+
+def compile_options(fullgraph: bool) -> dict:
+    """torch.compile's arguments for the check's compiled forward, besides the backend: the one set that the check's
+    own call (generate_compat_check.compile_forward) and the audit (audit_generation) both use. dynamic=False: one
+    graph per input shape, never a symbolic one, as the neuron backend needs."""
+    return {"fullgraph": fullgraph, "dynamic": False}
 
 
 def audit_generation(model, forward, generate, *, fullgraph: bool, new_tokens: int) -> dict:
@@ -70,8 +79,9 @@ def audit_generation(model, forward, generate, *, fullgraph: bool, new_tokens: i
     start, cpu = time.perf_counter(), time.process_time()
     try:
         with torch._dynamo.config.patch(accumulated_recompile_limit=max(256, 4 * limit)):
-            compiled = torch._dynamo.optimize(counting_backend, nopython=fullgraph, dynamic=False,
-                                              guard_fail_fn=guard_failed, recompile_limit=limit)(forward)
+            options = {_AS_DYNAMO[k]: v for k, v in compile_options(fullgraph).items()}  # as torch.compile passes them
+            compiled = torch._dynamo.optimize(counting_backend, guard_fail_fn=guard_failed, recompile_limit=limit,
+                                              **options)(forward)
 
             @functools.wraps(forward)  # generate() reads the forward's signature to check its arguments
             def counted(*args, **kwargs):
