@@ -19,16 +19,21 @@ from pathlib import Path
 from common.errors import UserError
 
 
+def installed_version(dist: str) -> str | None:
+    """The installed version of a distribution, None where it is not installed."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def versions() -> dict[str, str | None]:
-    """The version stack a result was produced with."""
+    """The version stack a result was produced with (torch, torchtitan and transformers always named)."""
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("torch", "torchtitan", "transformers", "safetensors", "datasets",
-                 "torch-neuronx", "neuronx-cc"):
-        try:
-            out[name.replace("-", "_")] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            if name in ("torch", "torchtitan", "transformers"):
-                out[name] = None
+    for name in ("torch", "torchtitan", "transformers", "safetensors", "datasets", "torch-neuronx", "neuronx-cc"):
+        version = installed_version(name)
+        if version is not None or name in ("torch", "torchtitan", "transformers"):
+            out[name.replace("-", "_")] = version
     return out
 
 

@@ -78,10 +78,9 @@ from typing import Literal
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
 from common import cli, device, paths  # noqa: E402
-from common.errors import UserError, harness_missing  # noqa: E402
+from common.errors import UserError, harness_missing, one_line  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
-from compat_check import compile_audit, judge as judging, lookup, measure, processes, rows, sizing, subcommands, \
-    training  # noqa: E402
+from compat_check import compile_audit, judge as judging, measure, processes, rows, sizing, training  # noqa: E402
 
 try:  # the installed stack's check before a Trainium run (common/harness/preflight.py)
     from common.harness import preflight
@@ -229,8 +228,8 @@ def main(cfg: Config) -> dict:
         run_py += f"\n# ---- {script.name}, run as a subprocess by --task train ----\n" + script.read_text()
     tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
     check_flags_fit(cfg, specs, path, stack, tasks)
-    print(lookup.printable(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
-    print(lookup.printable(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
+    print(one_line(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
+    print(one_line(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
 
     judge_cache = []
 
@@ -245,11 +244,11 @@ def main(cfg: Config) -> dict:
                             "stack": stack, "files": [str(path)], "models": []}
     bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
     for spec in bar:
-        bar.set_postfix_str(lookup.printable(spec))
+        bar.set_postfix_str(one_line(spec))
         old = rows.recorded(path, spec, stack, tasks)
         if old is not None and not cfg.redo:
             summary.append({"model_id": spec, "skipped": True, "task": old["task"], "result": old["result"]})
-            tqdm.write(lookup.printable(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
+            tqdm.write(one_line(f"[skip] {spec}: already recorded for this stack ({old['result']}); "
                                         "--redo to run again"))
             continue
         t0 = time.perf_counter()
@@ -267,7 +266,7 @@ def main(cfg: Config) -> dict:
         row.update(stack, run_py=run_py, packages=json.dumps(rows.other_packages(row["task"])),
                    run_args=rerun_args(cfg, row), timings=json.dumps(row["timings"]) if row.get("timings") else None)
         if row.get("unavailable") and old is not None:
-            tqdm.write(lookup.printable(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row "
+            tqdm.write(one_line(f"[keep] {spec}: not fetched this time; its recorded {old['result']} row "
                                         "stays"))
         else:
             rows.write_row(path, row)
@@ -275,7 +274,7 @@ def main(cfg: Config) -> dict:
                 "train_losses", "exclusion", "error", "unavailable", "compile_graphs", "compile_recompiles",
                 "compile_graph_breaks")
         summary.append({"model_id": spec, "skipped": False, **{k: row.get(k) for k in keys}})
-        tqdm.write(lookup.printable(
+        tqdm.write(one_line(
             f"[model] {spec} ({row['task']}): {row['result']} cores={row.get('tp')} cpu_match="
             f"{row.get('cpu_match')} english={row.get('english')} wall={row.get('wall_s') or 0:.1f}s "
             f"compile={row.get('compile_s') or 0:.1f}s ({time.perf_counter() - t0:.0f} s in all)"
@@ -287,7 +286,7 @@ def main(cfg: Config) -> dict:
         save_results(out_dir, results)
     results["models"] = summary
     save_results(out_dir, results)
-    print(lookup.printable(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
+    print(one_line(f"[done] {len(summary)} model(s); rows in {path}"), flush=True)
     return results
 
 
@@ -655,9 +654,24 @@ def check_parser():
     return cli.build_parser(Config, PRESETS, "", default_preset="offline")
 
 
+SUBCOMMANDS = ("lookup", "rankings")  # compat_check/subcommands.py, with lookup.py, page.py and rankings.py
+
+
+def subcommand():
+    """The module that runs `lookup` and `rankings`; a copy of the check without it says so in one line."""
+    try:
+        from compat_check import subcommands
+    except ModuleNotFoundError as missing:
+        if not (missing.name or "").startswith("compat_check."):
+            raise
+        sys.exit(f"error: lookup and rankings need examples/compat_check/subcommands.py, lookup.py, page.py and "
+                 f"rankings.py beside this script ({one_line(str(missing))}): copy them too")
+    return subcommands
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] and sys.argv[1] in subcommands.NAMES:  # lookup, rankings: compat_check/subcommands.py
-        sys.exit(subcommands.run(sys.argv[1], sys.argv[2:], check_parser=check_parser,
+    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:  # compat_check/subcommands.py
+        sys.exit(subcommand().run(sys.argv[1], sys.argv[2:], check_parser=check_parser,
                                  selected=tuple(model_specs(trn2_selected().models))))
     processes.stop_on_signals()  # SIGTERM, SIGHUP, SIGINT: every process below this one stopped, one error line
     try:

@@ -76,3 +76,53 @@ def test_text_speaks_of_the_project_only():
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in repository_texts()
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+def _import_graph(folder) -> dict:
+    from tools.closure import local_imports
+
+    return {p.resolve(): {f for f in local_imports(p) if folder in f.parents}
+            for p in sorted(folder.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def test_the_core_never_imports_the_harness():
+    """common/ without common/harness/ is the core: a copy of an example with it alone must run, so no core module
+    imports the harness (at its top, inside a function, or as an override-registry string)."""
+    harness = (ROOT / "common" / "harness").resolve()
+    graph = _import_graph((ROOT / "common").resolve())
+    found = sorted(f"{p.relative_to(ROOT)} -> {f.relative_to(ROOT)}" for p, fs in graph.items()
+                   if harness not in p.parents for f in fs if harness in f.parents)
+    assert found == []
+
+
+def test_no_import_circle_in_common():
+    """The modules of common/ import each other in one direction (a circle hides which one is the base)."""
+    graph = _import_graph((ROOT / "common").resolve())
+    state, circles = {}, []
+
+    def visit(p, path):
+        state[p] = "open"
+        for f in sorted(graph.get(p, ())):
+            if f.name == "__init__.py":  # a package's own __init__ runs first anyway
+                continue
+            if state.get(f) == "open":
+                circles.append(" -> ".join(str(x.relative_to(ROOT)) for x in path[path.index(f):] + [f]))
+            elif f not in state:
+                visit(f, path + [f])
+        state[p] = "done"
+
+    for p in graph:
+        if p not in state:
+            visit(p, [p])
+    assert circles == []
+
+
+def test_the_copy_sizes_in_docs_layout_are_the_closures():
+    """docs/layout.md's table of copy sizes is what `python -m tools.closure` counts now."""
+    from tools.closure import closure, count_lines
+
+    text = (ROOT / "docs" / "layout.md").read_text()
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        core, full = closure(example, core_only=True), closure(example)
+        row = f"| `examples/{example.name}` | {count_lines(core):,} | {count_lines(full):,} |"
+        assert row in text, f"docs/layout.md has no row {row}: run python -m tools.closure and copy its figures"

@@ -1,8 +1,11 @@
 """What copying each example drags in: the repository files its imports reach, transitively, and their lines,
-with the core alone (common/ without common/harness/: the example trains or checks, without the guards) and
-with the harness.
+with the core alone and with everything.
 
-    python -m tools.closure            # one row per example: lines and files, core alone and with the harness
+The core alone leaves out what an example imports only where it is there: an import inside a `try` that catches
+ModuleNotFoundError (the guards of common/harness/; the compatibility check's lookup and rankings), and anything
+under common/harness/. A copy of those files runs the example's main job: a training example trains and exports.
+
+    python -m tools.closure            # one row per example: lines and files, core alone and with everything
     python -m tools.closure --files    # and the files, one per line
 
 Imports are read from the source (ast), wherever they stand (inside functions too), as are the
@@ -28,11 +31,27 @@ def _module_file(name: str, base: Path) -> Path | None:
     return None
 
 
-def local_imports(path: Path) -> set[Path]:
+def _optional(tree: ast.AST) -> set[int]:
+    """The import statements inside a `try` whose handlers catch ModuleNotFoundError or ImportError."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id in ("ModuleNotFoundError", "ImportError")
+                for h in node.handlers):
+            found |= {id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return found
+
+
+def local_imports(path: Path, core_only: bool = False) -> set[Path]:
     """Repository files one source file imports. Absolute names resolve as the examples run them: from the
-    repository root (each example puts it on sys.path) or from examples/ (the script's own folder)."""
+    repository root (each example puts it on sys.path) or from examples/ (the script's own folder).
+    `core_only`: not the optional ones."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    optional = _optional(tree) if core_only else set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -50,13 +69,13 @@ HARNESS = ROOT / "common" / "harness"
 
 
 def closure(example: Path, core_only: bool = False) -> list[Path]:
-    """The repository files `example` reaches; `core_only`: not through common/harness/ (a copy without it)."""
-    seen, todo = set(), list(local_imports(example))
+    """The repository files `example` reaches; `core_only`: not through optional imports or common/harness/."""
+    seen, todo = set(), list(local_imports(example, core_only))
     while todo:
         f = todo.pop()
         if f not in seen and not (core_only and HARNESS in f.parents):
             seen.add(f)
-            todo += local_imports(f)
+            todo += local_imports(f, core_only)
     return sorted(seen)
 
 
@@ -68,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", action="store_true", help="list the files of each closure")
     args = parser.parse_args(argv)
-    print(f"{'example':28s} {'core alone':>20s} {'with the harness':>20s}")
+    print(f"{'example':28s} {'core alone':>20s} {'with everything':>20s}")
     for example in sorted((ROOT / "examples").glob("*.py")):
         core, full = closure(example, core_only=True), closure(example)
         print(f"{example.name:28s} {count_lines(core):6d} lines, {len(core):2d} files "

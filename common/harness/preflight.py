@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 from common.errors import ArgumentParser, UserError, one_line
+from common.results import installed_version
 
 # The tested stacks, as version specifiers. CPU: the `==` pins of requirements.txt. trn2: the AWS guide's, the
 # Neuron 2.33.0 release's own versions (requirements-trn2.txt; tests/test_preflight.py checks both against the
@@ -143,13 +144,6 @@ MODEL_SPEC_GONE = ("this torchtitan has no ModelSpec: it takes Trainer.Config(mo
                    "does; install torchtitan 0.3.0 (trn2: torchtitan-neuron release-2.33)")
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements.txt"  # beside common/
 
 
@@ -201,10 +195,11 @@ def _versions(target: str) -> list[tuple[str, str, str]]:
     pins, unread = (TRN2_PINS, []) if target == "trn2" else _cpu_pins()
     rows += [("requirements.txt", problem, ERROR) for problem in unread]
     for dist, want in pins.items():
-        have = _version(dist) or (_version("torchtitan") if dist == "torchtitan-neuron" else None)
+        have = installed_version(dist) or (installed_version("torchtitan") if dist == "torchtitan-neuron"
+                                           else None)
         rows.append((f"{dist}{want}", have or "not installed", OK if admits(want, have) else WARN))
     if target == "trn2":
-        rows += [(dist, _version(dist) or "not installed", INFO) for dist in TRN2_INFO]
+        rows += [(dist, installed_version(dist) or "not installed", INFO) for dist in TRN2_INFO]
         rows += [_system_row(pkg, minimum) for pkg, minimum in NEURON_SYSTEM.items()]
     return rows
 

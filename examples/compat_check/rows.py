@@ -31,11 +31,10 @@ import re
 import stat
 from collections import Counter
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 from common.errors import UserError
-from common.results import atomic_path
+from common.results import atomic_path, installed_version
 
 # In the order the public dataset lists them. The names are the dataset's: hbm_*_gb hold GiB (2**30 bytes).
 PUBLIC_COLUMNS = (
@@ -92,13 +91,6 @@ def _arrow_schema():
 
 
 # ------------------------------------------------------------------------------------------ versions
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def neuron_driver_version() -> str | None:
     """The Neuron kernel driver's version, as the aws-neuronx-dkms module reports it (None off Trainium)."""
     path = Path("/sys/module/neuron/version")
@@ -107,11 +99,12 @@ def neuron_driver_version() -> str | None:
 
 def stack_versions() -> dict[str, str | None]:
     """The version columns of a row: compiler, library and everything else the run depended on."""
-    transformers = _version("transformers")
+    transformers = installed_version("transformers")
     return {
-        "neuronx_cc": _version("neuronx-cc"), "library": "transformers", "library_version": transformers,
-        "transformers": transformers, "accelerate": _version("accelerate"),
-        "torch_neuronx": _version("torch-neuronx"), "torch": _version("torch"), "nki": _version("nki"),
+        "neuronx_cc": installed_version("neuronx-cc"), "library": "transformers", "library_version": transformers,
+        "transformers": transformers, "accelerate": installed_version("accelerate"),
+        "torch_neuronx": installed_version("torch-neuronx"), "torch": installed_version("torch"),
+        "nki": installed_version("nki"),
         "python": platform.python_version(), "neuron_driver": neuron_driver_version(),
     }
 
@@ -123,7 +116,7 @@ def other_packages(task: str) -> dict[str, str | None]:
         names += ["pillow", "torchvision"]
     if task == "train":
         names += ["torchtitan", "datasets"]
-    return {n: _version(n) for n in names}
+    return {n: installed_version(n) for n in names}
 
 
 def results_file(out_dir: str | os.PathLike, stack: dict) -> Path:
