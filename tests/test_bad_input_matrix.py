@@ -209,14 +209,29 @@ CLI_ROWS = [
     ("train_hf_backend.py", ["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is not below --nnodes 2"),
     ("train_moe_nki.py", ["--nproc_per_node", "2", "--hf_checkpoint", "/nonexistent"], "does not exist"),
     ("train_hf_backend.py", ["--nproc_per_node", "2", "--hf_checkpoint", "/nonexistent"], "does not exist"),
+    ("train_native_qwen3.py", ["--global_batch_size", "0"], "--global_batch_size must be -1 or positive, got 0"),
+    ("train_native_qwen3.py", ["--global_batch_size", "-5"], "--global_batch_size must be -1 or positive, got -5"),
+    ("train_native_qwen3.py", ["--seq_len", "100"], "--seq_len must be a multiple of 8, got 100"),
+    ("train_moe_nki.py", ["--seq_len", "1"], "--seq_len must be at least 8, got 1"),
+    ("train_hf_backend.py", ["--seq_len", "1"], "--seq_len must be at least 2, got 1"),
+    ("train_native_qwen3.py", ["--lr", "1e30"], "--lr 1e+30 is more than 10"),
+    ("train_native_qwen3.py", ["--seed", "99999999999999999999999"],
+     "--seed 99999999999999999999999 is more than 4294967295"),
+    ("train_native_qwen3.py", ["--dry_run", "--dry_run_ranks", "1000000000000"],
+     "--dry_run_ranks 1000000000000 is more than 100000"),
+    ("rope_parity.py", ["--seq_len", "1"], "--seq_len must be 0 or at least 2, got 1"),
+    ("rope_parity.py", ["--seq_len", "3000000"], "--seq_len 3000000 is more than 2048"),
+    ("rope_parity.py", ["--model_batch", "1000000"], "--model_batch 1000000 is more than 1024"),
+    ("rope_parity.py", ["--model_batch", "1024"], "--model_batch 1024 x --seq_len 256 is 262144 tokens"),
 ]
 
 
-@pytest.mark.parametrize("script, args, needle", CLI_ROWS, ids=[" ".join(r[1]) for r in CLI_ROWS])
+@pytest.mark.parametrize("script, args, needle", CLI_ROWS, ids=[" ".join([r[0], *r[1]]) for r in CLI_ROWS])
 def test_bad_flag(script, args, needle, tmp_path, prepared_assets):
+    """Every `error:` line a flag can cause, as a user types it: one line, exit 2, nothing written."""
     proc = run_example(script, "--out_dir", str(tmp_path), *args, check=False)
     assert_clean_error(proc, needle)
-    assert not (tmp_path / "results.json").exists()
+    assert proc.returncode == 2 and not (tmp_path / "results.json").exists()
 
 
 def test_argparse_errors_are_one_line(tmp_path):
