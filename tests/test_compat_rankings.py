@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from common.errors import one_line
 from compat_check import lookup, rankings, rows
 from conftest import ROOT, assert_clean_error, example_command, run_example, script_env
 
@@ -446,3 +447,19 @@ def test_the_token_goes_only_to_the_endpoint_it_was_given_for(tmp_path, other):
     assert not any(token in json.dumps(s) for s in elsewhere.seen), elsewhere.seen
     ids = {m["model_id"] for m in json.loads((tmp_path / f"{other}.json").read_text())["models"]}
     assert ids == {"org/first", "org/second"}
+
+
+def test_ranked_ids_with_control_characters_are_told_apart(tmp_path, capsys):
+    """Two ids that differ after a newline are two lines that differ: control characters shown as U+FFFD (as
+    common.errors.one_line shows them), not the id cut at its first line."""
+    theirs = tmp_path / "theirs.json"
+    ids = ["org/model\nevil", "org/model\nother", "org/model\x1b[2Jx"]
+    theirs.write_text(json.dumps([{"model_id": m, "task": "text-generation", "downloads": 10 - i}
+                                  for i, m in enumerate(ids)]))
+    results = tmp_path / "results.parquet"
+    rows.write_row(results, {"model_id": "org/model\nevil", "task": "text-generation", "result": "PASS"})
+    for view in ("downloads", "rows"):
+        argv = [str(results), *(["--rankings", str(theirs), "--view", view] if view != "rows" else [])]
+        assert lookup.lookup_main(argv) == 0
+        shown = [line.split()[1 if view != "rows" else 0] for line in capsys.readouterr().out.splitlines()[1:-1]]
+        assert shown == ([one_line(m) for m in ids] if view != "rows" else [one_line(ids[0])]), shown
