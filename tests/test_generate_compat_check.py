@@ -244,6 +244,26 @@ def test_lookup_page_never_replaces_an_input_or_a_file_it_did_not_write(tmp_path
     assert '<meta name="generator" content="qwen3-trainium-recipes compat lookup">' in page_file.read_text()
 
 
+def test_lookup_page_is_never_written_through_a_fifo_or_a_link(tmp_path):
+    """--html naming a FIFO (opening it would wait for a writer forever) or a symlink (to a page lookup wrote, to
+    nothing): one error line before anything is read, exit 2, the FIFO and the links left as they were."""
+    runs = tmp_path / "runs"
+    rows.write_row(runs / "r.parquet", {"model_id": "org/m", "result": "PASS"})
+    ours = tmp_path / "ours.html"
+    run_example(SCRIPT, "lookup", str(runs), "--html", str(ours))
+    fifo, link, dangling = tmp_path / "fifo.html", tmp_path / "link.html", tmp_path / "dangling.html"
+    os.mkfifo(fifo)
+    link.symlink_to(ours)
+    dangling.symlink_to(tmp_path / "nothing.html")
+    for target, why in ((fifo, "is a FIFO, not a page this lookup wrote"),
+                        (link, "is a symbolic link"), (dangling, "is a symbolic link")):
+        proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(target), check=False, timeout=60)
+        assert proc.returncode == 2, (target, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert_clean_error(proc, f"--html {target} {why}")
+        assert proc.stdout == ""  # refused before any work: no table
+    assert fifo.is_fifo() and link.readlink() == ours and dangling.is_symlink() and not dangling.exists()
+
+
 def test_check_never_rewrites_another_scripts_results_json(tmp_path):
     """The check rewrites <out_dir>/results.json after every model: an --out_dir holding another script's is
     refused before anything runs, and that file stays."""
