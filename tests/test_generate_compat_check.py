@@ -25,7 +25,7 @@ import pytest
 
 from common import device, paths
 from common.errors import UserError
-from compat_check import judge as judging, lookup, rows, sizing
+from compat_check import judge as judging, lookup, page, rows, sizing
 from tools import prepare_assets as assets
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, script_env
 
@@ -262,6 +262,25 @@ def test_lookup_page_is_never_written_through_a_fifo_or_a_link(tmp_path):
         assert_clean_error(proc, f"--html {target} {why}")
         assert proc.stdout == ""  # refused before any work: no table
     assert fifo.is_fifo() and link.readlink() == ours and dangling.is_symlink() and not dangling.exists()
+
+
+def test_page_rerun_commands_parse_with_one_parser(monkeypatch):
+    """The page's Reproduce command of each row parses its run_args with the script's parser, built once: building
+    it (argparse, every Config field) for each of 100,000 rows took minutes."""
+    import generate_compat_check as check
+    from common import cli
+
+    built = []
+    build = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda *a, **k: built.append(1) or build(*a, **k))
+    df = rows.normalize(pd.DataFrame([{"model_id": f"org/m{i}", "result": "PASS",
+                                       "run_args": f"--models org/m{i} --task text-generation --cores {i % 4 + 1}"}
+                                      for i in range(200)] + [{"model_id": "org/bad", "run_args": "--models x; y"}]))
+    data = page.page_data(df, (), [], check.rerun_argv)
+    commands = [r[data["columns"].index("rerun")] for r in data["rows"]]
+    assert commands[7] == "python generate_compat_check.py --models org/m7 --task text-generation --cores 4"
+    assert commands[-1] is None and len(set(commands)) == 201
+    assert len(built) <= 1, f"the parser was built {len(built)} times for 201 rows"
 
 
 def test_check_never_rewrites_another_scripts_results_json(tmp_path):
