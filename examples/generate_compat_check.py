@@ -673,14 +673,17 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["lookup"]:
-        sys.exit(lookup.lookup_main(sys.argv[2:], prog="generate_compat_check.py lookup",
-                                    selected=tuple(model_specs(trn2_selected().models)), rerun=rerun_argv))
-    if sys.argv[1:2] == ["rankings"]:  # the Hub's own rankings per task, for lookup --rankings
-        sys.exit(rankings.rankings_main(sys.argv[2:], prog="generate_compat_check.py rankings"))
     processes.stop_on_signals()  # SIGTERM, SIGHUP, SIGINT: every process below this one stopped, one error line
+    subcommand = sys.argv[1] if sys.argv[1:2] in (["lookup"], ["rankings"]) else None
     try:
-        code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")
+        if subcommand == "lookup":
+            code = lookup.lookup_main(sys.argv[2:], prog="generate_compat_check.py lookup",
+                                      selected=tuple(model_specs(trn2_selected().models)), rerun=rerun_argv)
+        elif subcommand == "rankings":  # the Hub's own rankings per task, for lookup --rankings
+            code = rankings.rankings_main(sys.argv[2:], prog="generate_compat_check.py rankings")
+        else:
+            code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")
     except processes.Interrupted as e:
-        processes.exit_interrupted(e)
+        processes.exit_interrupted(e, f"{subcommand} stopped; nothing is left half-written" if subcommand else
+                                   processes.CHECK_STOPPED)
     sys.exit(code)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -463,3 +464,32 @@ def test_ranked_ids_with_control_characters_are_told_apart(tmp_path, capsys):
         assert lookup.lookup_main(argv) == 0
         shown = [line.split()[1 if view != "rows" else 0] for line in capsys.readouterr().out.splitlines()[1:-1]]
         assert shown == ([one_line(m) for m in ids] if view != "rows" else [one_line(ids[0])]), shown
+
+
+def test_sigterm_to_rankings_is_one_line_and_128_plus_the_signal(tmp_path):
+    """The compatibility check's rule for a stop signal holds for its subcommands too: SIGTERM while `rankings`
+    waits on the Hub ends it at once with one `error: interrupted by SIGTERM` line, exit 143, nothing written."""
+    stop, asked = threading.Event(), threading.Event()
+
+    def answer(h):
+        asked.set()
+        stop.wait(60)  # bounded: no answer for a minute at most
+
+    out = tmp_path / "rankings.json"
+    with _Serving(answer) as hub:
+        proc = subprocess.Popen(example_command(SCRIPT, "rankings", "--task", "text-generation", "--out", str(out)),
+                                cwd=ROOT, env=_env(hub.url), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            assert asked.wait(60), "rankings never asked the server"
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            stop.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, stderr[-3000:])
+    assert_clean_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                       "error: interrupted by SIGTERM")
+    assert not out.exists()
