@@ -221,10 +221,10 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
 
 
 def _exit_interrupted() -> typing.NoReturn:
-    """Ctrl-C: one line and exit 130, at once. Interrupted during a checkpoint save, the process can still hold
-    torch's C++ threads, and the interpreter's normal exit then aborts ('terminate called without an active
-    exception', SIGABRT) after the line."""
-    print("error: interrupted", file=sys.stderr, flush=True)
+    """Ctrl-C: one line and exit 130 (128 + SIGINT, docs/errors.md), at once. Interrupted during a checkpoint save,
+    the process can still hold torch's C++ threads, and the interpreter's normal exit then aborts ('terminate
+    called without an active exception', SIGABRT) after the line."""
+    print("error: interrupted by SIGINT", file=sys.stderr, flush=True)
     logging.shutdown()
     sys.stdout.flush()
     os._exit(130)

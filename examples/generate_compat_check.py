@@ -670,12 +670,15 @@ def subcommand():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:  # compat_check/subcommands.py
-        sys.exit(subcommand().run(sys.argv[1], sys.argv[2:], check_parser=check_parser,
-                                 selected=tuple(model_specs(trn2_selected().models))))
     processes.stop_on_signals()  # SIGTERM, SIGHUP, SIGINT: every process below this one stopped, one error line
+    name = sys.argv[1] if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS else None  # compat_check/subcommands.py
     try:
-        code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")
+        if name:
+            code = subcommand().run(name, sys.argv[2:], check_parser=check_parser,
+                                    selected=tuple(model_specs(trn2_selected().models)))
+        else:
+            code = cli.run_cli(main, Config, PRESETS, __doc__, default_preset="offline")
     except processes.Interrupted as e:
-        processes.exit_interrupted(e)
+        processes.exit_interrupted(e, f"{name} stopped; nothing is left half-written" if name else
+                                   processes.CHECK_STOPPED)
     sys.exit(code)

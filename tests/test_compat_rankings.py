@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from common.errors import one_line
 from compat_check import lookup, rankings, rows
 from conftest import ROOT, assert_clean_error, example_command, run_example, script_env
 
@@ -114,7 +116,6 @@ def test_rankings_from_a_local_hub_listing(hub, tmp_path):
     assert proc.stdout.startswith(f"rankings: {out} (") and "text-generation: " in proc.stdout
 
     # the client asked as huggingface_hub asks the Hub: one listing per task and order, top 3, the fields we keep
-    # (the client may also ask for its own registries, such as /api/agent-harnesses: answered 404, ignored)
     listings = [r for r in _Hub.requests if r["path"] == "/api/models"]
     asked = [(r["query"]["pipeline_tag"], r["query"]["sort"], r["query"]["limit"]) for r in listings]
     assert asked == [([task], [sort], ["3"]) for task in ("text-generation", "image-text-to-text")
@@ -287,3 +288,208 @@ def test_rankings_reader_takes_anyones_file(tmp_path):
     assert [e["model_id"] for e in r.ranked("downloads", "text-generation")] == ["a/high", "a/low"]
     assert [e["model_id"] for e in r.ranked("trending", "text-generation")] == ["a/low"]
     assert r.entries[1]["likes"] is None and r.entries[1]["trending_score"] is None
+
+
+# --------------------------------------------------------------------------- a hostile Hub
+class _Hostile(BaseHTTPRequestHandler):
+    """A listing server that misbehaves as `answer(handler)` says; it records what it was sent (path, headers)."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms wait for the client's ACK between
+    answer = None  # set per test on a subclass
+    seen: list[dict] = []
+
+    def do_GET(self):  # noqa: N802  (http.server's name)
+        type(self).seen.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}})
+        type(self).answer(self)
+
+    def json(self, items, link: str | None = None, length: int | None = None) -> bytes:
+        body = json.dumps(items).encode() if not isinstance(items, bytes) else items
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        if link:
+            self.send_header("Link", f'<{link}>; rel="next"')
+        self.end_headers()
+        return body
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+class _Serving:
+    """A _Hostile subclass answering with `answer`, served on `host` (a free port) in a thread, for one `with`."""
+
+    def __init__(self, answer, host: str = "127.0.0.1", port: int = 0):
+        self.handler = type("Handler", (_Hostile,), {"answer": staticmethod(answer), "seen": []})
+        self.server = ThreadingHTTPServer((host, port), self.handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def seen(self) -> list[dict]:
+        return self.handler.seen
+
+
+def test_rankings_numbers_out_of_range_are_not_recorded(tmp_path, capsys):
+    """A count of 1 followed by 400 zeros (as the Hub would send it, or in a rankings file) is not recorded: it is
+    past what a float64 holds exactly, like a negative or NaN one."""
+    huge = 10**400
+
+    def answer(h):
+        models = [{"id": "org/huge", "downloads": huge, "likes": huge, "trendingScore": huge},
+                  {"id": "org/fine", "downloads": 7, "likes": 2, "trendingScore": 1.5}]
+        h.wfile.write(h.json(models))
+
+    out = tmp_path / "rankings.json"
+    with _Serving(answer) as hub:
+        proc = _rankings("--task", "text-generation", "--limit", "2", "--out", str(out), env=_env(hub.url))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "6 value(s) out of range" in proc.stdout, proc.stdout  # 3 numbers, in both listings
+    models = {m["model_id"]: m for m in json.loads(out.read_text())["models"]}
+    assert [models["org/huge"][k] for k in ("downloads", "likes", "trending_score")] == [None, None, None]
+    assert [models["org/fine"][k] for k in ("downloads", "likes", "trending_score")] == [7, 2, 1.5]
+
+    # lookup --rankings reading such a file (anyone's)
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text(json.dumps([{"model_id": "org/huge", "task": "text-generation", "downloads": huge,
+                                   "downloads_rank": huge, "trending_rank": 1, "likes": huge},
+                                  {"model_id": "org/fine", "task": "text-generation", "downloads": 5,
+                                   "downloads_rank": 1, "trending_rank": 2}]))
+    results = tmp_path / "results.parquet"
+    rows.write_row(results, {"model_id": "org/fine", "task": "text-generation", "result": "PASS"})
+    assert lookup.lookup_main([str(results), "--rankings", str(theirs), "--view", "downloads"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[1:-1]] == [["1", "org/fine"]]  # no downloads rank: not in the view
+    assert lookup.lookup_main([str(results), "--rankings", str(theirs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:4] for line in lines[1:-1]] == [["1", "org/huge", "not", "tested"], ["2", "org/fine",
+                                                                                            "PASS", "5"]]
+    assert lines[1].split()[4:6] == ["-", "-"]  # downloads and trending: not recorded
+
+
+def test_rankings_stop_after_a_bounded_number_of_pages(tmp_path):
+    """A server that answers an empty page with a Link to the next one, again and again (bounded here at 5000
+    answers), gets one `error:` line after rankings.MAX_PAGES pages, not an endless loop."""
+
+    def answer(h):
+        page = len(h.server.RequestHandlerClass.seen)
+        more = page < 5000
+        h.wfile.write(h.json([], link=f"http://127.0.0.1:{h.server.server_address[1]}/api/models?cursor={page}"
+                             if more else None))
+
+    out = tmp_path / "rankings.json"
+    with _Serving(answer) as hub:
+        proc = _rankings("--task", "text-generation", "--limit", "3", "--out", str(out), env=_env(hub.url))
+        asked = len(hub.seen)
+    assert proc.returncode == 2, (asked, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert_clean_error(proc, f"went on past {rankings.MAX_PAGES} pages")
+    assert asked == rankings.MAX_PAGES and not out.exists()
+
+
+def test_rankings_have_an_overall_deadline(tmp_path):
+    """A server that trickles its answer, one byte every 2 s (each read succeeds, so no per-read timeout fires),
+    is cut off at --timeout_s with one `error:` line."""
+    stop = threading.Event()
+
+    def answer(h):
+        h.json(b"", length=1000)  # headers that promise 1000 bytes
+        for _ in range(60):  # bounded: 2 minutes at most
+            if stop.wait(2):
+                return
+            try:
+                h.wfile.write(b" ")
+                h.wfile.flush()
+            except OSError:  # the client gave up
+                return
+
+    out = tmp_path / "rankings.json"
+    with _Serving(answer) as hub:
+        try:
+            proc = subprocess.run(example_command(SCRIPT, "rankings", "--task", "text-generation", "--timeout_s", "3",
+                                                  "--out", str(out)),
+                                  cwd=ROOT, env=_env(hub.url), capture_output=True, text=True, timeout=90)
+        finally:
+            stop.set()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_clean_error(proc, "no complete answer from", "within --timeout_s 3")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("other", ["port", "host"])
+def test_the_token_goes_only_to_the_endpoint_it_was_given_for(tmp_path, other):
+    """HF_TOKEN is sent to HF_ENDPOINT's origin (scheme, host and port) only: a Link to the next page on another
+    port of the same host, or on another host, is followed without it."""
+    token = "hf_secret_token_for_the_endpoint_only"
+
+    def second_page(h):
+        h.wfile.write(h.json([{"id": "org/second", "downloads": 1}]))
+
+    def first_page(h):
+        h.wfile.write(h.json([{"id": "org/first", "downloads": 2}], link=f"{elsewhere.url}/api/models?cursor=2"))
+
+    with _Serving(second_page, *(("127.0.0.1",) if other == "port" else ("127.0.0.2",))) as elsewhere:
+        with _Serving(first_page) as hub:
+            env = dict(_env(hub.url), HF_TOKEN=token, NO_PROXY="127.0.0.1,127.0.0.2,localhost")
+            env.pop("HF_HUB_DISABLE_IMPLICIT_TOKEN")
+            proc = _rankings("--task", "text-generation", "--limit", "3", "--out", str(tmp_path / f"{other}.json"),
+                             env=env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    assert hub.seen and all(s["headers"].get("authorization") == f"Bearer {token}" for s in hub.seen)
+    assert elsewhere.seen, "the Link to the next page was not followed"
+    assert not any(token in json.dumps(s) for s in elsewhere.seen), elsewhere.seen
+    ids = {m["model_id"] for m in json.loads((tmp_path / f"{other}.json").read_text())["models"]}
+    assert ids == {"org/first", "org/second"}
+
+
+def test_ranked_ids_with_control_characters_are_told_apart(tmp_path, capsys):
+    """Two ids that differ after a newline are two lines that differ: control characters shown as U+FFFD (as
+    common.errors.one_line shows them), not the id cut at its first line."""
+    theirs = tmp_path / "theirs.json"
+    ids = ["org/model\nevil", "org/model\nother", "org/model\x1b[2Jx"]
+    theirs.write_text(json.dumps([{"model_id": m, "task": "text-generation", "downloads": 10 - i}
+                                  for i, m in enumerate(ids)]))
+    results = tmp_path / "results.parquet"
+    rows.write_row(results, {"model_id": "org/model\nevil", "task": "text-generation", "result": "PASS"})
+    for view in ("downloads", "rows"):
+        argv = [str(results), *(["--rankings", str(theirs), "--view", view] if view != "rows" else [])]
+        assert lookup.lookup_main(argv) == 0
+        shown = [line.split()[1 if view != "rows" else 0] for line in capsys.readouterr().out.splitlines()[1:-1]]
+        assert shown == ([one_line(m) for m in ids] if view != "rows" else [one_line(ids[0])]), shown
+
+
+def test_sigterm_to_rankings_is_one_line_and_128_plus_the_signal(tmp_path):
+    """The compatibility check's rule for a stop signal holds for its subcommands too: SIGTERM while `rankings`
+    waits on the Hub ends it at once with one `error: interrupted by SIGTERM` line, exit 143, nothing written."""
+    stop, asked = threading.Event(), threading.Event()
+
+    def answer(h):
+        asked.set()
+        stop.wait(60)  # bounded: no answer for a minute at most
+
+    out = tmp_path / "rankings.json"
+    with _Serving(answer) as hub:
+        proc = subprocess.Popen(example_command(SCRIPT, "rankings", "--task", "text-generation", "--out", str(out)),
+                                cwd=ROOT, env=_env(hub.url), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            assert asked.wait(60), "rankings never asked the server"
+            proc.send_signal(signal.SIGTERM)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            stop.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, stderr[-3000:])
+    assert_clean_error(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                       "error: interrupted by SIGTERM")
+    assert not out.exists()

@@ -26,7 +26,7 @@ import pytest
 
 from common import device, paths
 from common.errors import UserError
-from compat_check import judge as judging, lookup, rows, sizing
+from compat_check import judge as judging, lookup, page, rows, sizing
 from tools import prepare_assets as assets
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, script_env
 
@@ -243,6 +243,46 @@ def test_lookup_page_never_replaces_an_input_or_a_file_it_did_not_write(tmp_path
         proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(page_file))
         assert proc.stdout.splitlines()[-1] == f"page: {page_file} (1 rows)"
     assert '<meta name="generator" content="qwen3-trainium-recipes compat lookup">' in page_file.read_text()
+
+
+def test_lookup_page_is_never_written_through_a_fifo_or_a_link(tmp_path):
+    """--html naming a FIFO (opening it would wait for a writer forever) or a symlink (to a page lookup wrote, to
+    nothing): one error line before anything is read, exit 2, the FIFO and the links left as they were."""
+    runs = tmp_path / "runs"
+    rows.write_row(runs / "r.parquet", {"model_id": "org/m", "result": "PASS"})
+    ours = tmp_path / "ours.html"
+    run_example(SCRIPT, "lookup", str(runs), "--html", str(ours))
+    fifo, link, dangling = tmp_path / "fifo.html", tmp_path / "link.html", tmp_path / "dangling.html"
+    os.mkfifo(fifo)
+    link.symlink_to(ours)
+    dangling.symlink_to(tmp_path / "nothing.html")
+    for target, why in ((fifo, "is a FIFO, not a page this lookup wrote"),
+                        (link, "is a symbolic link"), (dangling, "is a symbolic link")):
+        proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(target), check=False, timeout=60)
+        assert proc.returncode == 2, (target, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert_clean_error(proc, f"--html {target} {why}")
+        assert proc.stdout == ""  # refused before any work: no table
+    assert fifo.is_fifo() and link.readlink() == ours and dangling.is_symlink() and not dangling.exists()
+
+
+def test_page_rerun_commands_parse_with_one_parser(monkeypatch):
+    """The page's Reproduce command of each row parses its run_args with the script's parser, built once: building
+    it (argparse, every Config field) for each of 100,000 rows took minutes."""
+    import generate_compat_check as check
+    from common import cli
+    from compat_check import subcommands
+
+    built = []
+    build = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda *a, **k: built.append(1) or build(*a, **k))
+    df = rows.normalize(pd.DataFrame([{"model_id": f"org/m{i}", "result": "PASS",
+                                       "run_args": f"--models org/m{i} --task text-generation --cores {i % 4 + 1}"}
+                                      for i in range(200)] + [{"model_id": "org/bad", "run_args": "--models x; y"}]))
+    data = page.page_data(df, (), [], subcommands.reruns(check.check_parser))
+    commands = [r[data["columns"].index("rerun")] for r in data["rows"]]
+    assert commands[7] == "python generate_compat_check.py --models org/m7 --task text-generation --cores 4"
+    assert commands[-1] is None and len(set(commands)) == 201
+    assert len(built) <= 1, f"the parser was built {len(built)} times for 201 rows"
 
 
 def test_check_never_rewrites_another_scripts_results_json(tmp_path):

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from common.errors import ArgumentParser, UserError
+from common.errors import ArgumentParser, UserError, one_line
 from compat_check import page, rankings as ranking
 from compat_check.rows import COLUMNS, TASKS, read_cell, read_table
 
@@ -127,9 +127,13 @@ def printable(text: str, keep: str = "") -> str:
     return "".join(ch if ch.isprintable() or ch in keep else "\N{REPLACEMENT CHARACTER}" for ch in text)
 
 
+FIRST_LINE = ("error", "exclusion")  # prose (a traceback, a reason): its first line stands for it in a cell
+
+
 def _shown(value, col: str) -> str:
-    """One cell as a single printable line: '-' for null, NaN or empty; control characters replaced, so a
-    value cannot move the cursor or recolour the terminal."""
+    """One cell as a single printable line: '-' for null, NaN or empty; control characters shown as U+FFFD
+    (common.errors.one_line), so a value cannot add lines, move the cursor or recolour the terminal, and two ids
+    that differ after a newline are shown different. An error or exclusion shows its first line."""
     if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
         return "-"
     if isinstance(value, bool):
@@ -138,8 +142,10 @@ def _shown(value, col: str) -> str:
         return f"{value:.0f}"
     if isinstance(value, float):
         return f"{value:.2f}" if col == "hbm_peak_gb" else f"{value:.1f}"
+    if col not in FIRST_LINE:
+        return one_line(str(value))
     lines = [line for line in str(value).strip().splitlines() if line.strip()]
-    return printable(lines[0] if lines else "-")
+    return one_line(lines[0] if lines else "-")
 
 
 def format_results(df) -> str:

@@ -12,7 +12,8 @@ that element; the page's script builds every cell with textContent, never as HTM
 Content-Security-Policy allows only the page's own script and style (by hash), no network at all.
 The Reproduce block quotes every value, and shows a row's rerun command only when its `run_args` are a plain
 list of the script's flags that its parser accepts (`rerun`); the page is written only as a new file or over a
-page this module wrote (GENERATOR, check_target), never over a results file it read.
+page this module wrote (GENERATOR, check_target), never over a results file it read, never through a symbolic
+link, and a FIFO of that name is never opened.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import stat
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -98,18 +100,32 @@ def render(data: dict, title: str = "Trainium compatibility lookup") -> str:
 
 
 def check_target(path: str | Path, inputs: list[Path]) -> None:
-    """Refuse (UserError) to write the page over one of the files it reads, or over an existing file that is
-    not a page this module wrote (one whose <head> holds GENERATOR): a new file, or our own page, only."""
+    """Refuse (UserError) to write the page through a symbolic link (to a page of ours, to nothing: the link is
+    never followed), over a FIFO, folder, socket or device (never opened: a FIFO would wait for a writer forever),
+    over one of the files it reads, or over an existing file that is not a page this module wrote (one whose <head>
+    holds GENERATOR): a new file, or our own page, only."""
+    from common.results import not_a_file
+
     path = Path(path)
-    if not path.exists():
+    if path.is_symlink():
+        raise UserError(f"--html {path} is a symbolic link: the page is never written through one; name a new file "
+                        "for the page")
+    if not os.path.lexists(path):
         return
+    if (kind := not_a_file(path)) is not None:  # not a link (above): what is there itself
+        raise UserError(f"--html {path} is {kind}, not a page this lookup wrote: it is left alone; name a new file "
+                        "for the page")
     if any(f.exists() and os.path.samefile(path, f) for f in inputs):
         raise UserError(f"--html {path} is one of the results files this lookup reads: name a new file for the page")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096).decode("utf-8", errors="replace").split("</head>")[0]
-    except OSError:  # a folder, or not readable
-        head = ""
+    try:  # no link followed and no wait, should something else be put there meanwhile
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # not readable, or replaced by a link
+        fd = None
+    head = ""
+    if fd is not None:
+        with os.fdopen(fd, "rb") as f:
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                head = f.read(4096).decode("utf-8", errors="replace").split("</head>")[0]
     if not (head.startswith("<!DOCTYPE html>") and GENERATOR in head):
         raise UserError(f"--html {path} exists and is not a page this lookup wrote: name a new file for the page, "
                         "or remove that one first")

@@ -86,14 +86,17 @@ def stop_on_signals() -> None:
         signal.signal(sig, stop)
 
 
-def exit_interrupted(e: Interrupted):
-    """The end of an interrupted check: nothing below it left alive, one `error:` line, exit 128 + signal."""
+CHECK_STOPPED = "every process the check started was stopped; the rows already written stay, and a rerun skips them"
+
+
+def exit_interrupted(e: Interrupted, what: str = CHECK_STOPPED):
+    """The end of an interrupted check or subcommand: nothing below it left alive, one `error: interrupted by
+    SIG...: <what>` line, exit 128 + the signal's number."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     kill_tree(os.getpid(), include_root=False)
     sys.stdout.flush()
-    print(f"error: interrupted by {e.name}: every process the check started was stopped; the rows already written "
-          "stay, and a rerun skips them", file=sys.stderr, flush=True)
+    print(f"error: interrupted by {e.name}: {what}", file=sys.stderr, flush=True)
     os._exit(128 + e.signum)
 
 

@@ -30,11 +30,17 @@ def run(name: str, argv: list[str], *, check_parser: Callable, selected: tuple[s
     """Subcommand `name` (one of NAMES) with its arguments; its exit code. `check_parser()`: a new parser of the
     check's own flags; `selected`: the curated list the page shows first."""
     if name == "lookup":
-        return lookup.lookup_main(argv, prog=f"{PROG} lookup", selected=selected,
-                                  rerun=lambda run_args: rerun_argv(run_args, check_parser()))
+        return lookup.lookup_main(argv, prog=f"{PROG} lookup", selected=selected, rerun=reruns(check_parser))
     if name == "rankings":
         return rankings.rankings_main(argv, prog=f"{PROG} rankings")
     raise ValueError(f"no subcommand {name!r}: {', '.join(NAMES)}")
+
+
+def reruns(check_parser: Callable) -> Callable:
+    """`rerun_argv` with one parser for every row of a page: building it takes milliseconds, most of a page of
+    100,000 rows if built for each."""
+    parser = check_parser()
+    return lambda run_args: rerun_argv(run_args, parser)
 
 
 def rerun_argv(run_args: str, parser) -> list[str] | None:
