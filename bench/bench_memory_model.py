@@ -314,9 +314,10 @@ def measure_all(cfg: Config) -> dict:
     example = load_example(cb.ROOT / "examples" / "train_native_qwen3.py")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out_dir = Path(cfg.out_dir).resolve()
-    configs = {s: example.Config(hf_checkpoint=str(write_model(s, out_dir / "models" / s)), steps=2, export=False,
-                                 device="cpu", dtype=cfg.dtype, local_batch_size=cfg.local_batch_size,
-                                 seq_len=cfg.seq_len, dry_run_ranks=1)
+    config = lifecycle.guarded(example.RECIPE).config  # the recipe's flags and the guards'
+    configs = {s: config(hf_checkpoint=str(write_model(s, out_dir / "models" / s)), steps=2, export=False,
+                         device="cpu", dtype=cfg.dtype, local_batch_size=cfg.local_batch_size, seq_len=cfg.seq_len,
+                         dry_run_ranks=1)
                for s in _sizes(cfg)}
     # The dry run's figures for the same settings, before this process has a process group: at one rank from
     # this process; above one rank (one size a launch) from rank 0's child, which plans while this measures.

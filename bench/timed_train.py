@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "examples"))  # as `python examples/X.py` has it: 
 
 from common import cli  # noqa: E402
 from common import device  # noqa: E402
+from common.harness.lifecycle import guarded  # noqa: E402
 from common.results import atomic_write_text  # noqa: E402
 
 RECORD: dict = {"mode": None, "script": None, "start": None, "steps": [], "times": [], "losses": [],
@@ -105,7 +106,7 @@ def run_stock(example, args: list[str]) -> None:
 
     from common.recipe import inputs
 
-    recipe = example.RECIPE
+    recipe = guarded(example.RECIPE)  # the example's flags and the guards'
     cfg = cli.parse_config(recipe.config, recipe.presets, args, recipe.doc, recipe.default_preset)
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     found = inputs(recipe, cfg)
@@ -142,7 +143,7 @@ def main() -> int:
         parser.error("--fix_hf_rotary is for --mode stock (in --mode ours the example applies its own fixes)")
     script = Path(ns.script).resolve()
     example = load_example(script)
-    recipe = example.RECIPE
+    recipe = guarded(example.RECIPE)  # the example's flags and the guards'
     cfg = cli.parse_config(recipe.config, recipe.presets, ns.args, recipe.doc, recipe.default_preset)
     device.route_torchtitan_device(device.resolve_device_type(cfg.device))
     install_timer(fix_hf_rotary=ns.fix_hf_rotary)

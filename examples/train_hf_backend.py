@@ -49,20 +49,14 @@ if __name__ == "__main__":  # torchtitan trains with Python's cyclic collector o
     gc.disable()  # off from here, the imports of torch, torchtitan and transformers take about a fifth less CPU time
 
 from common import checkpoint, cli, paths  # noqa: E402
-from common.errors import UserError, harness_missing  # noqa: E402
-from common.recipe import Recipe, TrainConfig, apply_settings  # noqa: E402
+from common.errors import UserError  # noqa: E402
+from common.recipe import Recipe, TrainConfig, apply_settings, without_harness  # noqa: E402
 from common.results import atomic_write_text  # noqa: E402
 from hf_backend import fixes as hf_fixes  # noqa: E402
 
-try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
-    from common.harness.lifecycle import Guards, run
-except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
-    harness_missing(missing)
-    from common.recipe import NoGuards as Guards, run_core as run
-
 
 @dataclass
-class Config(TrainConfig, Guards):
+class Config(TrainConfig):
     hf_checkpoint: str = field(default_factory=lambda: str(paths.asset_dir("tiny_qwen3", check=False)), metadata={
         "help": "HF model folder: config.json (the architecture), *.safetensors, tokenizer"})
     init: Literal["pretrained", "random"] = field(default="pretrained", metadata={
@@ -198,4 +192,8 @@ RECIPE = Recipe(name="train_hf_backend.py", config=Config, presets=PRESETS, doc=
                 dry_run_inputs=dry_run_inputs, describe=describe)
 
 if __name__ == "__main__":
+    try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
+        from common.harness.lifecycle import run
+    except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
+        run = without_harness(missing)
     sys.exit(run(RECIPE))

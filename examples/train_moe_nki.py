@@ -51,14 +51,8 @@ if __name__ == "__main__":  # torchtitan trains with Python's cyclic collector o
     gc.disable()  # off from here, the imports of torch, torchtitan and transformers take about a fifth less CPU time
 
 from common import checkpoint, cli, device, paths  # noqa: E402
-from common.errors import UserError, harness_missing  # noqa: E402
-from common.recipe import Recipe, TrainConfig, apply_settings  # noqa: E402
-
-try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
-    from common.harness.lifecycle import Guards, run
-except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
-    harness_missing(missing)
-    from common.recipe import NoGuards as Guards, run_core as run
+from common.errors import UserError  # noqa: E402
+from common.recipe import Recipe, TrainConfig, apply_settings, without_harness  # noqa: E402
 
 
 # Qwen3-30B-A3B as published (config.json of Qwen/Qwen3-30B-A3B): the shape every preset cuts from.
@@ -74,7 +68,7 @@ TINY_MOE = {**QWEN3_30B_A3B, "hidden_size": 64, "num_hidden_layers": 2, "num_att
 
 
 @dataclass
-class Config(TrainConfig, Guards):
+class Config(TrainConfig):
     model: Literal["tiny", "qwen3_30b_a3b"] = field(
         default="tiny", metadata={"help": "shape to cut from: 'tiny' or the published Qwen3-30B-A3B"})
     num_layers: int = field(default=2, metadata={"help": "decoder layers kept", **cli.bounds(1, 256)})
@@ -239,4 +233,8 @@ RECIPE = Recipe(name="train_moe_nki.py", config=Config, presets=PRESETS, doc=__d
                 model_config=model_config, after_build=after_build, after_train=after_train, describe=describe)
 
 if __name__ == "__main__":
+    try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
+        from common.harness.lifecycle import run
+    except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
+        run = without_harness(missing)
     sys.exit(run(RECIPE))

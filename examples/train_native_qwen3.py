@@ -42,18 +42,12 @@ if __name__ == "__main__":  # torchtitan trains with Python's cyclic collector o
     gc.disable()  # off from here, the imports of torch, torchtitan and transformers take about a fifth less CPU time
 
 from common import checkpoint, paths  # noqa: E402
-from common.errors import UserError, harness_missing  # noqa: E402
-from common.recipe import Recipe, TrainConfig, apply_settings  # noqa: E402
-
-try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
-    from common.harness.lifecycle import Guards, run
-except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
-    harness_missing(missing)
-    from common.recipe import NoGuards as Guards, run_core as run
+from common.errors import UserError  # noqa: E402
+from common.recipe import Recipe, TrainConfig, apply_settings, without_harness  # noqa: E402
 
 
 @dataclass
-class Config(TrainConfig, Guards):
+class Config(TrainConfig):
     flavor: str = field(default="tiny", metadata={"help": "torchtitan Qwen3 flavor (0.6B, 4B, 32B, ...) or 'tiny'"})
     out_dir: str = field(default="runs/native_qwen3", metadata={"help": "results.json, loss.png, hf_export/ go here"})
     attn_backend: Literal["sdpa", "flex"] = field(default="sdpa", metadata={
@@ -135,8 +129,12 @@ def dry_run_inputs(cfg: Config, out_dir: Path) -> dict:
 
 
 RECIPE = Recipe(name="train_native_qwen3.py", config=Config, presets=PRESETS, doc=__doc__, stack="native",
-                check_inputs=check_inputs, trainer_config=build_trainer_config, model_config=model_config,
-                describe=describe, dry_run_inputs=dry_run_inputs)
+                check_inputs=check_inputs, trainer_config=build_trainer_config,
+                model_config=model_config, describe=describe, dry_run_inputs=dry_run_inputs)
 
 if __name__ == "__main__":
+    try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
+        from common.harness.lifecycle import run
+    except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
+        run = without_harness(missing)
     sys.exit(run(RECIPE))

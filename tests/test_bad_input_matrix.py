@@ -315,7 +315,10 @@ def test_help_lists_every_flag(script):
 
     proc = run_example(script, "--help", check=False)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]
-    names = runpy.run_path(str(ROOT / "examples" / script), run_name="help_check")["Config"]
+    from common.harness.lifecycle import guarded
+
+    found = runpy.run_path(str(ROOT / "examples" / script), run_name="help_check")
+    names = guarded(found["RECIPE"]).config if "RECIPE" in found else found["Config"]
     for f in dataclasses.fields(names):
         assert f"--{f.name}" in proc.stdout, f.name
 

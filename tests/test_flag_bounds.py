@@ -36,8 +36,17 @@ SCRIPTS = _scripts()
 
 
 def _module(script: str):
+    """The script's Config and PRESETS as its command line has them (a training recipe's with the guards' flags)."""
+    from types import SimpleNamespace
+
+    from common.harness.lifecycle import guarded
+
     folder, name = script.split("/")
-    return importlib.import_module(name.removesuffix(".py") if folder == "examples" else f"bench.{name[:-3]}")
+    mod = importlib.import_module(name.removesuffix(".py") if folder == "examples" else f"bench.{name[:-3]}")
+    if hasattr(mod, "RECIPE"):
+        recipe = guarded(mod.RECIPE)
+        return SimpleNamespace(Config=recipe.config, PRESETS=recipe.presets)
+    return mod
 
 
 def _numeric(cls) -> list[tuple[dataclasses.Field, type, cli.Bounds]]:

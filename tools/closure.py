@@ -7,6 +7,7 @@ under common/harness/. A copy of those files runs the example's main job: a trai
 
     python -m tools.closure            # one row per example: lines and files, core alone and with everything
     python -m tools.closure --files    # and the files, one per line
+    python -m tools.closure --table    # docs/layout.md's table rows
 
 Imports are read from the source (ast), wherever they stand (inside functions too), as are the
 "common.x.y" strings the override registry imports. The example itself is not counted.
@@ -86,7 +87,13 @@ def count_lines(files: list[Path]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", action="store_true", help="list the files of each closure")
+    parser.add_argument("--table", action="store_true", help="the rows of docs/layout.md's table of copy sizes")
     args = parser.parse_args(argv)
+    if args.table:
+        for example in sorted((ROOT / "examples").glob("*.py")):
+            core, full = count_lines(closure(example, core_only=True)), count_lines(closure(example))
+            print(f"| `examples/{example.name}` | {core:,} | {full:,} |")
+        return 0
     print(f"{'example':28s} {'core alone':>20s} {'with everything':>20s}")
     for example in sorted((ROOT / "examples").glob("*.py")):
         core, full = closure(example, core_only=True), closure(example)

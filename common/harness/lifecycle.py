@@ -7,6 +7,8 @@ each example's Config includes it.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +83,25 @@ class Guards:
                                 **cli.bounds(above=0.0, high=4096.0)})
 
 
+def guarded(recipe: Recipe) -> Recipe:
+    """The recipe with the guards' flags: its Config with the fields of Guards after its own (the same class name),
+    each preset's values carried over."""
+    config = dataclasses.make_dataclass(recipe.config.__name__, [], bases=(Guards, recipe.config),
+                                        namespace={"__module__": recipe.config.__module__})
+
+    def with_guards(preset):
+        @functools.wraps(preset)  # its name and docstring: --help lists them
+        def made():
+            base = preset()
+            return config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        return made
+
+    return dataclasses.replace(recipe, config=config, presets={k: with_guards(v) for k, v in recipe.presets.items()})
+
+
 def run(recipe: Recipe, argv: list[str] | None = None) -> int:
-    """The example's one call: parse its flags, run it with the guards; the exit code."""
+    """The example's one call: parse its flags and the guards', run it with the guards; the exit code."""
+    recipe = guarded(recipe)
     return cli.run_cli(lambda cfg: main(recipe, cfg), recipe.config, recipe.presets, recipe.doc,
                        recipe.default_preset, argv)
 
