@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from common import device
 from common.errors import UserError
+from common.harness import preflight
 from common.kernels import moe_nki
 from common.kernels.moe_op import grouped_experts
 
@@ -397,10 +398,10 @@ def test_launch_takes_a_kernel_object_as_it_is_and_wraps_a_plain_function():
     bwd = moe_nki.launchable(_backward_as_a_plain_function, _stand_in_jit)
     assert fwd is _forward_jitted_with_a_mode and fwd.options == {"mode": "trace"}
     assert isinstance(bwd, _KernelObject) and bwd.func is _backward_as_a_plain_function and bwd.options == {}
-    assert moe_nki.jit_form(_forward_jitted_with_a_mode) == (
+    assert preflight.jit_form(_forward_jitted_with_a_mode) == (
         "jit kernel object (_KernelObject), launched as it is; declared @_stand_in_jit(mode='trace')")
-    assert moe_nki.jit_form(_backward_as_a_plain_function) == "plain function, wrapped with nki.jit at launch"
-    assert moe_nki.jit_form(_KernelObject(len)).endswith("declaration not readable")  # no Python function inside
+    assert preflight.jit_form(_backward_as_a_plain_function) == "plain function, wrapped with nki.jit at launch"
+    assert preflight.jit_form(_KernelObject(len)).endswith("declaration not readable")  # no Python function inside
     x, scores, ids, (w1, w2, w3), grad = _case(32, 32, 64, 8, 2, seed=5)
     fwd_out = moe_nki.run_forward(fwd, {}, x, scores, ids, w1, w2, w3, torch.float32, 16)
     grads = moe_nki.run_backward(bwd, {}, grad, x, scores, ids, w1, w2, w3, *fwd_out[1:], torch.float32)
@@ -409,7 +410,7 @@ def test_launch_takes_a_kernel_object_as_it_is_and_wraps_a_plain_function():
 
 @pytest.mark.skipif(device.neuron_installed(), reason="names the installed kernels where torch-neuronx is installed")
 def test_kernel_jit_form_without_torch_neuronx_imports_no_kernel():
-    assert moe_nki.kernel_jit_form() == "not checked: torch-neuronx is not installed"
+    assert preflight.kernel_jit_form() == "not checked: torch-neuronx is not installed"
     assert "nkilib" not in sys.modules and "nki" not in sys.modules
 
 

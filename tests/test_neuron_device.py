@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common import device
+from common.harness import preflight
 from common.kernels import moe_nki
 from common.kernels.moe_op import grouped_experts
 from common.kernels.rope_op import rope
@@ -75,7 +76,7 @@ def test_rope_kernel_against_its_rounding_and_the_pytorch_path():
 def test_moe_kernel_forms_and_routing_tables_on_the_device():
     """Both MoE kernels import in a form moe_nki.launchable takes (a jit kernel object or a plain function), and
     the static-shape routing tables built on the device equal those built on CPU, at the reduced preset's shapes."""
-    form = moe_nki.kernel_jit_form()
+    form = preflight.kernel_jit_form()
     assert "not importable" not in form and form.count("launch") == 2, form
     ids = torch.randn(TOKENS, EXPERTS, generator=torch.Generator().manual_seed(1)).topk(TOP_K, dim=-1).indices
     n = moe_nki.num_blocks(TOKENS, TOP_K, EXPERTS)

@@ -11,6 +11,7 @@ the table's last column names the scripts that need each row.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -21,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from importlib import metadata
 from pathlib import Path
 
@@ -381,7 +383,59 @@ def check_all(target: str) -> list[tuple[str, str, str, tuple]]:
         rows.append(("torchtitan imported from", str(Path(where).parent), INFO, every))
     if target == "trn2":
         rows.append(("nkilib imported from", nkilib_source(), INFO, ("moe", "rope")))
+        rows.append(("MoE kernels' nki.jit form", kernel_jit_form(), INFO, ("moe",)))
     return rows
+
+
+def _unwrapped(kernel):
+    """The Python function under a jit kernel object: its `func` (nki-library's test utilities unwrap nki's kernel
+    objects so) or `__wrapped__`; None where neither leads to one."""
+    for _ in range(4):
+        if inspect.isfunction(kernel):
+            return kernel
+        kernel = getattr(kernel, "func", None) or getattr(kernel, "__wrapped__", None)
+    return None
+
+
+def _decorators(function) -> str | None:
+    """The decorators in `function`'s source, as written (e.g. `@nki.jit(mode='trace')`); None if unreadable."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    return " ".join("@" + ast.unparse(d) for d in node.decorator_list) or None
+
+
+def jit_form(kernel) -> str:
+    """How `kernel` comes, in words: a plain function (wrapped with nki.jit at launch) or a jit kernel object,
+    with the decorators its source declares."""
+    if inspect.isfunction(kernel):
+        return "plain function, wrapped with nki.jit at launch"
+    function = _unwrapped(kernel)
+    declared = _decorators(function) if function is not None else None
+    return (f"jit kernel object ({type(kernel).__name__}), launched as it is; "
+            + (f"declared {declared}" if declared else "declaration not readable"))
+
+
+def kernel_jit_form() -> str:
+    """The installed MoE kernels' forms (common/kernels/moe_nki.py launches either: `launchable`), one line, e.g. "blockwise_mm_baseline_shard_hidden: jit
+    kernel object (...), launched as it is; declared @nki.jit(mode='trace'); blockwise_mm_bwd: ...". Imports
+    nothing without torch-neuronx; an import that fails is named, not raised."""
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return "not checked: torch-neuronx is not installed"
+    forms = []
+    for module, name in (("nkilib.experimental.moe.forward.bwmm_shard_on_H", "blockwise_mm_baseline_shard_hidden"),
+                         ("nkilib.experimental.moe.bwd.blockwise_mm_backward", "blockwise_mm_bwd")):
+        try:
+            kernel = getattr(importlib.import_module(module), name)
+        except Exception as e:  # an import error of any kind is the preflight's finding: named, not raised
+            forms.append(f"{name}: not importable from {module} ({type(e).__name__}: {e})")
+            continue
+        forms.append(f"{name}: {jit_form(kernel)}")
+    return "; ".join(forms)
 
 
 def nkilib_source() -> str:

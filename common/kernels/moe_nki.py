@@ -40,12 +40,9 @@ mode) first. `kernel_jit_form()` names the installed kernels' forms for the pref
 """
 from __future__ import annotations
 
-import ast
-import importlib
 import inspect
 import math
 import os
-import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -314,59 +311,6 @@ def launchable(kernel, jit):
     documents none); anything else, the object a jit decorator made (`@nki.jit`, `@nki.jit(mode="trace")`), is
     launched as it is."""
     return jit(kernel) if inspect.isfunction(kernel) else kernel
-
-
-def _unwrapped(kernel):
-    """The Python function under a jit kernel object: its `func` (nki-library's test utilities unwrap nki's kernel
-    objects so) or `__wrapped__`; None where neither leads to one."""
-    for _ in range(4):
-        if inspect.isfunction(kernel):
-            return kernel
-        kernel = getattr(kernel, "func", None) or getattr(kernel, "__wrapped__", None)
-    return None
-
-
-def _decorators(function) -> str | None:
-    """The decorators in `function`'s source, as written (e.g. `@nki.jit(mode='trace')`); None if unreadable."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    node = tree.body[0] if tree.body else None
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    return " ".join("@" + ast.unparse(d) for d in node.decorator_list) or None
-
-
-def jit_form(kernel) -> str:
-    """How `kernel` comes, in words: a plain function (wrapped with nki.jit at launch) or a jit kernel object,
-    with the decorators its source declares."""
-    if inspect.isfunction(kernel):
-        return "plain function, wrapped with nki.jit at launch"
-    function = _unwrapped(kernel)
-    declared = _decorators(function) if function is not None else None
-    return (f"jit kernel object ({type(kernel).__name__}), launched as it is; "
-            + (f"declared {declared}" if declared else "declaration not readable"))
-
-
-def kernel_jit_form() -> str:
-    """The installed MoE kernels' forms, one line for the preflight, e.g. "blockwise_mm_baseline_shard_hidden: jit
-    kernel object (...), launched as it is; declared @nki.jit(mode='trace'); blockwise_mm_bwd: ...". Imports
-    nothing without torch-neuronx; an import that fails is named, not raised."""
-    from common import device
-
-    if not device.neuron_installed():
-        return "not checked: torch-neuronx is not installed"
-    forms = []
-    for module, name in (("nkilib.experimental.moe.forward.bwmm_shard_on_H", "blockwise_mm_baseline_shard_hidden"),
-                         ("nkilib.experimental.moe.bwd.blockwise_mm_backward", "blockwise_mm_bwd")):
-        try:
-            kernel = getattr(importlib.import_module(module), name)
-        except Exception as e:  # an import error of any kind is the preflight's finding: named, not raised
-            forms.append(f"{name}: not importable from {module} ({type(e).__name__}: {e})")
-            continue
-        forms.append(f"{name}: {jit_form(kernel)}")
-    return "; ".join(forms)
 
 
 def experts_fwd_nki(x, scores, expert_ids, w1, w2, w3, compute_dtype):
