@@ -4,9 +4,11 @@ stated peak, memory against the dry run's plan, cost; the dry run's projection o
 tests/test_eval.py)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from conftest import read_results, run_example
+from conftest import assert_clean_error, read_results, run_example
 
 PILOT = ("timing", "flops_per_token", "mfu", "peak_flops_per_device", "memory", "cost")
 
@@ -115,3 +117,226 @@ def test_the_plan_is_made_in_a_child_after_the_parent_ran_ops_on_several_threads
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == [str(round(4_000_000 / (1 << 30), 4))], proc.stdout
 
+
+
+# --profile, an impossible MFU, the compile cache, trn2's peak per LNC: one short profiled run (2 steps of the tiny
+# preset, its last step traced) read by the tests below; everything else in-process.
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory, prepared_assets):
+    """The tiny preset, 2 steps, step 2 traced, against a peak of 1e-3 TFLOPS (--peak_tflops's lower bound): at 59
+    MFLOP a token, any step of its 256 tokens under 15 s (here about 1 s, profiled) is more than that peak can do,
+    an MFU above 1."""
+    out = tmp_path_factory.mktemp("profiled") / "run"
+    proc = run_example("train_native_qwen3.py", "--steps", "2", "--profile", "--peak_tflops", "0.001",
+                       "--tensorboard", "--no-export", "--out_dir", str(out))
+    return out, read_results(out), proc
+
+
+def test_profile_traces_the_last_step_into_the_run_folder(profiled_run):
+    """--profile: torchtitan's own profiler settings (profile_freq 0: the last step); a gzipped Chrome trace of
+    step 2 in OUT_DIR/profile_traces, listed in results.json with its size; memory against the plan marked not
+    comparable there and in the [pilot] line."""
+    import gzip
+    import json
+
+    out, r, proc = profiled_run
+    p = r["profile"]
+    assert (p["every"], p["steps"], p["folder"], p["activities"]) == (2, [2], "profile_traces", "CPU")
+    (trace,) = p["traces"]
+    assert trace["path"] == "profile_traces/iteration_2/rank0_trace.json.gz" and trace["step"] == 2
+    path = out / trace["path"]
+    assert path.stat().st_size == trace["bytes"] > 0
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    assert any(e.get("name", "").startswith("ProfilerStep#") for e in events)  # the traced training step
+    assert sorted(q.name for q in (out / "profile_traces").iterdir()) == ["iteration_2"]  # step 1: warm-up only
+    m = r["memory"]
+    assert m["comparable"] is False and m["ratio"] is None and "profiler" in m["not_comparable"]
+    assert m["planned_gib"] > 0 and m["peak_gib"][0] > 0
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("[pilot]")]
+    assert "(not comparable: a profiled run)" in line and "1 profile trace(s) in profile_traces" in line
+    print(f"trace {path} {trace['bytes']} bytes")
+
+
+def test_an_impossible_mfu_is_null_with_its_reason(profiled_run):
+    """An MFU above 1 is no measurement: results.json's mfu is null with mfu_note, one warning line names the
+    peak and its source, the [pilot] line prints no number, torchtitan's step lines say N/A and its TensorBoard
+    log has no mfu(%) point."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, r, proc = profiled_run
+    would_be = r["flops_per_token"] * r["timing"]["steady_tokens_per_s"] / r["peak_flops_per_device"]["value"]
+    assert would_be > 1 and r["peak_flops_per_device"] == {"value": 1e9, "source": "--peak_tflops"}
+    assert r["mfu"] is None and "above 1" in r["mfu_note"] and "0.001 TFLOPS" in r["mfu_note"]
+    warnings = [x for x in proc.stderr.splitlines() if x.startswith("warning:")]
+    assert len(warnings) == 1 and "0.001 TFLOPS a device (--peak_tflops)" in warnings[0], warnings
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("[pilot]")]
+    assert "MFU - (left out" in line
+    steps = [x for x in proc.stdout.splitlines() + proc.stderr.splitlines() if "step:" in x and "mfu:" in x]
+    assert len(steps) == 2 and all("mfu: N/A" in x for x in steps), steps
+    (tb,) = list((out / "tb").iterdir())
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert "loss_metrics/global_avg_loss" in events.Tags()["scalars"] and "mfu(%)" not in events.Tags()["scalars"]
+
+
+def test_mfu_is_never_above_one_nor_against_a_peak_that_is_not_positive():
+    """In-process, on a fixed step record: the same run against a peak it cannot exceed, one it exceeds, and peaks
+    that are no peaks."""
+    from common.harness import pilot
+    from common.losses import LossRecorder
+
+    rec = LossRecorder(steps=[1, 2, 3], losses=[1.0] * 3, times=[0.0, 5.0, 6.0, 7.0], tokens_seen=[256, 512, 768])
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 1000, "num_attention_heads": 4,
+             "intermediate_size": 128}
+    memory = {"peak_gib": [1.0], "measured_by": "test"}
+
+    def rep(value, source="--peak_tflops"):
+        return pilot.report(rec, shape=shape, seq_len=128, world_size=1, peak={"value": value, "source": source},
+                            memory=memory, planned_gib=2.0, price_per_hour=None)
+
+    flops = pilot.flops_per_token(shape, 128) * 256  # FLOP/s: 256 tokens a second
+    over = rep(flops / 2)
+    assert over["mfu"] is None and "MFU would be 2, above 1" in over["mfu_note"]
+    assert "(--peak_tflops)" in pilot.mfu_warning(over) and "MFU - (left out" in pilot.format_line(over)
+    ok = rep(10 * flops)
+    assert ok["mfu"] == pytest.approx(0.1) and ok["mfu_note"] is None and pilot.mfu_warning(ok) is None
+    assert "MFU 0.100 of" in pilot.format_line(ok)
+    for bad in (0.0, -1e12, float("nan"), float("inf")):
+        r = rep(bad, "torchtitan get_peak_flops")
+        assert r["mfu"] is None and "not a positive number" in r["mfu_note"], bad
+        assert "(torchtitan get_peak_flops)" in pilot.mfu_warning(r)
+
+
+def test_peak_tflops_has_a_real_lower_bound():
+    """--peak_tflops 1e-300 was taken and printed an MFU of 298 digits: the flag now takes no less than 1e-3
+    TFLOPS (1 GFLOP/s), one error line naming the bound."""
+    import train_native_qwen3 as script
+
+    from common import cli
+    from common.errors import UserError
+
+    def parse(value):
+        return cli.parse_config(script.Config, script.PRESETS, ["--peak_tflops", value], "", script.Config().preset)
+
+    assert parse("0.001").peak_tflops == 0.001 and parse("1e5").peak_tflops == 1e5
+    for value in ("1e-300", "0.0009", "0"):
+        with pytest.raises(UserError, match="^--peak_tflops .*1 GFLOP/s"):
+            parse(value)
+
+
+def test_trn2_peak_is_79_tflops_per_neuroncore_times_the_lnc():
+    """torchtitan's trn2 peak multiplies by 2 whatever the LNC: here 79 TFLOPS x --lnc, computed without the Neuron
+    runtime (this host has none), AWS's per-chip figure in the source; the dry run's projection uses it too."""
+    import importlib.util
+
+    from common.harness import pilot
+
+    assert importlib.util.find_spec("torch_neuronx") is None  # the number needs no torch.neuron
+    one, two = (pilot.peak_flops("neuron", "bfloat16", None, lnc=lnc) for lnc in (1, 2))
+    assert (one["value"], two["value"]) == (79e12, 158e12)
+    assert "x LNC=1" in one["source"] and "667" in one["source"] and "8 NeuronCores" in one["source"]
+    assert pilot.peak_flops("neuron", "bfloat16", 100.0, lnc=1) == {"value": 100e12, "source": "--peak_tflops"}
+    flops, tps = 1e9, 1e4  # the same throughput is twice the MFU of one NeuronCore as of two
+    assert pilot.checked_mfu(flops, tps, one, 1)[0] == pytest.approx(2 * pilot.checked_mfu(flops, tps, two, 1)[0])
+
+
+def test_memory_is_read_after_the_neuron_device_finished_its_work():
+    """AWS's memory guide: the Neuron allocator is asynchronous, read its statistics after torch.neuron.synchronize().
+    Read from the source (no Neuron runtime here): peak_memory synchronizes through common.device.neuron_runtime(),
+    behind neuron_available(), before it reads the peak."""
+    import ast
+    import inspect
+
+    from common.harness import pilot
+
+    body = ast.parse(inspect.getsource(pilot.peak_memory))
+    calls = [ast.unparse(n.func) for n in ast.walk(body) if isinstance(n, ast.Call)]
+    assert "neuron_runtime().synchronize" in calls and "neuron_available" in calls
+    sync = next(n for n in ast.walk(body) if isinstance(n, ast.If) and "neuron_available" in ast.unparse(n.test))
+    read = next(n for n in ast.walk(body) if isinstance(n, ast.Call) and ast.unparse(n.func) == "peak_memory_bytes")
+    assert sync.lineno < read.lineno
+
+
+def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeypatch, profiled_run):
+    """timing.compile_cache: the cache folder's entries counted before step 1 and after it; a first run that adds
+    entries found it cold, a second that adds none warm. Counted here on a real folder in-process, as a compile
+    fills it (a CPU run compiles nothing: the profiled run says "none"); and where each device's cache is."""
+    from common.harness import pilot
+
+    assert profiled_run[1]["timing"]["compile_cache"]["state"] == "none"
+    folder = tmp_path / "inductor"
+    where = {"kind": "inductor", "dir": str(folder), "dir_from": "TORCHINDUCTOR_CACHE_DIR"}
+    first = pilot.CompileCacheWatch(where, "cpu")
+    first.start()  # no folder yet: 0 entries
+    (folder / "fxgraph" / "ab").mkdir(parents=True)
+    for name in ("graph.py", "kernel.so"):
+        (folder / "fxgraph" / "ab" / name).write_text("compiled")
+    first.first_step(1, 1.0)
+    first.first_step(2, 1.0)  # only step 1 counts
+    assert first.result() == {**where, "entries_before": 0, "entries_after": 2, "state": "cold"}
+    second = pilot.CompileCacheWatch(where, "cpu")
+    second.start()
+    second.first_step(1, 1.0)
+    assert second.result() == {**where, "entries_before": 2, "entries_after": 2, "state": "warm"}
+
+    assert pilot.compile_cache_folder("cpu", compiled=False) is None
+    assert pilot.CompileCacheWatch(None, "cpu").result()["state"] == "none"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    assert pilot.compile_cache_folder("cpu", compiled=True) == where
+    for var in ("TORCH_NEURONX_NEFF_CACHE_DIR", "NEURON_CC_FLAGS"):
+        monkeypatch.delenv(var, raising=False)
+    assert pilot.compile_cache_folder("neuron", compiled=False)["dir"] == "/var/tmp/neuron-compile-cache"
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--model-type=transformer --cache_dir /nvme/neff -O1")
+    assert pilot.compile_cache_folder("neuron", compiled=False)["dir"] == "/nvme/neff"
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--cache_dir=/nvme/neff2")
+    assert pilot.compile_cache_folder("neuron", compiled=False)["dir"] == "/nvme/neff2"
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/local/neff")
+    assert pilot.compile_cache_folder("neuron", compiled=False) == {
+        "kind": "neff", "dir": "/local/neff", "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR"}
+
+
+def test_profile_freq_past_the_last_step_is_refused(tmp_path):
+    proc = run_example("train_native_qwen3.py", "--steps", "2", "--profile", "--profile_freq", "3",
+                       "--out_dir", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2
+    assert_clean_error(proc, "--profile_freq 3 is more than --steps 2")
+
+
+NEURON_PROFILER_ON_CPU = """
+import gzip, json, sys, tempfile
+sys.path.insert(0, {root!r})
+import torch
+from common import device
+dev = device.setup("cpu")
+from torchtitan.tools.profiler import Profiler
+from common.harness import pilot
+config = Profiler.Config(enable_profiling=True, save_traces_folder="t", profile_freq=2, profiler_warmup=1)
+neuron = pilot.with_neuron_activity(config)
+assert isinstance(neuron, Profiler.Config) and type(neuron) is not Profiler.Config
+assert all(getattr(neuron, k) == getattr(config, k) for k in ("save_traces_folder", "profile_freq", "profiler_warmup"))
+folder = tempfile.mkdtemp()
+profile = torch.profiler.profile
+with neuron.build(global_step=0, base_folder=folder) as prof:
+    activities = sorted(a.name for a in prof.torch_profiler.activities)
+    for _ in range(2):
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        prof.step()
+assert torch.profiler.profile is profile
+print(activities, len(json.loads(gzip.decompress(open(folder + "/t/iteration_2/rank0_trace.json.gz", "rb").read()))))
+device.teardown()
+"""
+
+
+def test_the_neuron_profiler_asks_for_the_neuron_activity(tmp_path):
+    """On Neuron, torchtitan's profiler with the same settings also asks torch.profiler for the PrivateUse1 (Neuron)
+    activity. Built here on the CPU, where torch has no such device and records the CPU alone, through torchtitan's
+    own Profiler and a real process group of one: the activity asked for, the trace written, torch.profiler's
+    function as it was."""
+    from conftest import ROOT, run_python
+
+    script = tmp_path / "neuron_profiler.py"
+    script.write_text(NEURON_PROFILER_ON_CPU.format(root=str(ROOT)))
+    proc = run_python([sys.executable, str(script)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("['CPU', 'PrivateUse1'] "), proc.stdout

@@ -249,3 +249,29 @@ def test_extreme_values_are_left_out_with_a_note(case, tmp_path, capsys):
     loaded = [report.load_run(str(r), r.name) for r in runs]
     for p in (1, 2, 3, 4):  # the panels those fields belong to carry notes, the others none
         assert bool(report._note_lines(loaded, p, out)) == (p in panels), p
+
+
+def test_a_profiled_run_links_its_traces_and_compares_no_memory(tmp_path, capsys):
+    """A --profile run: its trace files named in the table (paths from the run's folder, sizes), linked from
+    FILE.md relative to it; its memory not compared with the plan (no ratio computed from the two either); an MFU
+    the run left out shown as "-" with the run's reason."""
+    traces = [{"step": 10, "path": f"profile_traces/iteration_10/rank{r}_trace.json.gz", "bytes": 115388 + r}
+              for r in range(3)]
+    data = _with(memory={"peak_gib": [7.4], "planned_gib": 8.5, "comparable": False, "ratio": None,
+                         "not_comparable": "profiled run"}, mfu=None,
+                 mfu_note="MFU would be 12.2, above 1: the peak 0.001 TFLOPS a device (--peak_tflops) is below")
+    data["profile"] = {"every": 10, "steps": [10], "folder": "profile_traces", "traces": traces}
+    run = make_run(tmp_path / "runs", "profiled", data)
+    out = tmp_path / "out" / "r.png"
+    assert report.main([str(run), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    row = rows_of(text, ["profiled"])["profiled"]
+    assert row[report.COLUMNS.index("MFU")] == "-"
+    assert row[report.COLUMNS.index("peak / planned GiB")] == "7.4 / 8.5 (not comparable: profiled)"
+    first = str(run / "profile_traces" / "iteration_10" / "rank0_trace.json.gz")
+    assert f"{first} (0.12 MB), " in text and "and 1 more" in text
+    assert "profiled: MFU left out by the run: MFU would be 12.2, above 1" in text
+    assert "not comparable: a profiled run (--profile)" in text
+    md = out.with_suffix(".md").read_text()
+    assert "(<../runs/profiled/profile_traces/iteration_10/rank0_trace.json.gz>)" in md
+    assert report.load_run(str(run), "p").memory_ratio is None  # panel 4 says "profiled: not comparable"

@@ -11,9 +11,10 @@ about 30 s each on a 2-core CPU), then both in one picture:
 
 FILE.png holds four panels, each run in its own colour: (1) training loss per step, the held-out loss
 (`eval_losses`) dashed in the same colour; (2) the first step's time against the steady step's; (3) steady
-tokens/s and MFU (%); (4) peak memory (the largest rank) against the plan, with their ratio; and below them a
-row per run (script, preset, device, world size, steps, versions). The same figures as a table are printed and
-written beside the picture as FILE.md (both replaced atomically). A figure the results.json does not hold (an
+tokens/s and MFU (%); (4) peak memory (the largest rank) against the plan, with their ratio (a --profile run's:
+"not comparable"); and below them a row per run (script, preset, device, world size, steps, versions). The same
+figures as a table are printed and written beside the picture as FILE.md (both replaced atomically), with a
+--profile run's trace files (linked from FILE.md). A figure the results.json does not hold (an
 older run, or one on a device that cannot measure it) is shown as "-", never guessed; so is a value of the wrong
 type, not finite, or out of its range (an MFU above 1, a step time outside 1e-6 to 1e7 s; the ranges:
 docs/pilot-report.md), which is not drawn either and is named in a note below the table and above its panel. Each
@@ -115,6 +116,7 @@ FLOPS_PER_TOKEN = Range(1.0, 1e18, "1 to 1e18 FLOPs")
 PEAK_FLOPS = Range(1e6, 1e19, "1e6 to 1e19 FLOP/s")
 GIB = Range(1e-6, 1e6, "0, or 1e-6 to 1e6 GiB (1 KiB to 1 PiB)", zero=True)
 RATIO = Range(0.0, 1e6, "0 to 1e6")
+BYTES = Range(0, 1e15, "0 to 1e15 bytes", whole=True)
 
 # Which panel of the picture shows a note on a field (a list's items like the list); other fields: the tables only.
 PANEL_OF = {"history": 1, "history.losses": 1, "losses": 1, "eval_losses": 1, "timing": 2, "timing.first_step_s": 2,
@@ -207,7 +209,10 @@ class Run:
     peak_gib: float | None = None  # the largest rank's
     planned_gib: float | None = None
     memory_ratio: float | None = None
+    memory_comparable: bool = True  # false: a profiled run, whose peak holds the profiler's buffers
     measured_by: str | None = None
+    mfu_note: str | None = None  # why the run wrote no MFU (an impossible one: above 1, or no positive peak)
+    traces: list[tuple[str, float | None]] = field(default_factory=list)  # (path, bytes) of --profile's traces
     stopped: str | None = None
     cost: str | None = None
     versions: dict[str, str | None] = field(default_factory=dict)
@@ -326,6 +331,27 @@ def _stopped(f: Fields, x) -> str | None:
     return f.text(x, "stopped") if x else None
 
 
+def _traces(f: Fields, profile: dict, run_dir: Path) -> list[tuple[str, float | None]]:
+    """--profile's trace files (`profile.traces`: [{path, bytes}], paths relative to the run's folder) as
+    (path from the run's folder as this tool was given it, size)."""
+    items = profile.get("traces")
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        f.note("profile.traces", items, "not a list of {path, bytes}")
+        return []
+    out = []
+    for i, item in enumerate(items):
+        path = f.text(item.get("path"), f"profile.traces[{i}].path") if isinstance(item, dict) else None
+        if path is None:
+            if not isinstance(item, dict):
+                f.note(f"profile.traces[{i}]", item, "not a {path, bytes} object")
+            continue
+        size = f.number(item.get("bytes"), f"profile.traces[{i}].bytes", BYTES)
+        out.append((str(run_dir / path), size))
+    return out
+
+
 def _fmt_any(v) -> str:
     n = _num(v)
     return _fmt(n, 4) if n is not None else one_line(str(v))
@@ -374,9 +400,15 @@ def load_run(run_dir: str, label: str) -> Run:
         peaks = [v for v in [f.number(peak, "memory.peak_gib", GIB)] if v is not None]
     run.peak_gib = max(peaks) if peaks else None
     run.planned_gib = f.number(memory.get("planned_gib"), "memory.planned_gib", GIB)
-    run.memory_ratio = f.number(memory.get("ratio"), "memory.ratio", RATIO)
-    if memory.get("ratio") is None and run.peak_gib is not None and run.planned_gib:
-        run.memory_ratio = f.number(run.peak_gib / run.planned_gib, "memory.peak_gib / memory.planned_gib", RATIO)
+    run.memory_comparable = memory.get("comparable") is not False
+    if run.memory_comparable:
+        run.memory_ratio = f.number(memory.get("ratio"), "memory.ratio", RATIO)
+        if memory.get("ratio") is None and run.peak_gib is not None and run.planned_gib:
+            run.memory_ratio = f.number(run.peak_gib / run.planned_gib, "memory.peak_gib / memory.planned_gib",
+                                        RATIO)
+    if run.mfu is None:
+        run.mfu_note = f.text(d.get("mfu_note"), "mfu_note")
+    run.traces = _traces(f, f.obj(d, "profile"), run.path.parent)
     run.measured_by = f.text(memory.get("measured_by"), "memory.measured_by")
     run.stopped = _stopped(f, d.get("stopped"))
     run.cost = _cost(f, d.get("cost"))
@@ -434,7 +466,24 @@ def _fmt_memory(r: Run) -> str:
     if r.peak_gib is None and r.planned_gib is None:
         return MISSING
     text = f"{_fmt(r.peak_gib)} / {_fmt(r.planned_gib)}"
+    if not r.memory_comparable:
+        return text + " (not comparable: profiled)"
     return text + (f" ({r.memory_ratio:.2f}x)" if r.memory_ratio is not None else "")
+
+
+TRACES_SHOWN = 2  # a run's trace files named in its cell; the rest counted
+
+
+def _fmt_size(n: float | None) -> str:
+    return "" if n is None else f" ({n / 1e6:.2f} MB)" if n >= 1e5 else f" ({n / 1e3:.1f} kB)"
+
+
+def _fmt_traces(r: Run) -> str:
+    if not r.traces:
+        return MISSING
+    shown = [path + _fmt_size(size) for path, size in r.traces[:TRACES_SHOWN]]
+    more = len(r.traces) - TRACES_SHOWN
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def _fmt_tokens(r: Run) -> str:
@@ -445,7 +494,8 @@ def _fmt_tokens(r: Run) -> str:
 COLUMNS = ("run", "script", "preset", "device", "world size", "steps", "first loss", "last loss", "first step s",
            "steady step s", "tokens/s", "MFU", "peak / planned GiB", "torch", "torchtitan", "transformers")
 DETAIL_COLUMNS = ("run", "last held-out loss", "warm-up steps excluded", "compile/warm-up s", "tokens/s per rank",
-                  "FLOPs/token", "peak FLOP/s per device (source)", "memory measured by", "stopped", "cost")
+                  "FLOPs/token", "peak FLOP/s per device (source)", "memory measured by", "stopped", "cost",
+                  "profile trace")
 
 
 def table_rows(runs: list[Run]) -> list[list[str]]:
@@ -468,7 +518,7 @@ def detail_rows(runs: list[Run]) -> list[list[str]]:
         rows.append([r.label, _fmt_loss(r.eval_losses[-1] if r.eval_losses else None),
                      str(r.warmup_steps_excluded) if r.warmup_steps_excluded is not None else MISSING,
                      _fmt(r.compile_or_warmup_s), _fmt(r.steady_tokens_per_s_per_rank), _fmt(r.flops_per_token),
-                     peak, r.measured_by or MISSING, r.stopped or MISSING, r.cost or MISSING])
+                     peak, r.measured_by or MISSING, r.stopped or MISSING, r.cost or MISSING, _fmt_traces(r)])
     return rows
 
 
@@ -477,6 +527,9 @@ def _footnotes(runs: list[Run]) -> list[str]:
     if any(r.tokens_per_s[0] is not None and not r.tokens_per_s[1] for r in runs):
         notes.append("* tokens/s over the whole run, first step included: that results.json has no steady figure "
                      "(`timing`)")
+    notes += [f"{r.label}: MFU left out by the run: {r.mfu_note}" for r in runs if r.mfu_note]
+    if any(not r.memory_comparable for r in runs):
+        notes.append("not comparable: a profiled run (--profile), whose peak memory holds the profiler's buffers")
     if any(r.notes for r in runs):
         notes.append('"-" = not in that run\'s results.json, or a value there left out (below)')
         notes.append("Left out: a value of the wrong type, or out of its range, is shown as \"-\" and not drawn:")
@@ -505,12 +558,35 @@ def md_cell(text: str) -> str:
     return "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in one_line(text))
 
 
-def render_markdown(runs: list[Run], sources: list[Path]) -> str:
+def md_link(text: str, target: Path, md_dir: Path | None) -> str:
+    """A Markdown link to a file, its target relative to the .md's folder (absolute without one), every character
+    of it percent-encoded but the path's separators."""
+    from urllib.parse import quote
+
+    where = os.path.relpath(target, md_dir) if md_dir is not None else os.path.abspath(target)
+    return f"[{md_cell(text)}](<{quote(where.replace(os.sep, '/'), safe='/')}>)"
+
+
+def _md_traces(r: Run, md_dir: Path | None) -> str:
+    if not r.traces:
+        return md_cell(MISSING)
+    shown = [md_link(path, Path(path), md_dir) + md_cell(_fmt_size(size)) for path, size in r.traces[:TRACES_SHOWN]]
+    more = len(r.traces) - TRACES_SHOWN
+    return ", ".join(shown) + (md_cell(f" and {more} more") if more > 0 else "")
+
+
+def render_markdown(runs: list[Run], sources: list[Path], md_dir: Path | None = None) -> str:
+    """The tables as Markdown; a run's profile traces as links, relative to `md_dir` (the .md's folder)."""
     out = [MD_MARKER, "", f"# {len(runs)} run{'s' * (len(runs) != 1)} side by side", ""]
+    trace_col = DETAIL_COLUMNS.index("profile trace")
     for cols, rows in ((COLUMNS, table_rows(runs)), (DETAIL_COLUMNS, detail_rows(runs))):
         out.append("| " + " | ".join(cols) + " |")
         out.append("|" + "---|" * len(cols))
-        out += ["| " + " | ".join(md_cell(v) for v in row) + " |" for row in rows]
+        for r, row in zip(runs, rows):
+            cells = [md_cell(v) for v in row]
+            if cols is DETAIL_COLUMNS:
+                cells[trace_col] = _md_traces(r, md_dir)
+            out.append("| " + " | ".join(cells) + " |")
         out.append("")
     out += [md_cell(n) + "  " for n in _footnotes(runs)]
     out += ["", "Read from: " + ", ".join(md_cell(str(p)) for p in sources), ""]
@@ -691,10 +767,11 @@ def draw(runs: list[Run], path: Path) -> None:
     _grouped(ax, runs, colors, [(peaks, [_fmt(v) for v in peaks], SOLID), (planned, [_fmt(v) for v in planned],
                                                                             HATCHED)])
     for i, r in enumerate(runs):
-        if r.memory_ratio is not None:
+        if r.memory_ratio is not None or not r.memory_comparable:
             top = max(v for v in (r.peak_gib, r.planned_gib, 0.0) if v is not None)
-            ax.annotate(f"{r.memory_ratio:.2f}x the plan", (i, top), ha="center", va="bottom", fontsize=8,
-                        xytext=(0, 14), textcoords="offset points", fontweight="bold")
+            ax.annotate(f"{r.memory_ratio:.2f}x the plan" if r.memory_comparable else "profiled: not comparable",
+                        (i, top), ha="center", va="bottom", fontsize=8, xytext=(0, 14), textcoords="offset points",
+                        fontweight="bold")
     ax.set_title("(4) memory per rank: peak of the largest rank (solid) vs planned (hatched)", fontsize=10)
     if all(v is None for v in peaks + planned):
         _empty(ax, "no memory figures " + where(4))
@@ -809,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [load_run(r, lab) for r, lab in zip(args.run_dirs, labels)]
         try:
             draw(runs, out)
-            atomic_write_text(md, render_markdown(runs, [r.path for r in runs]))
+            atomic_write_text(md, render_markdown(runs, [r.path for r in runs], md.parent))
         except OSError as e:
             raise UserError(f"cannot write the report: {one_line(str(e))}") from None
     except UserError as e:

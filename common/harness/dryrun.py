@@ -230,12 +230,12 @@ def check_fits(shape: dict, *, local_batch: int, seq_len: int, dtype: str, world
 
 def project(cfg, tc, shape: dict, world_size: int) -> dict | None:
     """With --assumed_mfu: the full run's time (and with --price_per_hour its cost) from its FLOPs, at that MFU of
-    the target's peak (--peak_tflops, or trn2's 158 TFLOPS a logical core for --device neuron); printed."""
+    the target's peak (--peak_tflops, or for --device neuron trn2's 79 TFLOPS per NeuronCore x --lnc); printed."""
     if not getattr(cfg, "assumed_mfu", None):
         return None
     from common.harness import pilot
 
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else pilot.TRN2_PEAK if cfg.device == "neuron" else None
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else pilot.trn2_peak(cfg.lnc) if cfg.device == "neuron" else None
     if peak is None:
         raise UserError(f"--assumed_mfu needs --peak_tflops for --device {cfg.device} (trn2's peak is known: "
                         "--device neuron)")

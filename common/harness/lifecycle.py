@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,14 +66,25 @@ class Guards:
         "help": "no training: build the model on the meta device, shard it for --dry_run_ranks ranks, report "
                 "per-rank memory"})
     peak_tflops: float | None = field(default=None, metadata={
-        "help": "peak TFLOPS of one device for MFU (default: torchtitan's table for an accelerator, a matmul "
-                "measured in this process on CPU)", **cli.bounds(above=0.0, high=1e5)})
+        "help": "peak TFLOPS of one device for MFU (default: trn2's 79 per NeuronCore x --lnc, torchtitan's table on "
+                "CUDA, a matmul measured in this process on CPU)",
+        # 1e-3 TFLOPS (1 GFLOP/s): about one core of a decades-old CPU, below any device that trains a model; a
+        # smaller peak only turns every MFU into an absurd number (1e-300 printed one of 298 digits)
+        **cli.bounds(pilot.PEAK_TFLOPS_LOW, 1e5, why="TFLOPS of a real device: 1e-3 is 1 GFLOP/s")})
     price_per_hour: float | None = field(default=None, metadata={
         "help": "what this run's hardware costs per hour (all nodes): results.json gets the run's cost and the cost "
                 "per million tokens; with --dry_run and --assumed_mfu, the full run's", **cli.bounds(0.0, 1e6)})
     assumed_mfu: float | None = field(default=None, metadata={
         "help": "with --dry_run: project the full run's time (and cost) at this MFU (a fraction, 0.3) of the peak",
         **cli.bounds(above=0.0, high=1.0)})
+    profile: bool = field(default=False, metadata={
+        "help": "trace steps with torchtitan's profiler (torch.profiler; the Neuron activity too on trn2) into "
+                "OUT_DIR/profile_traces/iteration_N/rankR_trace.json.gz, Chrome trace format; which steps: "
+                "--profile_freq. The run's memory is then not compared with the plan (the profiler's buffers)"})
+    profile_freq: int = field(default=0, metadata={
+        "help": "with --profile: trace step N and its multiples, as torchtitan's profiler.profile_freq (the steps "
+                "just before each, up to 3, are the profiler's warm-up); 0: the last step (--steps)",
+        **cli.bounds(0, 10**7)})
     tensorboard: bool = field(default=False, metadata={
         "help": "torchtitan's TensorBoard logging into OUT_DIR/tb (loss, grad norm, memory, throughput, MFU)"})
     dry_run_ranks: int = field(
@@ -132,6 +144,7 @@ def main(recipe: Recipe, cfg) -> dict:
         return dry_run(recipe, cfg, out_dir)
     world_size = launcher.planned_world_size(cfg)
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
+    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)
     export.check_replaceable(out_dir)
     check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
     launch = launcher.launches(cfg)
@@ -168,16 +181,24 @@ class GuardHooks(Hooks):
     def __init__(self, recipe: Recipe, cfg, found: dict, stop: stops.StopControl):
         self.recipe, self.cfg, self.found, self.stop = recipe, cfg, found, stop
         self.evals, self.load_check, self.progress = EvalRecorder(), None, None
+        self.profile, self.compile_cache, self.started = None, None, time.time()
 
     def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
         cfg = self.cfg
         tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
+        notes = []
+        if cfg.profile:  # torchtitan's profiler, traces in OUT_DIR/profile_traces
+            self.profile = pilot.apply_profile_settings(tc, steps=cfg.steps, profile_freq=cfg.profile_freq,
+                                                        device_type=dev.device_type)
+            notes.append(self.profile["note"])
+        self.compile_cache = pilot.CompileCacheWatch(
+            pilot.compile_cache_folder(dev.device_type, compiled=tc.compile.enable), dev.device_type)
         if dev.is_main:
             resume.write_record(out_dir, found["record"])
             self.progress = Progress(out_dir / "losses.jsonl")
         note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"))  # the validator
-        return [note] if note else []
+        return notes + ([note] if note else [])
 
     def attach(self, trainer, tc, dev, shape: dict, rec) -> None:
         cfg, found = self.cfg, self.found
@@ -190,17 +211,23 @@ class GuardHooks(Hooks):
             rec.on_step.append(self.progress.append)
         self.evals.attach(trainer)  # the validator's held-out losses (--eval_every)
         self.stop.attach(trainer, dev.device, export=cfg.export)
-        self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops)
+        self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
         pilot.use_in_torchtitan(trainer, pilot.flops_per_token(shape, cfg.seq_len), self.peak)
+        self.compile_cache.start()  # the compile cache's entries before step 1, and once step 1 has ended
+        rec.on_step.append(self.compile_cache.first_step)
 
     def history(self, rec) -> dict:
         return self.progress.history(rec) if self.progress is not None else rec.history()
 
     def results(self, rec, dev, shape: dict, out_dir: Path) -> dict:
         cfg = self.cfg
+        memory = pilot.peak_memory(dev.device_type, dev.device)  # a collective: every rank's traces are written
+        profile = pilot.profile_traces(out_dir, every=self.profile["every"], steps=rec.steps, since=self.started,
+                                       activities=self.profile["activities"]) if self.profile else None
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
-                              memory=pilot.peak_memory(dev.device_type, dev.device),
-                              planned_gib=self.found.get("planned_gib"), price_per_hour=cfg.price_per_hour)
+                              memory=memory, planned_gib=self.found.get("planned_gib"),
+                              price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
+                              profile=profile)
         out = {"load_check": self.load_check or None, "eval_losses": self.evals.rows(),
                "stopped": self.stop.stopped(out_dir), **report}
         if cfg.compare_losses:  # over the whole curve, steps before a resume included
@@ -208,6 +235,8 @@ class GuardHooks(Hooks):
             out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
                                                     steps=history["steps"])
         if dev.is_main:
+            if warning := pilot.mfu_warning(report):
+                print(warning, file=sys.stderr, flush=True)
             print(pilot.format_line(report), flush=True)
             if cfg.compare_losses:
                 print(format_loss_comparison(out["loss_comparison"]), flush=True)

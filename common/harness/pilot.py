@@ -6,11 +6,17 @@ memory against the plan, and cost. Written into results.json by the three traini
   up, not multiplied; the output projection counts, tied or not) + torchtitan's attention term 12 x layers x heads x
   head_dim x sequence length; from the model's config.json, so the three paths count the same model the same.
 - `mfu`: flops_per_token x steady tokens/s / (peak FLOP/s per device x devices), against `peak_flops_per_device`:
-  --peak_tflops when given; else torchtitan's table for a known accelerator (trn2: 79 TFLOPS bfloat16 per
-  NeuronCore-v3, two per logical core at LNC=2); on CPU a matmul measured in this process, in the run's dtype.
-  torchtitan's own step lines and TensorBoard get the same two numbers (`use_in_torchtitan`).
-- `memory`: each rank's peak (the device allocator; on CPU the process's peak resident set size) beside the dry
-  run's estimate for the same configuration (`planned_gib`).
+  --peak_tflops when given; else on trn2 79 TFLOPS bfloat16 per NeuronCore-v3 x --lnc (the NeuronCores of one
+  logical core); on CUDA torchtitan's table; on CPU a matmul measured in this process, in the run's dtype. An MFU
+  above 1, or a peak that is not a positive number, is no measurement: `mfu` is null and `mfu_note` says why (a
+  warning line names the peak and its source). torchtitan's own step lines and TensorBoard get the same two
+  numbers (`use_in_torchtitan`), and show no MFU for a step where it would be above 1.
+- `memory`: each rank's peak (the device allocator, read after the device has finished its queued work; on CPU the
+  process's peak resident set size) beside the dry run's estimate for the same configuration (`planned_gib`). A
+  profiled run's peak holds the profiler's own buffers: `comparable` is false and there is no ratio.
+- `timing.compile_cache`: whether step 1 found the compile cache cold or warm (`compile_cache`).
+- `profile`: with --profile, torchtitan's profiler (torch.profiler) traces the chosen steps into OUT_DIR/profile_traces
+  (`apply_profile_settings`, `profile_traces`).
 - `cost`: with --price_per_hour (no price is written into the repository).
 """
 from __future__ import annotations
@@ -21,7 +27,19 @@ import statistics
 import time
 
 GIB = 1 << 30
-TRN2_PEAK = 79e12 * 2  # bfloat16 FLOP/s of one LNC=2 logical core (torchtitan's get_peak_flops for trn2)
+# bfloat16 FLOP/s of one physical NeuronCore-v3 (torchtitan's figure in get_peak_flops). A logical core is --lnc of
+# them: torchtitan 0.3.0 multiplies by 2 whatever the LNC is, which halves the MFU of an LNC=1 run.
+TRN2_CORE_PEAK = 79e12
+TRN2_SOURCE = ("79 TFLOPS bfloat16 per NeuronCore-v3 x LNC={lnc} (torchtitan's per-core figure; AWS gives 667 dense "
+               "bfloat16 TFLOPS per Trainium2 chip over its 8 NeuronCores, 83 each)")
+PEAK_TFLOPS_LOW = 1e-3  # --peak_tflops's lower bound (common/harness/lifecycle.py): why there
+
+
+def trn2_peak(lnc: int) -> float:
+    """bfloat16 FLOP/s of one trn2 logical core of `lnc` NeuronCores (1 or 2)."""
+    if lnc not in (1, 2):
+        raise ValueError(f"a trn2 logical core is 1 or 2 NeuronCores, not {lnc}")
+    return TRN2_CORE_PEAK * lnc
 
 
 def flops_per_token(shape: dict, seq_len: int) -> int:
@@ -53,18 +71,21 @@ def measured_cpu_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
-def peak_flops(device_type: str, dtype: str, peak_tflops: float | None) -> dict:
-    """{"value": FLOP/s of one device (one process's cores on CPU), "source": where it came from}."""
-    import torch
-
+def peak_flops(device_type: str, dtype: str, peak_tflops: float | None, lnc: int = 2) -> dict:
+    """{"value": FLOP/s of one device (one process's cores on CPU), "source": where it came from}. On Neuron the
+    device is one logical core of `lnc` NeuronCores; the figure needs no Neuron runtime."""
     if peak_tflops:
         return {"value": peak_tflops * 1e12, "source": "--peak_tflops"}
+    if device_type == "neuron":
+        return {"value": trn2_peak(lnc), "source": TRN2_SOURCE.format(lnc=lnc)}
+    import torch
+
     if device_type == "cpu":
         return {"value": measured_cpu_peak(dtype), "source": f"measured: best of 5 {dtype} 1024x1024 matmuls on "
                                                              f"{torch.get_num_threads()} thread(s) of this process"}
     from torchtitan.tools import utils
 
-    name = "neuron" if device_type == "neuron" else torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name()
     value = utils.get_peak_flops(name)
     return {"value": value, "source": f"torchtitan get_peak_flops({name!r})" + (
         " (its A100 fallback: pass --peak_tflops)" if value == 312e12 and "A100" not in name else "")}
@@ -76,10 +97,215 @@ def apply_metrics_settings(tc, tensorboard: bool) -> None:
     tc.metrics.save_tb_folder = "tb"
 
 
+PROFILE_FOLDER = "profile_traces"  # under OUT_DIR (torchtitan's dump folder)
+PROFILE_TRACE = "iteration_{step}/rank*_trace.json.gz"  # torchtitan's names for a step's traces in that folder
+
+
+def check_profile(profile: bool, profile_freq: int, steps: int) -> None:
+    """--profile_freq past --steps would trace nothing: refused before anything runs."""
+    from common.errors import UserError
+
+    if profile and profile_freq > steps:
+        raise UserError(f"--profile_freq {profile_freq} is more than --steps {steps}: no step would be traced; trace "
+                        "a step the run reaches (0: the last one)")
+
+
+def profile_every(steps: int, profile_freq: int) -> int:
+    """The interval of the traced steps: --profile_freq, or with 0 the run's last step (--steps)."""
+    return profile_freq or steps
+
+
+def profiled_steps(every: int, first: int, last: int) -> list[int]:
+    """The steps from `first` to `last` torchtitan's profiler traces, at `every`: its multiples."""
+    return [s for s in range(max(first, 1), last + 1) if s % every == 0]
+
+
+def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: str) -> dict:
+    """torchtitan's own profiler settings on the Trainer.Config: a torch.profiler trace (Chrome trace format,
+    gzipped) of every `every`-th step into OUT_DIR/profile_traces/iteration_N/rankR_trace.json.gz, the steps
+    before each traced one its warm-up (3, as torchtitan's default, or fewer at a shorter interval); each trace is
+    written when its step ends. On Neuron the Neuron activity is added (`with_neuron_activity`).
+    {"every", "activities", "note"}: the interval, what is traced, a note for the log."""
+    every = profile_every(steps, profile_freq)
+    tc.profiler.enable_profiling = True
+    tc.profiler.save_traces_folder = PROFILE_FOLDER
+    tc.profiler.profile_freq = every
+    tc.profiler.profiler_active = 1
+    tc.profiler.profiler_warmup = min(3, every - 1)
+    activities = "CPU"
+    if device_type == "neuron":
+        from common.device import neuron_available
+
+        if neuron_available():
+            tc.profiler = with_neuron_activity(tc.profiler)
+            activities = "CPU and Neuron (PrivateUse1)"
+    note = (f"profiling: torch.profiler ({activities}) traces step {every}" + (" and its multiples" if every < steps
+            else "") + f" into OUT_DIR/{PROFILE_FOLDER}")
+    return {"every": every, "activities": activities, "note": note}
+
+
+def with_neuron_activity(config):
+    """The same profiler settings, for a profiler that also asks torch.profiler for the Neuron activity.
+
+    Why: torchtitan 0.3.0's Profiler asks torch.profiler for the CPU activity, and CUDA's or XPU's where one is
+    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer) passes
+    ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile (the Neuron runtime and device
+    activity, which its NeuronConfig tunes; none is passed here, so torch-neuronx's defaults apply). Unconfirmed on
+    a trn2 host from here: whether torch-neuronx 2.33's defaults capture device activity without a NeuronConfig,
+    and whether torchtitan-neuron's profiler already asks for the activity (then it is not added again: torch
+    refuses an activity named twice). Remove when torchtitan asks for the PrivateUse1 activity itself."""
+    from dataclasses import dataclass, fields
+
+    import torch
+    from torchtitan.tools.profiler import Profiler
+
+    class NeuronActivityProfiler(Profiler):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Profiler.Config):
+            pass
+
+        def build_torch_profiler(self, **kwargs):
+            profile = torch.profiler.profile  # torchtitan's call, for this one build, gets the Neuron activity too
+
+            def with_neuron(*args, activities, **rest):
+                neuron = torch.profiler.ProfilerActivity.PrivateUse1
+                activities = list(activities) + ([] if neuron in activities else [neuron])
+                return profile(*args, activities=activities, **rest)
+
+            torch.profiler.profile = with_neuron
+            try:
+                return super().build_torch_profiler(**kwargs)
+            finally:
+                torch.profiler.profile = profile
+
+    return NeuronActivityProfiler.Config(**{f.name: getattr(config, f.name) for f in fields(config)})
+
+
+def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activities: str) -> dict:
+    """results.json's `profile`: the steps traced in this run and the trace files torchtitan wrote for them (each
+    rank's, where this host sees them: paths relative to OUT_DIR, with their sizes). `since`: when this run
+    started; an older run's trace of the same step is not listed (2 s allowed for a file system's coarse times)."""
+    from pathlib import Path
+
+    folder = Path(out_dir) / PROFILE_FOLDER
+    traced = profiled_steps(every, steps[0], steps[-1]) if steps else []
+    traces = []
+    for step in traced:
+        for path in sorted(folder.glob(PROFILE_TRACE.format(step=step))):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if st.st_mtime >= since - 2:
+                traces.append({"step": step, "path": str(path.relative_to(out_dir)), "bytes": st.st_size})
+    return {"every": every, "steps": traced, "folder": PROFILE_FOLDER, "traces": traces, "activities": activities,
+            "format": "Chrome trace JSON, gzipped (chrome://tracing, ui.perfetto.dev, TensorBoard's profile plugin)"}
+
+
+NEFF_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"  # the Neuron persistent cache's documented default folder
+
+
+def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
+    """{"kind", "dir", "dir_from"} of the cache this run's compiled graphs go to, or None where nothing is compiled.
+    Neuron compiles every graph with neuronx-cc, eager mode too, into its NEFF cache: TORCH_NEURONX_NEFF_CACHE_DIR
+    (the setting common.device passes), else --cache_dir in NEURON_CC_FLAGS, else the persistent cache's default
+    folder (AWS's documented default, /var/tmp/neuron-compile-cache; which of these torch-neuronx 2.33 reads first
+    is unconfirmed from here). Elsewhere only torch.compile compiles (`compiled`: the Trainer.Config's
+    compile.enable), into inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default a folder in the temp dir)."""
+    import shlex
+
+    if device_type == "neuron":
+        if os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR"):
+            return {"kind": "neff", "dir": os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"],
+                    "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR"}
+        try:
+            flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
+        except ValueError:  # unbalanced quotes: neuronx-cc would not read them either
+            flags = []
+        for i, flag in enumerate(flags):
+            if flag.startswith("--cache_dir="):
+                return {"kind": "neff", "dir": flag.split("=", 1)[1], "dir_from": "NEURON_CC_FLAGS --cache_dir"}
+            if flag == "--cache_dir" and i + 1 < len(flags):
+                return {"kind": "neff", "dir": flags[i + 1], "dir_from": "NEURON_CC_FLAGS --cache_dir"}
+        return {"kind": "neff", "dir": NEFF_CACHE_DEFAULT, "dir_from": "the default"}
+    if not compiled:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private in torch 2.14
+
+    return {"kind": "inductor", "dir": cache_dir(),
+            "dir_from": "TORCHINDUCTOR_CACHE_DIR" if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else "the default"}
+
+
+def count_entries(folder) -> int:
+    """The files under `folder`, at any depth (0 where there is no such folder): a compile adds at least one."""
+    return sum(len(files) for _, _, files in os.walk(folder))
+
+
+class CompileCacheWatch:
+    """Counts the compile cache's entries before step 1 (`start`) and when step 1 has ended (`first_step`, a
+    LossRecorder on_step hook): new entries mean step 1 compiled, a cold cache; none, a warm one. `result()` is
+    timing.compile_cache: {"kind", "dir", "entries_before", "entries_after", "state"}, the state "cold", "warm",
+    or "none" where nothing is compiled (CPU or CUDA without torch.compile: eager mode)."""
+
+    def __init__(self, where: dict | None, device_type: str):
+        self.where, self.device_type = where, device_type
+        self.before = self.after = None
+
+    def start(self) -> None:
+        if self.where is not None:
+            self.before = count_entries(self.where["dir"])
+
+    def first_step(self, step: int, loss: float) -> None:
+        if self.where is not None and self.after is None:
+            self.after = count_entries(self.where["dir"])
+
+    def result(self) -> dict:
+        if self.where is None:
+            return {"kind": None, "dir": None, "entries_before": None, "entries_after": None, "state": "none",
+                    "note": f"eager mode on {self.device_type}: nothing compiled (torch.compile is off)"}
+        state = ("unknown" if self.before is None or self.after is None
+                 else "cold" if self.after > self.before else "warm")
+        return {**self.where, "entries_before": self.before, "entries_after": self.after, "state": state}
+
+
 def use_in_torchtitan(trainer, flops: int, peak: dict) -> None:
-    """torchtitan's own step lines and TensorBoard: the same FLOPs per token and peak as results.json."""
-    trainer.metrics_processor.num_flops_per_token = flops
-    trainer.metrics_processor.gpu_peak_flops = peak["value"]
+    """torchtitan's own step lines and TensorBoard: the same FLOPs per token and peak as results.json. A step whose
+    MFU would be above 1 (or any step, with a peak that is not a positive number) shows none: its step line says
+    "mfu: N/A" and TensorBoard gets no mfu(%) point, through the switch torchtitan itself uses to leave MFU out
+    (`has_quantization`, for quantized training), set for that step's log call alone. The MFU is judged from the
+    same counters torchtitan reads a moment later (tokens since its last log, the time since then), so a step it
+    would show at a hair under 100% may be left out too, never one above."""
+    mp = trainer.metrics_processor
+    mp.num_flops_per_token = flops
+    mp.gpu_peak_flops = peak["value"]
+    value, original, left_out = peak["value"], mp.log, mp.has_quantization
+    possible = isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+    def log(step, *args, **kwargs):
+        elapsed = (time.perf_counter() - mp.time_last_log) * mp.parallel_dims.non_data_parallel_size
+        tps = mp.ntokens_since_last_log / elapsed if elapsed > 0 else math.inf
+        mp.has_quantization = left_out or not possible or flops * tps > value
+        try:
+            return original(step, *args, **kwargs)
+        finally:
+            mp.has_quantization = left_out
+
+    mp.log = log
+
+
+def checked_mfu(flops: int, tokens_per_s: float, peak: dict, world_size: int) -> tuple[float | None, str | None]:
+    """(MFU, None), or (None, why) where it is no measurement: a peak that is not a positive finite number, or an
+    MFU above 1 (the peak is below what the run did). (None, None) without a throughput."""
+    value, source = peak.get("value"), peak.get("source") or "unknown source"
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        return None, f"the peak {value!r} FLOP/s a device ({source}) is not a positive number: no MFU against it"
+    if not math.isfinite(tokens_per_s):
+        return None, None
+    mfu = flops * tokens_per_s / (value * world_size)
+    if mfu > 1:
+        return None, (f"MFU would be {mfu:.3g}, above 1: the peak {value / 1e12:.3g} TFLOPS a device ({source}) is "
+                      "below what this run did: pass the device's real peak as --peak_tflops")
+    return mfu, None
 
 
 def timing(rec, world_size: int) -> dict:
@@ -100,12 +326,16 @@ def timing(rec, world_size: int) -> dict:
 
 
 def peak_memory(device_type: str, device) -> dict:
-    """Every rank's peak memory in GiB (gathered to all ranks), and what measured it."""
+    """Every rank's peak memory in GiB (gathered to all ranks), and what measured it. On Neuron the device's queued
+    work is finished first (torch.neuron.synchronize()): its allocator runs asynchronously, and AWS's memory guide
+    reads its statistics after a synchronize."""
     import torch
     import torch.distributed as dist
 
-    from common.device import peak_memory_bytes
+    from common.device import neuron_available, neuron_runtime, peak_memory_bytes
 
+    if device_type == "neuron" and neuron_available():
+        neuron_runtime().synchronize()
     mine = torch.tensor([float(peak_memory_bytes(device_type))], device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
     if dist.is_initialized():
@@ -218,30 +448,55 @@ def cost(price_per_hour: float | None, wall_s: float, steady_tokens_per_s: float
             if steady_tokens_per_s and math.isfinite(steady_tokens_per_s) else None}
 
 
+NOT_COMPARABLE = ("profiled run: the peak holds torch.profiler's own buffers (and on Neuron the memory a device "
+                  "trace reserves), which the plan does not count")
+
+
 def report(rec, *, shape: dict, seq_len: int, world_size: int, peak: dict, memory: dict, planned_gib: float | None,
-           price_per_hour: float | None) -> dict:
-    """The pilot fields of results.json."""
+           price_per_hour: float | None, compile_cache: dict | None = None, profile: dict | None = None) -> dict:
+    """The pilot fields of results.json. `profile` (profile_traces()): the run was profiled, so its memory is not
+    compared with the plan."""
     import psutil
 
     t = timing(rec, world_size)
+    if t and compile_cache is not None:
+        t["compile_cache"] = compile_cache
     flops = flops_per_token(shape, seq_len)
     tps = t.get("steady_tokens_per_s", math.nan)
-    mfu = flops * tps / (peak["value"] * world_size) if math.isfinite(tps) else None
+    mfu, why = checked_mfu(flops, tps, peak, world_size)
     top = max(memory["peak_gib"])
     wall = time.time() - psutil.Process().create_time()
-    return {"timing": t, "flops_per_token": flops, "mfu": mfu, "peak_flops_per_device": peak,
-            "memory": {**memory, "planned_gib": planned_gib,
-                       "ratio": round(top / planned_gib, 3) if planned_gib else None},
-            "cost": cost(price_per_hour, wall, tps)}
+    comparable = profile is None
+    out = {"timing": t, "flops_per_token": flops, "mfu": mfu, "mfu_note": why, "peak_flops_per_device": peak,
+           "memory": {**memory, "planned_gib": planned_gib, "comparable": comparable,
+                      "ratio": round(top / planned_gib, 3) if planned_gib and comparable else None,
+                      **({} if comparable else {"not_comparable": NOT_COMPARABLE})},
+           "cost": cost(price_per_hour, wall, tps)}
+    if profile is not None:
+        out["profile"] = profile
+    return out
+
+
+def mfu_warning(p: dict) -> str | None:
+    """The one warning line of a run whose MFU was left out, naming the peak and its source."""
+    return f"warning: no MFU in results.json (mfu: null): {p['mfu_note']}" if p.get("mfu_note") else None
 
 
 def format_line(p: dict) -> str:
     t, m = p["timing"], p["memory"]
-    return (f"[pilot] step 1 {t['first_step_s']:.2f} s, steady {t['steady_step_s']:.3f} s/step "
+    peak = p["peak_flops_per_device"]["value"]
+    mfu = f"{p['mfu']:.3f}" if p["mfu"] is not None else "- (left out: see the warning)" if p.get("mfu_note") else "-"
+    planned = f"{m['planned_gib'] or float('nan'):.2f} GiB planned"
+    cache = t.get("compile_cache")
+    return (f"[pilot] step 1 {t['first_step_s']:.2f} s"
+            + (f" (compile cache: {cache['state']})" if cache else "")
+            + f", steady {t['steady_step_s']:.3f} s/step "
             f"({t['steady_tokens_per_s']:.0f} tokens/s); {p['flops_per_token'] / 1e6:.1f} MFLOP/token, MFU "
-            f"{p['mfu']:.3f} of {p['peak_flops_per_device']['value'] / 1e12:.3g} TFLOPS a device; memory "
-            f"{max(m['peak_gib']):.2f} GiB peak vs {m['planned_gib'] or float('nan'):.2f} GiB planned"
-            + (f"; cost {p['cost']['run_cost']:.4g} at {p['cost']['price_per_hour']:g}/h" if p["cost"] else ""))
+            f"{mfu} of {peak / 1e12:.3g} TFLOPS a device; memory {max(m['peak_gib']):.2f} GiB peak vs {planned}"
+            + ("" if m.get("comparable", True) else " (not comparable: a profiled run)")
+            + (f"; cost {p['cost']['run_cost']:.4g} at {p['cost']['price_per_hour']:g}/h" if p["cost"] else "")
+            + (f"; {len(p['profile']['traces'])} profile trace(s) in {p['profile']['folder']}"
+               if p.get("profile") else ""))
 
 
 def project(*, steps: int, tokens_per_step: int, flops: int, world_size: int, peak: float, mfu: float,
