@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 
-GIB = 1 << 30
+from common.device import GIB
 # bfloat16 FLOP/s of one physical NeuronCore-v3 (torchtitan's figure in get_peak_flops). A logical core is --lnc of
 # them: torchtitan 0.3.0 multiplies by 2 whatever the LNC is, which halves the MFU of an LNC=1 run.
 TRN2_CORE_PEAK = 79e12
