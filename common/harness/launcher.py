@@ -86,7 +86,7 @@ def hold_out_dir(out_dir: Path, node_rank: int = 0) -> None:
 
     The lock file is created anew (O_EXCL) or is the one a run of these scripts left: a regular file of one name
     holding nothing or a lock line. Anything else of that name (a link, followed never: O_NOFOLLOW; a folder, a
-    FIFO, a hard link to another file, a file holding other text) is a UserError naming it, left as it is."""
+    FIFO, a file holding other text) is a UserError naming it, left as it is."""
     if os.environ.get(SELF_LAUNCHED) or int(os.environ.get("RANK", "0")) != 0 or node_rank != 0:
         return
     path = Path(out_dir) / LOCK
@@ -139,13 +139,11 @@ def _open_lock(path: Path) -> int:
 
 
 def _check_own_lock(fd: int, path: Path) -> None:
-    """The file open at `fd` is one this run may truncate: a regular file of one name holding a lock line or
-    nothing."""
+    """The file open at `fd` is one this run may truncate: a regular file holding a lock line or nothing (a copy
+    of an out_dir made with hard links shares the lock file a run made: taken too)."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise _refuse_lock(path, "is not a regular file, not a lock file of these scripts")
-    if st.st_nlink != 1:
-        raise _refuse_lock(path, "has other names (hard links), so it is not a lock file of these scripts")
     if st.st_size > _LOCK_MAX or not _LOCK_LINE.fullmatch(os.pread(fd, _LOCK_MAX, 0)):
         raise _refuse_lock(path, "is not a lock file of these scripts (it holds other text)")
 
