@@ -102,7 +102,14 @@ def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pa
 
 
 def read_reference_losses(path: str | os.PathLike) -> list[float]:
-    """Losses from a reference file: a results.json or a golden file (both hold `losses`)."""
+    """Losses from a reference file: a results.json or a golden file (both hold `losses`), a regular file (or a
+    link to one): a FIFO of that name would block the read forever."""
+    from common.results import not_a_file
+
+    kind = not_a_file(path)
+    if kind is not None:
+        raise UserError(f"--compare_losses: {path} is {kind}, not a regular file: only a regular file (or a link to "
+                        "one) is read")
     try:
         data = json.loads(Path(path).read_text())
         losses = [float(x) for x in data["losses"]]
