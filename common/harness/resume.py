@@ -151,6 +151,103 @@ def whole_checkpoints(out_dir: Path) -> list[int]:
     return sorted(steps)
 
 
+# torch.distributed.checkpoint's .metadata is a pickle: it is never unpickled here. Its opcodes are walked
+# (pickletools.genops decodes them; nothing is imported, built or called) for the file entries of its storage data,
+# each a `_StorageInfo` state {relative_path, offset, length}: the files and the bytes the checkpoint needs.
+_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_INT_OPS = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"}
+_KEEPS_TOP = {"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT", "FRAME", "PROTO", "STOP"}  # leave the top of the stack as is
+_OTHER = object()  # a value on the stack that is neither a string nor an int
+METADATA_MAX = 4 << 30  # bytes: no checkpoint's metadata is near this
+
+
+def _storage_files(data: bytes) -> dict[str, int]:
+    """{file: bytes it must hold} that a DCP .metadata names, from its opcodes (never unpickled); ValueError when
+    it is not a pickle of that shape."""
+    import pickle
+    import pickletools
+
+    if len(data) < 2 or data[0] != pickle.PROTO[0] or not 2 <= data[1] <= pickle.HIGHEST_PROTOCOL:
+        raise ValueError("it does not start as a pickle does")
+    memo: dict[int, object] = {}
+    last, window, files = _OTHER, [], {}
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if op.name == "MEMOIZE" else arg] = last
+            if op.name in _KEEPS_TOP:
+                continue
+            if op.name in ("GET", "BINGET", "LONG_BINGET"):
+                last = memo.get(arg, _OTHER)
+            elif (op.name in _STRING_OPS and isinstance(arg, str)) or (
+                    op.name in _INT_OPS and isinstance(arg, int) and not isinstance(arg, bool)):
+                last = arg
+            else:
+                last = _OTHER
+            window = [*window[-5:], last]
+            if (len(window) == 6 and window[0] == "relative_path" and isinstance(window[1], str)
+                    and window[2] == "offset" and window[4] == "length"
+                    and all(isinstance(window[i], int) and window[i] >= 0 for i in (3, 5))):
+                files[window[1]] = max(files.get(window[1], 0), window[3] + window[5])
+    except Exception as e:  # genops raises ValueError and others on bytes that are no pickle
+        raise ValueError(f"it is not a whole pickle ({one_line(str(e))[:120]})") from None
+    if not files:
+        raise ValueError("it names no data files (no storage entries of a distributed checkpoint)")
+    return files
+
+
+def checkpoint_damage(step_dir: Path) -> str | None:
+    """What is wrong with the files of a distributed checkpoint that has its .metadata (None: every file its metadata
+    names is there, a regular file holding at least the bytes the metadata places in it). Read without unpickling."""
+    from common.results import not_a_file
+
+    meta = Path(step_dir) / ".metadata"
+    kind = not_a_file(meta)
+    if kind is not None:
+        return f"its .metadata is {kind}"
+    size = meta.stat().st_size
+    if size == 0 or size > METADATA_MAX:
+        return f"its .metadata is {size} bytes"
+    try:
+        files = _storage_files(meta.read_bytes())
+    except ValueError as e:
+        return f"its .metadata is not a distributed checkpoint's metadata: {e}"
+    except OSError as e:
+        return f"its .metadata cannot be read ({one_line(e.strerror or str(e))})"
+    problems = []
+    for name, need in sorted(files.items()):
+        path = Path(step_dir) / name
+        if Path(name).name != name or name in ("", ".", ".."):
+            problems.append(f"its .metadata names {one_line(name)!r}, not a file of the folder")
+        elif (kind := not_a_file(path)) is not None:
+            problems.append(f"{one_line(name)} is {kind}")
+        elif not path.is_file():
+            problems.append(f"{one_line(name)} is missing")
+        elif path.stat().st_size < need:
+            problems.append(f"{one_line(name)} is truncated ({path.stat().st_size} bytes, its .metadata places "
+                            f"{need})")
+    if problems:
+        more = f" and {len(problems) - 4} more" if len(problems) > 4 else ""
+        return "; ".join(problems[:4]) + more
+    return None
+
+
+def _check_checkpoint_files(folder: Path, have: list[int]) -> None:
+    """The newest whole checkpoint (the one torchtitan loads) has every file its metadata names, whole; else one
+    UserError naming what is damaged and the newest undamaged step before it, if any."""
+    step_dir = folder / f"step-{have[-1]}"
+    damage = checkpoint_damage(step_dir)
+    if damage is None:
+        return
+    earlier = next((s for s in reversed(have[:-1]) if checkpoint_damage(folder / f"step-{s}") is None), None)
+    fix = (f"step {earlier} before it is whole: move {step_dir} out of {folder} (a renamed copy inside it still "
+           f"counts as a step) and run the same command to resume from step {earlier}" if earlier is not None else
+           f"no checkpoint before it is whole: move {step_dir} out of {folder} to start anew, or choose another "
+           "--out_dir")
+    raise UserError(f"the checkpoint of step {have[-1]}, {step_dir}, is damaged ({damage}): it cannot be resumed "
+                    f"and is left as it is; {fix}")
+
+
 RECORD_MAX = 16 << 20  # bytes: a record is a few hundred bytes, plus a line a data file
 
 
@@ -243,6 +340,7 @@ def check_resume(out_dir: Path, record: dict, steps: int) -> int | None:
     if diffs:
         raise UserError(f"{folder} was written by another run, so this one cannot resume it: "
                         + "; ".join(one_line(d) for d in diffs) + f". To go on: {way}")
+    _check_checkpoint_files(folder, have)  # before anything is built: not a FileNotFoundError after the build
     if steps <= have[-1]:
         raise UserError(f"nothing to train: {folder / f'step-{have[-1]}'} is at step {have[-1]} and --steps is "
                         f"{steps}; pass a larger --steps to train on from it (the checkpoint is left as it is)")
