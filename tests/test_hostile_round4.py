@@ -27,8 +27,9 @@ def _lock_refusal(out_dir) -> str:
 
 
 def test_the_lock_never_follows_a_link_nor_writes_into_a_file_it_did_not_make(tmp_path):
-    """OUT_DIR/.run.lock that is a link (to a user's file, or dangling), a folder, a FIFO, a hard link or a file
-    that holds other text is refused in one line, and what is there is left byte for byte as it was."""
+    """OUT_DIR/.run.lock that is a link (to a user's file, or dangling), a folder, a FIFO, or a file (a hard link of
+    a user's file among them) that holds other text is refused in one line, and what is there is left byte for byte
+    as it was."""
     notes = tmp_path / "notes.txt"
     notes.write_bytes(b"my notes\nline two\n")
     cases = {}
@@ -50,7 +51,7 @@ def test_the_lock_never_follows_a_link_nor_writes_into_a_file_it_did_not_make(tm
     hard = tmp_path / "hard"
     hard.mkdir()
     os.link(notes, hard / ".run.lock")
-    cases[hard] = "has other names (hard links)"
+    cases[hard] = "is not a lock file of these scripts (it holds other text)"
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / ".run.lock").write_bytes(b"someone's text\n")
@@ -92,3 +93,167 @@ def test_the_lock_file_a_run_made_is_taken_again(tmp_path):
             assert f"is in use by another run (pid {os.getpid()} on " in _lock_refusal(out)
         finally:
             os.close(fd)  # the run's end
+
+
+# --------------------------------------------------------------------------- a tampered run record, a FIFO reference
+def _record(**changes) -> dict:
+    record = {"script": SCRIPT, "world_size": 1, "dataset": ["c4_test", "/data"],
+              "settings": {"lr": 0.003, "seed": 0, "dtype": "float32", "dataset_path": None, "hf_checkpoint": None}}
+    record.update(changes)
+    return record
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[]", "holds a JSON array, not an object"),
+    ("null", "holds a JSON null, not an object"),
+    ("{not json", "is not valid JSON"),
+    ("\udcff", "is not UTF-8 text"),
+    ("settings: []", "settings is a JSON array, not an object"),
+    ("lr: string", "setting lr is a JSON string where this run's is a number"),
+    ("hf_checkpoint: string", "setting hf_checkpoint is a JSON string, not an object or null"),
+    ("world_size: string", "world_size is a JSON string, not a positive integer"),
+    ("script: 3", "script is a JSON number, not a string"),
+    ("dataset: {}", "dataset is a JSON object, not a [name, folder] array or null"),
+    ("fifo", "is a FIFO, not a regular file"),
+])
+def test_a_tampered_run_record_is_one_line_and_the_checkpoint_untouched(tmp_path, text, needle):
+    import json
+
+    from common.errors import UserError
+    from common.harness import resume
+
+    step = tmp_path / "checkpoint" / "step-2"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"kept")
+    record_path = tmp_path / "checkpoint" / "run.json"
+    if text == "fifo":
+        os.mkfifo(record_path)
+    elif ": " in text and not text.startswith("{"):
+        key, kind = text.split(": ")
+        record = _record()
+        value = {"[]": [], "{}": {}, "string": "x", "3": 3}[kind]
+        if key in ("lr", "hf_checkpoint"):
+            record["settings"][key] = value
+        else:
+            record[key] = value
+        record_path.write_text(json.dumps(record))
+    else:
+        record_path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(UserError) as refused:
+        resume.check_resume(tmp_path, _record(), steps=4)
+    message = str(refused.value)
+    assert f"{record_path} is damaged" in message and needle in message, message
+    assert (step / ".metadata").read_bytes() == b"kept"
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["run.json", "step-2"]
+
+
+def test_a_fifo_as_compare_losses_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "ref.json"
+    os.mkfifo(fifo)
+    proc = run_example(SCRIPT, "--steps", "1", "--compare_losses", str(fifo), "--out_dir", str(tmp_path / "o"),
+                       check=False, timeout=120)
+    assert_clean_error(proc, f"--compare_losses: {fifo} is a FIFO, not a regular file")
+
+
+# --------------------------------------------------------------------------- one small real checkpoint, copied by links
+RUN = ("--steps", "3", "--checkpoint_every", "2", "--no-export", "--seq_len", "64", "--local_batch_size", "1")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, prepared_assets):
+    """(data folder, out_dir) of one real run on a small --dataset folder with a whole checkpoint of step 2
+    (torchtitan's distributed checkpoint: .metadata and __0_0.distcp), and a copy of it by links named step-1: the
+    files of a whole step before it (never loaded here). Tests copy the folder with `_linked_copy` and replace, never
+    change in place, the files they damage."""
+    from common.paths import asset_dir
+
+    root = tmp_path_factory.mktemp("trained")
+    data = root / "data"
+    data.mkdir()
+    lines = (asset_dir("corpus") / "train.jsonl").read_text().splitlines()[:300]
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    out = root / "run"
+    run_example(SCRIPT, *RUN, "--dataset", str(data), "--out_dir", str(out))
+    _linked_copy(out / "checkpoint" / "step-2", out / "checkpoint" / "step-1")
+    assert sorted(p.name for p in (out / "checkpoint").iterdir() if p.name.startswith("step-")) == ["step-1", "step-2"]
+    return data, out
+
+
+def _linked_copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst, copy_function=os.link, symlinks=True)
+    return dst
+
+
+def _replace(path, data: bytes) -> None:
+    """A new file of that name (the copy's link to the fixture's file is dropped, the fixture's file kept)."""
+    path.unlink()
+    path.write_bytes(data)
+
+
+def _snapshot(folder) -> dict:
+    """Every file's size and modification time, but the lock file's (each run writes its own line there)."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".run.lock"}
+
+
+@pytest.mark.parametrize("damage", ["shard removed", "shard truncated", "metadata random", "both steps"])
+def test_a_damaged_checkpoint_is_named_before_anything_is_built(trained, tmp_path, damage):
+    data, src = trained
+    out = _linked_copy(src, tmp_path / "run")
+    step2, step1 = out / "checkpoint" / "step-2", out / "checkpoint" / "step-1"
+    if damage == "shard removed":
+        (step2 / "__0_0.distcp").unlink()
+        needles = ["__0_0.distcp is missing", "step 1 before it is whole"]
+    elif damage == "shard truncated":
+        shard = step2 / "__0_0.distcp"
+        _replace(shard, shard.read_bytes()[:-4096])
+        needles = ["__0_0.distcp is truncated", "step 1 before it is whole"]
+    else:
+        _replace(step2 / ".metadata", os.urandom(4096))
+        needles = ["its .metadata is not a distributed checkpoint's metadata", "step 1 before it is whole"]
+        if damage == "both steps":
+            (step1 / "__0_0.distcp").unlink()
+            needles = ["its .metadata is not a distributed checkpoint's metadata", "no checkpoint before it is whole"]
+    before = _snapshot(out)
+    proc = run_example(SCRIPT, *RUN[2:], "--steps", "4", "--dataset", str(data), "--out_dir", str(out), check=False)
+    assert_clean_error(proc, f"the checkpoint of step 2, {step2}, is damaged", *needles)
+    assert _snapshot(out) == before  # nothing moved, written or deleted
+    assert "[config]" not in proc.stdout  # refused before the trainer was built
+
+
+def test_a_resume_on_changed_data_is_refused(trained, tmp_path):
+    """The data is recorded by what it is (each file training reads, its size and hash), not only by its folder: a
+    rewritten train.jsonl of the same size is another run's data."""
+    data, src = trained
+    out = _linked_copy(src, tmp_path / "run")
+    train = data / "train.jsonl"
+    kept, stamp = train.read_bytes(), train.stat()
+    try:
+        lines = kept.decode().splitlines()
+        train.write_bytes(("\n".join(reversed(lines)) + "\n").encode())  # the same bytes in another order
+        assert train.stat().st_size == len(kept)
+        proc = run_example(SCRIPT, *RUN[2:], "--steps", "6", "--dataset", str(data), "--out_dir", str(out),
+                           check=False)
+        assert_clean_error(proc, "was written by another run", f"data {data}: the files training reads changed",
+                           "train.jsonl")
+    finally:
+        train.write_bytes(kept)
+        os.utime(train, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    record = __import__("json").loads((out / "checkpoint" / "run.json").read_text())
+    assert record["data"]["files"]["train.jsonl"]["hashed"] == "whole"
+
+
+def test_a_tampered_run_record_of_a_real_checkpoint_is_one_line(trained, tmp_path):
+    import json
+
+    data, src = trained
+    out = _linked_copy(src, tmp_path / "run")
+    record = out / "checkpoint" / "run.json"
+    tampered = dict(json.loads(record.read_text()), settings=[])
+    _replace(record, json.dumps(tampered).encode())
+    before = _snapshot(out)
+    proc = run_example(SCRIPT, *RUN[2:], "--steps", "4", "--dataset", str(data), "--out_dir", str(out), check=False)
+    assert_clean_error(proc, f"{record} is damaged (its settings is a JSON array, not an object)")
+    assert _snapshot(out) == before
