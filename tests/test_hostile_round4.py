@@ -257,3 +257,20 @@ def test_a_tampered_run_record_of_a_real_checkpoint_is_one_line(trained, tmp_pat
     proc = run_example(SCRIPT, *RUN[2:], "--steps", "4", "--dataset", str(data), "--out_dir", str(out), check=False)
     assert_clean_error(proc, f"{record} is damaged (its settings is a JSON array, not an object)")
     assert _snapshot(out) == before
+
+
+# --------------------------------------------------------------------------- --tensorboard into a `tb` that is no folder
+@pytest.mark.parametrize("kind", ["file", "dangling link"])
+def test_tensorboard_into_a_tb_that_is_not_a_folder_is_refused_before_any_work(tmp_path, kind):
+    out = tmp_path / "o"
+    out.mkdir()
+    tb = out / "tb"
+    if kind == "file":
+        tb.write_bytes(b"my file\n")
+    else:
+        tb.symlink_to(tmp_path / "nowhere")
+    proc = run_example(SCRIPT, "--steps", "1", "--no-export", "--tensorboard", "--out_dir", str(out), check=False)
+    assert_clean_error(proc, f"{tb} is {'a file' if kind == 'file' else 'a dangling link'}, not a folder for "
+                             "--tensorboard")
+    assert "[config]" not in proc.stdout and not (out / "results.json").exists()
+    assert tb.is_symlink() or tb.read_bytes() == b"my file\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 from common.checkpoint import read_hf_config
 from common.errors import UserError
 from common.export import model_logits, verify_export_subprocess
-from common.results import atomic_write_text, refuse_non_file
+from common.results import atomic_write_text, not_a_file, refuse_non_file
 
 
 LOAD_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}  # max abs logit difference; bf16 compute rounds
@@ -104,8 +104,6 @@ def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pa
 def read_reference_losses(path: str | os.PathLike) -> list[float]:
     """Losses from a reference file: a results.json or a golden file (both hold `losses`), a regular file (or a
     link to one): a FIFO of that name would block the read forever."""
-    from common.results import not_a_file
-
     kind = not_a_file(path)
     if kind is not None:
         raise UserError(f"--compare_losses: {path} is {kind}, not a regular file: only a regular file (or a link to "
@@ -194,9 +192,17 @@ RUN_OUTPUTS = ("results.json", "losses.jsonl", "loss.png", "export_check.json", 
                ".export_check.json")
 
 
-def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
-    """Before any work: each file a run will write in OUT_DIR is absent or a regular file (or a link to one). A
-    folder, FIFO, socket or device of one of those names is a UserError naming it, not a hang (a FIFO opened for
-    reading) or a crash after training."""
+def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS,
+                  folders: tuple[str, ...] = ()) -> None:
+    """Before any work: each file a run will write in OUT_DIR is absent or a regular file (or a link to one), and
+    each folder it writes into (`folders`: `tb` with --tensorboard) absent or a folder (or a link to one). A folder,
+    FIFO, socket or device of a file's name, or a file or dangling link of a folder's, is a UserError naming it, not
+    a hang (a FIFO opened for reading) or a crash after the model is built."""
     for name in names:
         refuse_non_file(Path(out_dir) / name)
+    for name in folders:
+        path = Path(out_dir) / name
+        if os.path.lexists(path) and not path.is_dir():
+            kind = "a dangling link" if path.is_symlink() and not path.exists() else not_a_file(path) or "a file"
+            raise UserError(f"{path} is {kind}, not a folder for --{'tensorboard' if name == 'tb' else name}: it is "
+                            "left alone; move it or choose another --out_dir")
