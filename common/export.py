@@ -331,7 +331,7 @@ def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool
 
 
 def verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
-    _check_out(out)  # before the work: --out a folder is named now, not after the model has run
+    _check_out(out, export_dir, reference)  # before the work: a bad --out is named now, not after the model has run
     check = verify_export(export_dir, reference, files=files)
     try:
         results.atomic_write_text(out, json.dumps(check, indent=2))
@@ -402,9 +402,35 @@ def _check_reference(reference: Path, config: dict) -> None:
         raise UserError(f"--reference {reference} does not fit the export: {'; '.join(wrong)}")
 
 
-def _check_out(out: Path) -> None:
-    """--out of the verifier: absent or a regular file, in a folder that exists or can be made."""
+CHECK_KEYS = ("missing_keys", "unexpected_keys", "tied_lm_head", "max_abs_logit_diff")  # in every check's JSON
+CHECK_MAX = 16 << 20  # bytes: a check's JSON is a few KiB
+
+
+def is_check_json(path: Path) -> bool:
+    """Whether the regular file at `path` holds an export check's JSON (what `verify_to` writes)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(CHECK_MAX + 1)
+        check = json.loads(raw.decode("utf-8")) if len(raw) <= CHECK_MAX else None
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(check, dict) and all(k in check for k in CHECK_KEYS)
+
+
+def _check_out(out: Path, export_dir: Path, reference: Path) -> None:
+    """--out of the verifier: a new file, or a previous check's JSON it replaces; never --reference, nothing inside
+    the folder it checks, no other file (a user's weights, notes): each is a UserError naming it, the file kept."""
     results.refuse_non_file(out, what="a file for the check's JSON", fix="give a file path")
+    where = Path(out).parent.resolve() / Path(out).name  # the name written (a link there is replaced, not followed)
+    if where == Path(reference).resolve() or Path(out).resolve() == Path(reference).resolve():
+        raise UserError(f"--out {out} is the --reference file: the check would replace it; give another path")
+    folder = Path(export_dir).resolve()
+    if folder in where.parents or folder in Path(out).resolve().parents or where == folder:
+        raise UserError(f"--out {out} lies inside {export_dir}, the folder it checks: the check would change it; "
+                        "give a path outside it")
+    if os.path.exists(out) and not is_check_json(Path(out)):
+        raise UserError(f"--out {out} is an existing file that is not an export check's JSON: it is left alone; give "
+                        "a new path, or a previous check's file")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ verifier's --out, a full disk during a save, and a stop signal during a check. E
 line (or, for a stop, ends as a stop), with nothing lost."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -274,3 +275,39 @@ def test_tensorboard_into_a_tb_that_is_not_a_folder_is_refused_before_any_work(t
                              "--tensorboard")
     assert "[config]" not in proc.stdout and not (out / "results.json").exists()
     assert tb.is_symlink() or tb.read_bytes() == b"my file\n"
+
+
+# --------------------------------------------------------------------------- the verifier's --out
+def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_assets, tmp_path):
+    """`python -m common.export verify X --reference R --out O`: O that is R, lies inside X, or is any other existing
+    file than a previous check's JSON is refused in one line and kept; a previous check's JSON is replaced."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import run_python
+
+    export = _linked_copy(prepared_assets["tiny_qwen3"], tmp_path / "export")
+    ids, positions = torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)(ids, position_ids=positions).logits
+    reference = tmp_path / "reference.safetensors"
+    save_file({"input_ids": ids, "position_ids": positions, "logits": logits}, str(reference))
+    weights = tmp_path / "my_weights.safetensors"
+    weights.write_bytes((export / "model.safetensors").read_bytes()[:4096])
+
+    def verify(out):
+        return run_python([sys.executable, "-m", "common.export", "verify", str(export), "--reference", str(reference),
+                           "--out", str(out)])
+
+    kept = {p: p.read_bytes() for p in (reference, weights, export / "config.json")}
+    for out, needle in ((reference, "is the --reference file"), (export / "config.json", f"lies inside {export}"),
+                        (export / "new.json", f"lies inside {export}"),
+                        (weights, "is an existing file that is not an export check's JSON")):
+        assert_clean_error(verify(out), f"--out {out} ", needle)
+    assert {p: p.read_bytes() for p in kept} == kept and not (export / "new.json").exists()
+    check = tmp_path / "check.json"
+    for _ in range(2):  # written, then a previous check's JSON replaced
+        done = verify(check)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(check.read_text())["max_abs_logit_diff"] == 0.0
