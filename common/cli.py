@@ -204,13 +204,13 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
-        _exit_interrupted()
+    except KeyboardInterrupt as e:  # Ctrl-C; or a check cut short by a stop (common.export.CheckInterrupted)
+        _exit_interrupted(str(e))
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if isinstance(e, (SystemExit, GeneratorExit)):
             raise
-        if _behind(e, lambda x: isinstance(x, KeyboardInterrupt)):  # Ctrl-C inside a checkpoint save
-            _exit_interrupted()
+        if (stopped := _behind(e, lambda x: isinstance(x, KeyboardInterrupt))) is not None:  # inside a save
+            _exit_interrupted(str(stopped))
         full = out_of_space(e, getattr(cfg, "out_dir", None))
         if full is None:
             raise
@@ -265,11 +265,11 @@ def _free_bytes(path: str | os.PathLike) -> float:
     return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
 
 
-def _exit_interrupted() -> typing.NoReturn:
-    """Ctrl-C: one line and exit 130, at once. Interrupted during a checkpoint save, the process can still hold
-    torch's C++ threads, and the interpreter's normal exit then aborts ('terminate called without an active
-    exception', SIGABRT) after the line."""
-    print("error: interrupted", file=sys.stderr, flush=True)
+def _exit_interrupted(detail: str = "") -> typing.NoReturn:
+    """Ctrl-C: one line (with `detail`, what was cut short) and exit 130, at once. Interrupted during a checkpoint
+    save, the process can still hold torch's C++ threads, and the interpreter's normal exit then aborts ('terminate
+    called without an active exception', SIGABRT) after the line."""
+    print(f"error: interrupted{': ' + one_line(detail) if detail else ''}", file=sys.stderr, flush=True)
     logging.shutdown()
     sys.stdout.flush()
     os._exit(130)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,7 +202,11 @@ def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, tmp / name)
     _fsync_tree(tmp)
-    if verify is not None and not verify(tmp):
+    try:
+        passed = verify is None or verify(tmp)
+    except CheckInterrupted as e:  # no verdict: neither moved into place nor rejected
+        raise CheckInterrupted(f"{e}; the new export stays unverified in {tmp}, {export_dir} is as it was") from None
+    if not passed:
         results.replace_dir(tmp, rejected)  # an earlier rejected export (the run's own) or a link is replaced
         return None
     results.replace_dir(tmp, export_dir)
@@ -216,6 +221,28 @@ def _fsync_tree(root: Path) -> None:
 
 
 _service: list = []  # a verifier serving every check of this run (common/harness/verifier.py), when installed
+_stopping: list = []  # () -> whether the run has been told to stop (common/harness/stops.py), when installed
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # a run's stop signals
+
+
+class CheckInterrupted(KeyboardInterrupt):
+    """A check that ended without a verdict: its verifier was killed by a signal while the run was being stopped.
+    Neither a pass nor a fail: the run ends as interrupted, what was checked is left as it was (an export staged)."""
+
+
+def when_stopping(stopping) -> None:
+    """`stopping() -> bool`: whether the run has got a stop signal (a verifier killed then gives no verdict)."""
+    _stopping[:] = [stopping]
+
+
+def no_verdict(code: int) -> CheckInterrupted | None:
+    """The verifier ended with `code` during a check: a CheckInterrupted when that was a signal's doing while the run
+    is stopping (or a stop signal's, which the verifier ignores: someone else sent it), else None (a verdict)."""
+    if code >= 0 or not (-code in STOP_SIGNALS or (_stopping and _stopping[0]())):
+        return None
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    return CheckInterrupted(f"the checks' verifier ended by {name} during a check, while the run was stopping: no "
+                            "verdict")
 
 
 def use_service(check) -> None:
@@ -233,6 +260,8 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
     request = {"export_dir": str(Path(export_dir).absolute()), "reference": str(Path(reference).absolute()),
                "out": str(out_json.absolute()), "files": files}
     code, error = (_service[0] if _service else one_shot)(request)
+    if (interrupted := no_verdict(code)) is not None:
+        raise interrupted
     if code != 0:
         return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
                 "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
@@ -242,13 +271,21 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
 
 
 def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
-    """`python -m MODULE ARGS` of this repository, outside the run's process group, dying with this process."""
+    """`python -m MODULE ARGS` of this repository, dying with this process (SIGKILL) and ignoring the run's stop
+    signals: a Ctrl-C or a SIGTERM to the process group stops the run, which then ends or kills it; it is never the
+    verdict of a check that the signal cut short."""
     repo_root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True,
-                            preexec_fn=die_with_parent(), **popen)
+    arm = die_with_parent()
+
+    def start() -> None:
+        arm()
+        for sig in STOP_SIGNALS:  # ignored across exec: Python keeps an ignored SIGINT ignored
+            signal.signal(sig, signal.SIG_IGN)
+
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True, preexec_fn=start, **popen)
 
 
 def last_line(text: str) -> str:

@@ -341,3 +341,110 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_naming_the_last_whole_
     assert_clean_error(proc, f"out of disk space writing {out}", "free on its file system",
                        f"the last whole checkpoint is {out / 'checkpoint' / 'step-2'}")
     assert proc.returncode == 2
+
+
+# --------------------------------------------------------------------------- a stop signal during a check
+STOP_DURING_CHECK = """
+import fcntl, json, os, signal, struct, sys, termios, threading, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from common import export
+from common.harness import stops, verifier
+stop = stops.StopControl(end=None, margin_s=0.0, is_main=True)
+stop.install()  # as a training run: a stop signal ends the run at a step boundary
+verifier.start_verifier("cpu", stopping=lambda: stop.reason is not None)
+held = verifier._server[0]
+
+def caught(pid):  # the signals the process handles (its SigCgt mask)
+    with open(f"/proc/{{pid}}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+
+while caught(held.pid) >> (signal.SIGTERM - 1) & 1:  # until it has set its own handlers (not the run's it forked with)
+    time.sleep(0.01)
+os.kill(held.pid, signal.SIGSTOP)  # the verifier held, so that the signals below reach it during the check
+
+def when_asked():  # the request is in the verifier's pipe: the check has begun
+    while not struct.unpack("i", fcntl.ioctl(held.stdin.fileno(), termios.FIONREAD, b"0000"))[0]:
+        time.sleep(0.01)
+    os.kill(held.pid, signal.{then})
+
+os.killpg(0, signal.{sig})  # Ctrl-C in a terminal, or a scheduler's SIGTERM to the process group
+threading.Thread(target=when_asked).start()
+try:
+    check = export.verify_export_subprocess(Path({export!r}), Path({reference!r}))
+    print(json.dumps({{"check": check, "stop": stop.reason}}), flush=True)
+except KeyboardInterrupt as e:
+    print(json.dumps({{"interrupted": str(e), "is_check_interrupted": isinstance(e, export.CheckInterrupted),
+                      "stop": stop.reason}}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def export_and_reference(prepared_assets, tmp_path_factory):
+    """The tiny Qwen3 folder and a reference of its own logits: a check of it passes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    tiny = prepared_assets["tiny_qwen3"]
+    ids, positions = torch.tensor([[7, 8, 9, 10]]), torch.arange(4)[None]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)(ids, position_ids=positions).logits
+    reference = tmp_path_factory.mktemp("reference") / "reference.safetensors"
+    save_file({"input_ids": ids, "position_ids": positions, "logits": logits}, str(reference))
+    return tiny, reference
+
+
+@pytest.mark.parametrize("sig,then", [("SIGINT", "SIGCONT"), ("SIGTERM", "SIGCONT"), ("SIGTERM", "SIGKILL")])
+def test_a_stop_signal_during_a_check_is_a_stop_never_a_verdict(export_and_reference, tmp_path, sig, then):
+    """Ctrl-C or a group SIGTERM while the run's forked verifier checks an export (or the load at step 1): the
+    verifier is not the run's to stop (it ignores stop signals and dies with the run), so the check ends with its
+    real verdict and the run stops as a stop does. A verifier killed during a check while the run is stopping
+    (here SIGKILL) gives no verdict: the check is interrupted, not failed. Before, the verifier died of the signal
+    and the good export was rejected (the load check: "the model is not the checkpoint"), exit 2."""
+    import subprocess
+
+    from conftest import ROOT, script_env
+
+    export_dir, reference = export_and_reference
+    driver = subprocess.run(
+        [sys.executable, "-c", STOP_DURING_CHECK.format(root=str(ROOT), export=str(export_dir),
+                                                        reference=str(reference), sig=sig, then=then)],
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert driver.stdout.strip(), driver.stderr[-3000:]
+    got = json.loads(driver.stdout.strip().splitlines()[-1])
+    assert got["stop"] == sig  # the run itself got the stop signal
+    if then == "SIGCONT":
+        check = got.get("check") or {}
+        assert "error" not in check and check.get("max_abs_logit_diff") == 0.0, got
+    else:
+        assert got.get("is_check_interrupted") and "no verdict" in got["interrupted"], got
+
+
+def test_an_interrupted_export_check_leaves_the_export_staged_and_the_old_one_in_place(tmp_path):
+    """complete_export whose check is interrupted: the new export stays staged (.hf_export.tmp), hf_export is as it
+    was, nothing goes to hf_export.rejected."""
+    import torch
+    from safetensors.torch import save_file
+
+    from common import export
+
+    out = tmp_path / "o"
+    old = out / "hf_export"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text(json.dumps({"qwen3_recipes_versions": {"old": "1"}}))
+    step = out / "checkpoint" / "step-2"
+    step.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(step / "model.safetensors"))
+
+    def verify(_staged):
+        raise export.CheckInterrupted("the checks' verifier ended by SIGKILL during a check, while the run was "
+                                      "stopping: no verdict")
+
+    with pytest.raises(export.CheckInterrupted) as stopped:
+        export.complete_export(step, old, {"architectures": ["Qwen3ForCausalLM"]}, tmp_path, {"new": "1"},
+                               verify=verify)
+    assert f"the new export stays unverified in {out / '.hf_export.tmp'}" in str(stopped.value)
+    assert json.loads((old / "config.json").read_text())["qwen3_recipes_versions"] == {"old": "1"}
+    assert (out / ".hf_export.tmp" / "model.safetensors").is_file() and not (out / "hf_export.rejected").exists()
+    assert export.owned(out / ".hf_export.tmp")  # the run's own: the next export replaces it

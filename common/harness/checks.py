@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common.checkpoint import read_hf_config
 from common.errors import UserError
-from common.export import model_logits, verify_export_subprocess
+from common.export import CheckInterrupted, model_logits, verify_export_subprocess
 from common.results import atomic_write_text, not_a_file, refuse_non_file
 
 
@@ -84,14 +84,23 @@ def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pa
         with tempfile.TemporaryDirectory() as tmp:
             reference = Path(tmp) / "load_reference.safetensors"
             save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
-            read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
-        diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
-        check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
-                 **({"error": read_back["error"]} if "error" in read_back else {})}
+            try:
+                read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
+            except CheckInterrupted as e:  # a stop, not a verdict: every rank ends as interrupted
+                read_back = {"interrupted": str(e)}
+        if "interrupted" in read_back:
+            check = read_back
+        else:
+            diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
+            check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
+                     **({"error": read_back["error"]} if "error" in read_back else {})}
     if torch.distributed.is_initialized():
         box = [check]
         torch.distributed.broadcast_object_list(box, src=0)
         check = box[0]
+    if "interrupted" in check:
+        raise CheckInterrupted(f"{check['interrupted']}; the load check of {ckpt_dir} has none: run the same command "
+                               "again (nothing was trained)")
     if not check["passed"]:
         _fail(ckpt_dir, [check.get("error") or f"max abs logit diff {check['max_abs_logit_diff']:.3g} > "
                                                f"{check['tolerance']:g}"])

@@ -128,7 +128,8 @@ def main(recipe: Recipe, cfg) -> dict:
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     if launcher.is_rank_zero():  # the checks' verifier; the dry run's memory for this very configuration
         dev_type = device.resolve_device_type(cfg.device)
-        verifier.start_verifier(dev_type, wanted=cfg.export or bool(found.get("initial_hf") and cfg.load_check))
+        verifier.start_verifier(dev_type, wanted=cfg.export or bool(found.get("initial_hf") and cfg.load_check),
+                                stopping=lambda: stop.reason is not None)  # a check cut short then is no verdict
         found["planned_gib"] = pilot.planned_gib_in_a_child(
             lambda: dry_run(recipe, cfg, out_dir, ranks=world_size)["total_bytes"], dev_type, key=found["record"])
     dev = device.setup(cfg.device, lnc=cfg.lnc)
