@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,7 +202,11 @@ def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, tmp / name)
     _fsync_tree(tmp)
-    if verify is not None and not verify(tmp):
+    try:
+        passed = verify is None or verify(tmp)
+    except CheckInterrupted as e:  # no verdict: neither moved into place nor rejected
+        raise CheckInterrupted(f"{e}; the new export stays unverified in {tmp}, {export_dir} is as it was") from None
+    if not passed:
         results.replace_dir(tmp, rejected)  # an earlier rejected export (the run's own) or a link is replaced
         return None
     results.replace_dir(tmp, export_dir)
@@ -216,6 +221,28 @@ def _fsync_tree(root: Path) -> None:
 
 
 _service: list = []  # a verifier serving every check of this run (common/harness/verifier.py), when installed
+_stopping: list = []  # () -> whether the run has been told to stop (common/harness/stops.py), when installed
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # a run's stop signals
+
+
+class CheckInterrupted(KeyboardInterrupt):
+    """A check that ended without a verdict: its verifier was killed by a signal while the run was being stopped.
+    Neither a pass nor a fail: the run ends as interrupted, what was checked is left as it was (an export staged)."""
+
+
+def when_stopping(stopping) -> None:
+    """`stopping() -> bool`: whether the run has got a stop signal (a verifier killed then gives no verdict)."""
+    _stopping[:] = [stopping]
+
+
+def no_verdict(code: int) -> CheckInterrupted | None:
+    """The verifier ended with `code` during a check: a CheckInterrupted when that was a signal's doing while the run
+    is stopping (or a stop signal's, which the verifier ignores: someone else sent it), else None (a verdict)."""
+    if code >= 0 or not (-code in STOP_SIGNALS or (_stopping and _stopping[0]())):
+        return None
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    return CheckInterrupted(f"the checks' verifier ended by {name} during a check, while the run was stopping: no "
+                            "verdict")
 
 
 def use_service(check) -> None:
@@ -233,6 +260,8 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
     request = {"export_dir": str(Path(export_dir).absolute()), "reference": str(Path(reference).absolute()),
                "out": str(out_json.absolute()), "files": files}
     code, error = (_service[0] if _service else one_shot)(request)
+    if (interrupted := no_verdict(code)) is not None:
+        raise interrupted
     if code != 0:
         return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
                 "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
@@ -242,13 +271,21 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
 
 
 def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
-    """`python -m MODULE ARGS` of this repository, outside the run's process group, dying with this process."""
+    """`python -m MODULE ARGS` of this repository, dying with this process (SIGKILL) and ignoring the run's stop
+    signals: a Ctrl-C or a SIGTERM to the process group stops the run, which then ends or kills it; it is never the
+    verdict of a check that the signal cut short."""
     repo_root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True,
-                            preexec_fn=die_with_parent(), **popen)
+    arm = die_with_parent()
+
+    def start() -> None:
+        arm()
+        for sig in STOP_SIGNALS:  # ignored across exec: Python keeps an ignored SIGINT ignored
+            signal.signal(sig, signal.SIG_IGN)
+
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True, preexec_fn=start, **popen)
 
 
 def last_line(text: str) -> str:
@@ -331,7 +368,7 @@ def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool
 
 
 def verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
-    _check_out(out)  # before the work: --out a folder is named now, not after the model has run
+    _check_out(out, export_dir, reference)  # before the work: a bad --out is named now, not after the model has run
     check = verify_export(export_dir, reference, files=files)
     try:
         results.atomic_write_text(out, json.dumps(check, indent=2))
@@ -402,9 +439,35 @@ def _check_reference(reference: Path, config: dict) -> None:
         raise UserError(f"--reference {reference} does not fit the export: {'; '.join(wrong)}")
 
 
-def _check_out(out: Path) -> None:
-    """--out of the verifier: absent or a regular file, in a folder that exists or can be made."""
+CHECK_KEYS = ("missing_keys", "unexpected_keys", "tied_lm_head", "max_abs_logit_diff")  # in every check's JSON
+CHECK_MAX = 16 << 20  # bytes: a check's JSON is a few KiB
+
+
+def is_check_json(path: Path) -> bool:
+    """Whether the regular file at `path` holds an export check's JSON (what `verify_to` writes)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(CHECK_MAX + 1)
+        check = json.loads(raw.decode("utf-8")) if len(raw) <= CHECK_MAX else None
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(check, dict) and all(k in check for k in CHECK_KEYS)
+
+
+def _check_out(out: Path, export_dir: Path, reference: Path) -> None:
+    """--out of the verifier: a new file, or a previous check's JSON it replaces; never --reference, nothing inside
+    the folder it checks, no other file (a user's weights, notes): each is a UserError naming it, the file kept."""
     results.refuse_non_file(out, what="a file for the check's JSON", fix="give a file path")
+    where = Path(out).parent.resolve() / Path(out).name  # the name written (a link there is replaced, not followed)
+    if where == Path(reference).resolve() or Path(out).resolve() == Path(reference).resolve():
+        raise UserError(f"--out {out} is the --reference file: the check would replace it; give another path")
+    folder = Path(export_dir).resolve()
+    if folder in where.parents or folder in Path(out).resolve().parents or where == folder:
+        raise UserError(f"--out {out} lies inside {export_dir}, the folder it checks: the check would change it; "
+                        "give a path outside it")
+    if os.path.exists(out) and not is_check_json(Path(out)):
+        raise UserError(f"--out {out} is an existing file that is not an export check's JSON: it is left alone; give "
+                        "a new path, or a previous check's file")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from common.checkpoint import read_hf_config
 from common.errors import UserError
-from common.export import model_logits, verify_export_subprocess
-from common.results import atomic_write_text, refuse_non_file
+from common.export import CheckInterrupted, model_logits, verify_export_subprocess
+from common.results import atomic_write_text, not_a_file, refuse_non_file
 
 
 LOAD_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.5}  # max abs logit difference; bf16 compute rounds
@@ -84,14 +84,23 @@ def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pa
         with tempfile.TemporaryDirectory() as tmp:
             reference = Path(tmp) / "load_reference.safetensors"
             save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
-            read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
-        diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
-        check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
-                 **({"error": read_back["error"]} if "error" in read_back else {})}
+            try:
+                read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
+            except CheckInterrupted as e:  # a stop, not a verdict: every rank ends as interrupted
+                read_back = {"interrupted": str(e)}
+        if "interrupted" in read_back:
+            check = read_back
+        else:
+            diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
+            check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
+                     **({"error": read_back["error"]} if "error" in read_back else {})}
     if torch.distributed.is_initialized():
         box = [check]
         torch.distributed.broadcast_object_list(box, src=0)
         check = box[0]
+    if "interrupted" in check:
+        raise CheckInterrupted(f"{check['interrupted']}; the load check of {ckpt_dir} has none: run the same command "
+                               "again (nothing was trained)")
     if not check["passed"]:
         _fail(ckpt_dir, [check.get("error") or f"max abs logit diff {check['max_abs_logit_diff']:.3g} > "
                                                f"{check['tolerance']:g}"])
@@ -102,7 +111,12 @@ def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pa
 
 
 def read_reference_losses(path: str | os.PathLike) -> list[float]:
-    """Losses from a reference file: a results.json or a golden file (both hold `losses`)."""
+    """Losses from a reference file: a results.json or a golden file (both hold `losses`), a regular file (or a
+    link to one): a FIFO of that name would block the read forever."""
+    kind = not_a_file(path)
+    if kind is not None:
+        raise UserError(f"--compare_losses: {path} is {kind}, not a regular file: only a regular file (or a link to "
+                        "one) is read")
     try:
         data = json.loads(Path(path).read_text())
         losses = [float(x) for x in data["losses"]]
@@ -187,9 +201,17 @@ RUN_OUTPUTS = ("results.json", "losses.jsonl", "loss.png", "export_check.json", 
                ".export_check.json")
 
 
-def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS) -> None:
-    """Before any work: each file a run will write in OUT_DIR is absent or a regular file (or a link to one). A
-    folder, FIFO, socket or device of one of those names is a UserError naming it, not a hang (a FIFO opened for
-    reading) or a crash after training."""
+def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS,
+                  folders: tuple[str, ...] = ()) -> None:
+    """Before any work: each file a run will write in OUT_DIR is absent or a regular file (or a link to one), and
+    each folder it writes into (`folders`: `tb` with --tensorboard) absent or a folder (or a link to one). A folder,
+    FIFO, socket or device of a file's name, or a file or dangling link of a folder's, is a UserError naming it, not
+    a hang (a FIFO opened for reading) or a crash after the model is built."""
     for name in names:
         refuse_non_file(Path(out_dir) / name)
+    for name in folders:
+        path = Path(out_dir) / name
+        if os.path.lexists(path) and not path.is_dir():
+            kind = "a dangling link" if path.is_symlink() and not path.exists() else not_a_file(path) or "a file"
+            raise UserError(f"{path} is {kind}, not a folder for --{'tensorboard' if name == 'tb' else name}: it is "
+                            "left alone; move it or choose another --out_dir")

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shlex
 import signal
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -72,15 +74,23 @@ def check_nproc(cfg) -> None:
 
 LOCK = ".run.lock"  # in OUT_DIR: flock'd for the whole run; holds who holds it
 _held: list[int] = []  # this process's lock descriptors, open until it exits
+# What a lock file of these scripts holds: the line hold_out_dir writes (or nothing, when a run ended before it wrote).
+_LOCK_LINE = re.compile(rb"(pid [0-9]+ on [^\n]* since [^\n]*\n?)?")
+_LOCK_MAX = 1 << 20  # bytes: a lock line is one command line long
 
 
 def hold_out_dir(out_dir: Path, node_rank: int = 0) -> None:
     """An exclusive lock on OUT_DIR for the whole run, released by the OS however the holder ends; a second run
     into the same folder refuses in one line naming the holder. The holder is the process the user started on node
-    0 (a self-launch's torchrun inherits it), or rank 0 under a torchrun of the user's."""
+    0 (a self-launch's torchrun inherits it), or rank 0 under a torchrun of the user's.
+
+    The lock file is created anew (O_EXCL) or is the one a run of these scripts left: a regular file of one name
+    holding nothing or a lock line. Anything else of that name (a link, followed never: O_NOFOLLOW; a folder, a
+    FIFO, a file holding other text) is a UserError naming it, left as it is."""
     if os.environ.get(SELF_LAUNCHED) or int(os.environ.get("RANK", "0")) != 0 or node_rank != 0:
         return
-    fd = os.open(Path(out_dir) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    path = Path(out_dir) / LOCK
+    fd = _open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -88,10 +98,54 @@ def hold_out_dir(out_dir: Path, node_rank: int = 0) -> None:
         os.close(fd)
         raise UserError(f"--out_dir {out_dir} is in use by another run ({one_line(holder)}): wait for it to end, "
                         "or choose another --out_dir") from None
+    try:
+        _check_own_lock(fd, path)  # read under the lock: no other run is writing it now
+    except UserError:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
                   f"{shlex.join([Path(sys.executable).name, *sys.argv])}\n".encode(), 0)
     _held.append(fd)
+
+
+def _refuse_lock(path: Path, what: str) -> UserError:
+    return UserError(f"{path} {what}: it is left alone; move it or choose another --out_dir")
+
+
+def _open_lock(path: Path) -> int:
+    """A descriptor of the lock file: created here, or the existing regular file, never through a link, never
+    blocking (a FIFO)."""
+    from common.results import not_a_file
+
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for _ in range(3):  # created and removed by another run meanwhile: look again
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        if path.is_symlink():
+            raise _refuse_lock(path, "is a symbolic link, not a lock file of these scripts (a lock never follows a link)")
+        kind = not_a_file(path)
+        if kind is not None:
+            raise _refuse_lock(path, f"is {kind}, not a lock file of these scripts")
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # ELOOP: a link put there since the look; EACCES, EISDIR...
+            raise _refuse_lock(path, f"cannot be opened as a lock file ({one_line(e.strerror or str(e))})") from None
+    raise _refuse_lock(path, "keeps appearing and disappearing: another program is making and removing it")
+
+
+def _check_own_lock(fd: int, path: Path) -> None:
+    """The file open at `fd` is one this run may truncate: a regular file holding a lock line or nothing (a copy
+    of an out_dir made with hard links shares the lock file a run made: taken too)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse_lock(path, "is not a regular file, not a lock file of these scripts")
+    if st.st_size > _LOCK_MAX or not _LOCK_LINE.fullmatch(os.pread(fd, _LOCK_MAX, 0)):
+        raise _refuse_lock(path, "is not a lock file of these scripts (it holds other text)")
 
 
 def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = None) -> int:

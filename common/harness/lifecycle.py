@@ -146,7 +146,8 @@ def main(recipe: Recipe, cfg) -> dict:
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)
     export.check_replaceable(out_dir)
-    check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
+    check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
+    # regular file, each folder absent or a folder: refused now, not after training
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)
@@ -159,7 +160,8 @@ def main(recipe: Recipe, cfg) -> dict:
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     if launcher.is_rank_zero():  # the checks' verifier; the dry run's memory for this very configuration
         dev_type = device.resolve_device_type(cfg.device)
-        verifier.start_verifier(dev_type, wanted=cfg.export or bool(found.get("initial_hf") and cfg.load_check))
+        verifier.start_verifier(dev_type, wanted=cfg.export or bool(found.get("initial_hf") and cfg.load_check),
+                                stopping=lambda: stop.reason is not None)  # a check cut short then is no verdict
         found["planned_gib"] = pilot.planned_gib_in_a_child(
             lambda: dry_run(recipe, cfg, out_dir, ranks=world_size)["total_bytes"], dev_type, key=found["record"])
     dev = device.setup(cfg.device, lnc=cfg.lnc)

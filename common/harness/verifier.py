@@ -27,9 +27,12 @@ _server: list = []  # the run's verifier (`serve`, or a forked child), while it 
 _server_lock = threading.Lock()
 
 
-def install() -> None:
-    """From here on, every check of this process goes to the run's verifier (common.export.use_service)."""
+def install(stopping=None) -> None:
+    """From here on, every check of this process goes to the run's verifier (common.export.use_service).
+    `stopping() -> bool`: whether the run has got a stop signal; a verifier killed meanwhile gives no verdict."""
     export.use_service(check)
+    if stopping is not None:
+        export.when_stopping(stopping)
 
 
 def check(request: dict) -> tuple[int, str]:
@@ -41,14 +44,15 @@ def check(request: dict) -> tuple[int, str]:
     return export.one_shot(request)
 
 
-def start_verifier(device_type: str, wanted: bool = True) -> None:
+def start_verifier(device_type: str, wanted: bool = True, stopping=None) -> None:
     """Serve this run's checks from one verifier. On the CPU, fork it now, before this process has a device, a
     process group, other threads or a model (the Transformers backend patches transformers' classes when it builds
     one): it starts with the stack imported (4-5 CPU-seconds less than `serve`) and computes on one thread (the
     parent's OpenMP pool is not in it). Elsewhere (a Neuron runtime must not be forked; an accelerator run's
     verifier keeps a fresh process's threads), and where a fork is not safe (device.fork_is_safe), the first check
-    starts `python -m common.harness.verifier serve`."""
-    install()
+    starts `python -m common.harness.verifier serve`. Either verifier ignores the run's stop signals (a Ctrl-C or
+    SIGTERM to the process group stops the run, not its check); `stopping`: as `install`'s."""
+    install(stopping)
     if not wanted or device_type != "cpu" or not fork_is_safe():
         return
     with _server_lock:
@@ -103,9 +107,8 @@ def _forked_serve(arm, requests: int, replies: int, log: int, parents: tuple[int
     arm()
     for fd in parents:
         os.close(fd)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):  # the run's stop handlers are the run's
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in export.STOP_SIGNALS:  # the run's stop handlers are the run's; its stop is not this check's verdict:
+        signal.signal(sig, signal.SIG_IGN)  # the run ends or kills this verifier (and it dies with the run)
     os.dup2(log, 1)  # never the run's stdout or stderr (a pipe someone reads to its end)
     os.dup2(log, 2)
     torch.set_num_threads(1)  # before any op
@@ -142,7 +145,8 @@ def _served(request: dict) -> tuple[int, str]:
         _server.clear()
         proc.wait()
         proc.log.seek(0)
-        return proc.returncode or 1, export.last_line(proc.log.read())
+        code = proc.returncode or 1
+        return code, export.last_line(proc.log.read()) if export.no_verdict(code) is None else ""
     reply = json.loads(reply)
     return reply["code"], reply.get("error", "")
 
