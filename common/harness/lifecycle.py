@@ -119,6 +119,7 @@ def main(recipe: Recipe, cfg) -> dict:
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     export.check_replaceable(out_dir)
     check_outputs(out_dir)  # each file the run writes is absent or a regular file: refused now, not after training
+    check_outputs(out_dir, (reshard.SEGMENTS,))
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)

@@ -78,15 +78,21 @@ def data_shards(keys) -> int | None:
     return len(ranks)
 
 
-def checkpoint_keys(step_dir: Path) -> list[str]:
-    """The keys of a DCP checkpoint, from its .metadata (DCP's own reader; nothing else is read)."""
+def checkpoint_metadata(step_dir: Path) -> dict:
+    """{key: its metadata} of a DCP checkpoint, from its .metadata (DCP's own reader; no tensor is read)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        return list(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+        return dict(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
     except Exception as e:  # a damaged .metadata: DCP raises what its unpickling raises
         raise UserError(f"{step_dir}/.metadata cannot be read ({type(e).__name__}: {one_line(str(e))[:200]}): the "
                         "checkpoint is damaged; move that step folder away to resume from the one before") from None
+
+
+def saved_ranks(metadata: dict) -> int | None:
+    """How many ranks wrote a checkpoint: the most pieces any tensor is saved in (FSDP shards every parameter and its
+    optimizer state over the data-parallel ranks; a single rank saves whole tensors)."""
+    return max((len(m.chunks) for m in metadata.values() if hasattr(m, "chunks")), default=None)
 
 
 @dataclass
@@ -102,17 +108,13 @@ class Plan:
 
 def plan(out_dir: Path) -> Plan:
     """The data plan for a run in OUT_DIR: from the newest whole checkpoint, which torchtitan resumes from."""
-    from common.harness.resume import RECORD, whole_checkpoints
+    from common.harness.resume import whole_checkpoints
 
     have = whole_checkpoints(out_dir)
     if not have:
         return Plan()
-    folder = Path(out_dir) / "checkpoint"
-    try:
-        saved = json.loads((folder / RECORD).read_text()).get("world_size")
-    except (OSError, ValueError, AttributeError):
-        saved = None
-    shards = data_shards(checkpoint_keys(folder / f"step-{have[-1]}"))
+    metadata = checkpoint_metadata(Path(out_dir) / "checkpoint" / f"step-{have[-1]}")
+    shards, saved = data_shards(metadata), saved_ranks(metadata)
     if shards is None:
         return Plan(step=have[-1], exact=False, saved_world_size=saved,
                     why="its checkpoint holds no loader state per data shard")
@@ -266,7 +268,8 @@ def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
     """Before the build, on every rank: the data plan from the newest checkpoint, the recipe's data loader wrapped in
     a ShardedDataLoader, this part of the run opened in segments.json (rank 0). Returns the guard and notes."""
     p = plan(out_dir)
-    guard = Reshard(plan=p, world_size=dev.world_size, out_dir=Path(out_dir), is_main=dev.is_main, first_step=p.step + 1)
+    guard = Reshard(plan=p, world_size=dev.world_size, out_dir=Path(out_dir), is_main=dev.is_main,
+                    first_step=p.step + 1)
     notes = []
     if not p.exact:  # nothing to carry over: the data starts from its beginning
         tc.checkpoint.exclude_from_loading = [*tc.checkpoint.exclude_from_loading, "dataloader"]
