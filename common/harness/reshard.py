@@ -284,10 +284,10 @@ def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
         spread = ("one shard a rank" if m == n else f"{n // m} shards a rank" if n % m == 0 else
                   f"each shard read by {m // n} ranks" if m % n == 0 else "each rank reads the shards it takes from")
         print(f"[reshard] step {p.step} of {_ranks(p.saved_world_size)} resumed on {_ranks(m)}: weights and optimizer "
-              f"state resharded by DCP; the data stays in its {n} shards, each at its position ({spread}); the "
+              f"state resharded by DCP; the data stays in its {n} shard{'s' * (n != 1)}, each at its position ({spread}); the "
               f"global batch stays {cfg.global_batch_size if cfg.global_batch_size > 0 else cfg.local_batch_size * m}",
               flush=True)
-        notes.append(f"data: {n} shards on {_ranks(m)}")
+        notes.append(f"data: {n} shard{'s' * (n != 1)} on {_ranks(m)}")
     if dev.is_main:
         open_segment(out_dir, guard.first_step, dev.world_size, guard.summary())
     return guard, notes
