@@ -158,7 +158,7 @@ class GuardHooks(Hooks):
     def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
         cfg = self.cfg
         tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
-        self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; before the record
+        self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; segments.json
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
         if dev.is_main:
             resume.write_record(out_dir, found["record"])
