@@ -214,6 +214,7 @@ class Run:
     mfu_note: str | None = None  # why the run wrote no MFU (an impossible one: above 1, or no positive peak)
     traces: list[tuple[str, float | None]] = field(default_factory=list)  # (path, bytes) of --profile's traces
     stopped: str | None = None
+    size_changes: list[tuple[int, int, int]] = field(default_factory=list)  # (first step, ranks before, after)
     cost: str | None = None
     versions: dict[str, str | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # values left out: `field = value: why`
@@ -352,6 +353,27 @@ def _traces(f: Fields, profile: dict, run_dir: Path) -> list[tuple[str, float | 
     return out
 
 
+def _size_changes(f: Fields, x) -> list[tuple[int, int, int]]:
+    """Where the world size changed between the parts of a run resumed with --reshard (`segments`: [{steps: [first,
+    last], world_size}, ...]): (the first step on the new size, the size before, the size after)."""
+    if x is None:
+        return []
+    if not isinstance(x, list):
+        f.note("segments", x, "not a list")
+        return []
+    sizes = []
+    for i, seg in enumerate(x):
+        steps = seg.get("steps") if isinstance(seg, dict) else None
+        if not (isinstance(steps, list) and steps and seg.get("world_size") is not None):
+            f.note(f"segments[{i}]", seg, "not a {steps: [first, last], world_size} object")
+            continue
+        first = f.number(steps[0], f"segments[{i}].steps[0]", STEP)
+        ws = f.number(seg.get("world_size"), f"segments[{i}].world_size", WORLD_SIZE)
+        if first is not None and ws is not None:
+            sizes.append((int(first), int(ws)))
+    return [(first, before, ws) for (_, before), (first, ws) in zip(sizes, sizes[1:]) if ws != before]
+
+
 def _fmt_any(v) -> str:
     n = _num(v)
     return _fmt(n, 4) if n is not None else one_line(str(v))
@@ -411,6 +433,7 @@ def load_run(run_dir: str, label: str) -> Run:
     run.traces = _traces(f, f.obj(d, "profile"), run.path.parent)
     run.measured_by = f.text(memory.get("measured_by"), "memory.measured_by")
     run.stopped = _stopped(f, d.get("stopped"))
+    run.size_changes = _size_changes(f, d.get("segments"))
     run.cost = _cost(f, d.get("cost"))
     versions = f.obj(d, "versions")
     run.versions = {k: f.text(versions.get(k), f"versions.{k}")
@@ -498,11 +521,17 @@ DETAIL_COLUMNS = ("run", "last held-out loss", "warm-up steps excluded", "compil
                   "profile trace")
 
 
+def _fmt_world_size(r: Run) -> str:
+    """The world size; of a run resumed on other numbers of ranks, each in turn (2->1->2)."""
+    if r.size_changes:
+        return "->".join(str(n) for n in [r.size_changes[0][1], *(after for _, _, after in r.size_changes)])
+    return str(r.world_size) if r.world_size is not None else MISSING
+
+
 def table_rows(runs: list[Run]) -> list[list[str]]:
     rows = []
     for r in runs:
-        rows.append([r.label, r.script or MISSING, r.preset or MISSING, r.device or MISSING,
-                     str(r.world_size) if r.world_size is not None else MISSING,
+        rows.append([r.label, r.script or MISSING, r.preset or MISSING, r.device or MISSING, _fmt_world_size(r),
                      str(r.steps[-1]) if r.steps else MISSING,
                      _fmt_loss(r.losses[0] if r.losses else None), _fmt_loss(r.losses[-1] if r.losses else None),
                      _fmt(r.first_step_s), _fmt(r.steady_step_s), _fmt_tokens(r), _fmt_mfu(r.mfu), _fmt_memory(r),
@@ -530,6 +559,11 @@ def _footnotes(runs: list[Run]) -> list[str]:
     notes += [f"{r.label}: MFU left out by the run: {r.mfu_note}" for r in runs if r.mfu_note]
     if any(not r.memory_comparable for r in runs):
         notes.append("not comparable: a profiled run (--profile), whose peak memory holds the profiler's buffers")
+    for r in runs:
+        if r.size_changes:
+            notes.append(f"{r.label}: resumed on another world size (--reshard): " + ", ".join(
+                f"{before} -> {after} ranks from step {first}" for first, before, after in r.size_changes)
+                + " (dotted lines on the loss panel)")
     if any(r.notes for r in runs):
         notes.append('"-" = not in that run\'s results.json, or a value there left out (below)')
         notes.append("Left out: a value of the wrong type, or out of its range, is shown as \"-\" and not drawn:")
@@ -713,6 +747,10 @@ def draw(runs: list[Run], path: Path) -> None:
             ax.plot(r.eval_steps, [math.nan if v is None else v for v in r.eval_losses], color=c,
                     linestyle="--", marker="s", markersize=3, label=_plot_text(r.label, 20) + " (held-out)")
             drawn = True
+        for first, before, after in r.size_changes:  # where a resume changed the world size
+            ax.axvline(first - 0.5, color=c, linestyle=":", linewidth=1.2)
+            ax.annotate(f"{before}->{after} ranks", (first - 0.5, 1), xycoords=("data", "axes fraction"),
+                        xytext=(2, -10), textcoords="offset points", fontsize=7, color=c, rotation=90, va="top")
     ax.set_title("(1) loss per step: training solid, held-out dashed", fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

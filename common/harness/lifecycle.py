@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import cli, device, export, paths
-from common.harness import dryrun, launcher, pilot, resume, stops, verifier
+from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import Progress, attach_load_check, check_outputs, compare_losses, \
     format_loss_comparison, read_reference_losses
 from common.harness.evaluation import EvalRecorder, apply_eval_settings, eval_dataset
@@ -56,6 +56,10 @@ class Guards:
                                                       **cli.bounds(1, 65535)})
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
+    reshard: bool = field(default=False, metadata={
+        "help": "resume a stopped run on another number of ranks (--nproc_per_node, --nnodes or torchrun's): DCP "
+                "reshards the weights and optimizer state, the data keeps its shards and positions, the global "
+                "batch stays (docs/resuming.md)"})
     compare_losses: str | None = field(default=None, metadata={
         "help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go "
                 "to results.json; a difference over --loss_tolerance is a non-zero exit"})
@@ -148,12 +152,13 @@ def main(recipe: Recipe, cfg) -> dict:
     export.check_replaceable(out_dir)
     check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training
+    check_outputs(out_dir, (reshard.SEGMENTS,))
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)
     found = preflight(recipe, cfg)  # every input checked before a launch: one error line, not one per rank
     found["record"] = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found["dataset"])
-    resume.check_resume(out_dir, found["record"], cfg.steps)  # the same run, with steps left, or refused
+    resume.check_resume(out_dir, found["record"], cfg.steps, reshard=cfg.reshard)  # the same run, steps left
     if launch:
         raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, end))
     stop = stops.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
@@ -188,8 +193,8 @@ class GuardHooks(Hooks):
     def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
         cfg = self.cfg
         tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
+        self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; segments.json
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
-        notes = []
         if cfg.profile:  # torchtitan's profiler, traces in OUT_DIR/profile_traces
             self.profile = pilot.apply_profile_settings(tc, steps=cfg.steps, profile_freq=cfg.profile_freq,
                                                         device_type=dev.device_type)
@@ -213,6 +218,7 @@ class GuardHooks(Hooks):
             rec.on_step.append(self.progress.append)
         self.evals.attach(trainer)  # the validator's held-out losses (--eval_every)
         self.stop.attach(trainer, dev.device, export=cfg.export)
+        self.reshard.attach(trainer)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
         pilot.use_in_torchtitan(trainer, pilot.flops_per_token(shape, cfg.seq_len), self.peak)
         self.compile_cache.start()  # the compile cache's entries before step 1, and once step 1 has ended
@@ -232,6 +238,7 @@ class GuardHooks(Hooks):
                               profile=profile)
         out = {"load_check": self.load_check or None, "eval_losses": self.evals.rows(),
                "stopped": self.stop.stopped(out_dir), **report}
+        out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run
         if cfg.compare_losses:  # over the whole curve, steps before a resume included
             history = self.history(rec)
             out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,

@@ -13,15 +13,16 @@ import json
 from pathlib import Path
 
 from common.errors import UserError, one_line
+from common.harness.reshard import compared
 from common.results import atomic_write_text
 
 RECORD = "run.json"
 # Flags a resume may change: they do not change what the next step computes.
 MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "export_tolerance", "compare_losses",
               "loss_tolerance", "load_check", "time_limit", "stop_margin_s", "nproc_per_node", "nnodes", "node_rank",
-              "master_addr", "master_port", "oversubscribe",
+              "master_addr", "master_port", "oversubscribe", "reshard",
               "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "tensorboard",
-              "peak_tflops", "price_per_hour", "assumed_mfu"}
+              "peak_tflops", "price_per_hour", "assumed_mfu", "profile", "profile_freq"}
 
 
 def _weights_identity(folder: str | None) -> dict | None:
@@ -326,15 +327,17 @@ def read_record(folder: Path, new: dict) -> dict:
     return old
 
 
-def check_resume(out_dir: Path, record: dict, steps: int) -> int | None:
+def check_resume(out_dir: Path, record: dict, steps: int, reshard: bool = False) -> int | None:
     """Before anything is built: the step this run resumes from (None: it starts anew), or one UserError naming
-    why the checkpoints in OUT_DIR cannot be continued by this command."""
+    why the checkpoints in OUT_DIR cannot be continued by this command. `reshard` (--reshard): another world size
+    may continue them, with the same global batch (common/harness/reshard.py)."""
     have = whole_checkpoints(out_dir)
     if not have:
         return None
     folder = Path(out_dir) / "checkpoint"
     old = read_record(folder, record)
-    way = (f"resume with the checkpoint's settings, start anew with another --out_dir, or continue from its "
+    old, record, hint = compared(old, record, reshard)  # --reshard: the world size may change (harness/reshard.py)
+    way = (f"resume with the checkpoint's settings{hint}, start anew with another --out_dir, or continue from its "
            f"exported weights with --hf_checkpoint {Path(out_dir) / 'hf_export'} in a new --out_dir")
     diffs = _differences(old, record)
     if diffs:

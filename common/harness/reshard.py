@@ -1,0 +1,353 @@
+"""Resuming a stopped run on another number of ranks (`--reshard`).
+
+A checkpoint holds three kinds of state, and each comes back on another world size its own way:
+
+- weights and optimizer state: FSDP's sharded tensors, saved by torch.distributed.checkpoint (DCP). DCP reads each
+  tensor's saved pieces into whatever sharding the resumed run has; nothing here touches them.
+- the step counter and the LR schedule: the same on every rank, loaded as saved.
+- the data position. torchtitan's loader splits the documents into one shard per data-parallel rank and keeps one
+  state per shard (`dataloader.dp_rank_{i}`: where the shard's reading is, and the tokens read but not yet
+  trained), each usable only by a loader of that shard. So the data stays split as the run's first segment split
+  it, into its N shards, whatever the number of ranks later (`ShardedDataLoader`): every step takes G / (N x L)
+  batches of L sequences from every shard (G the global batch, L the local one), as on N ranks. On M ranks the
+  step's G / L batches are dealt in one fixed order: the slot s = m x M + r (micro-step m of rank r) gets batch
+  s // N of the step from shard s % N; on M = N that is each rank its own shard, torchtitan's own order. A step's
+  global batch is thus the same sequences on any number of ranks; only the rank that computes each one changes,
+  and with it the order of the floating-point sums. A rank reads every shard it takes a batch from: on M ranks with
+  M dividing N, each shard once (N / M shards a rank); on more ranks than shards, each shard on M / N ranks, each
+  keeping its own batches.
+
+`segments.json` (rank 0, beside losses.jsonl) records each part of the run, kept across resumes: its steps, its
+world size, its data shards and why it stopped. With QWEN3_RECIPES_RESHARD_DEBUG set to a folder, each rank writes
+there which batches it trained at each step (`data-w{M}-r{rank}.jsonl`: shard, batch, the shard's documents read,
+a hash of each sequence), and a resumed run writes the whole state it starts from (`resumed-step{S}-w{M}.pt`,
+rank 0): a way to check, on the hardware a run will use, that a change of world size loses nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.errors import UserError, one_line
+from common.results import atomic_write_text
+
+DEBUG_ENV = "QWEN3_RECIPES_RESHARD_DEBUG"
+SEGMENTS = "segments.json"
+SHARD_KEY = "dataloader.dp_rank_"  # torchtitan's per-shard loader state in a DCP checkpoint (ParallelAwareDataloader)
+NO_RESULT = "no result (the process ended without results.json: killed or failed)"
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' * (n != 1)}"
+
+
+# ------------------------------------------------------------------------------------------ the resume check
+def compared(old: dict, new: dict, reshard: bool) -> tuple[dict, dict, str]:
+    """Two run records (common/harness/resume.py) as a resume compares them, and a hint for its refusal. With
+    --reshard the world size is left out, and a global batch of -1 (local x ranks) is resolved with each record's own
+    world size: the global batch must stay what it was (gradient accumulation takes up the change of ranks)."""
+    def resolved(record: dict) -> dict:
+        settings = dict(record.get("settings") or {})
+        local, ranks = settings.get("local_batch_size"), record.get("world_size")
+        if settings.get("global_batch_size") == -1 and isinstance(local, int) and isinstance(ranks, int):
+            settings["global_batch_size"] = local * ranks
+        return {**record, "world_size": None, "settings": settings}
+
+    if not reshard:
+        ranks = new.get("world_size")
+        hint = f" (on {_ranks(ranks)}: add --reshard)" if old.get("world_size") != ranks else ""
+        return old, new, hint
+    old, new = resolved(old), resolved(new)
+    batch = old["settings"].get("global_batch_size")
+    hint = (f" (--reshard keeps the global batch: pass --global_batch_size {batch})"
+            if batch != new["settings"].get("global_batch_size") else "")
+    return old, new, hint
+
+
+# ------------------------------------------------------------------------------------------ the data plan
+def data_shards(keys) -> int | None:
+    """The number of data shards whose loader states a checkpoint holds (its keys `dataloader.dp_rank_0` to
+    `dataloader.dp_rank_{N-1}`, each once); None when there are none, or not each of 0 to N-1."""
+    found = {k[len(SHARD_KEY):] for k in keys if k.startswith(SHARD_KEY)}
+    ranks = {int(x) for x in found if x.isdigit()}
+    if not ranks or len(ranks) != len(found) or ranks != set(range(len(ranks))):
+        return None
+    return len(ranks)
+
+
+def checkpoint_metadata(step_dir: Path) -> dict:
+    """{key: its metadata} of a DCP checkpoint, from its .metadata (DCP's own reader; no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return dict(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+    except Exception as e:  # a damaged .metadata: DCP raises what its unpickling raises
+        raise UserError(f"{step_dir}/.metadata cannot be read ({type(e).__name__}: {one_line(str(e))[:200]}): the "
+                        "checkpoint is damaged; move that step folder away to resume from the one before") from None
+
+
+def saved_ranks(metadata: dict) -> int | None:
+    """How many ranks wrote a checkpoint: the most pieces any tensor is saved in (FSDP shards every parameter and its
+    optimizer state over the data-parallel ranks; a single rank saves whole tensors)."""
+    return max((len(m.chunks) for m in metadata.values() if hasattr(m, "chunks")), default=None)
+
+
+@dataclass
+class Plan:
+    """What a run's data loader continues from. `shards`: the checkpoint's data shards (None: one per data-parallel
+    rank, as a fresh run has); `exact`: False when the checkpoint's data position cannot be carried over, `why`."""
+    step: int = 0  # the checkpoint's step (0: a fresh run)
+    shards: int | None = None
+    exact: bool = True
+    why: str = ""
+    saved_world_size: int | None = None
+
+
+def plan(out_dir: Path) -> Plan:
+    """The data plan for a run in OUT_DIR: from the newest whole checkpoint, which torchtitan resumes from."""
+    from common.harness.resume import whole_checkpoints
+
+    have = whole_checkpoints(out_dir)
+    if not have:
+        return Plan()
+    metadata = checkpoint_metadata(Path(out_dir) / "checkpoint" / f"step-{have[-1]}")
+    shards, saved = data_shards(metadata), saved_ranks(metadata)
+    if shards is None:
+        return Plan(step=have[-1], exact=False, saved_world_size=saved,
+                    why="its checkpoint holds no loader state per data shard")
+    return Plan(step=have[-1], shards=shards, saved_world_size=saved)
+
+
+# ------------------------------------------------------------------------------------------ the data loader
+def deal(shards: int, ranks: int, rank: int, micro_steps: int) -> dict[tuple[int, int], int]:
+    """Which batches of a step rank `rank` of `ranks` trains, from `shards` data shards, in `micro_steps` micro-steps:
+    {(shard, batch of the step in that shard): micro-step}. The slot s = m x ranks + rank (micro-step m) gets batch
+    s // shards of shard s % shards; with as many ranks as shards, a rank's own shard, in order."""
+    return {((m * ranks + rank) % shards, (m * ranks + rank) // shards): m for m in range(micro_steps)}
+
+
+_loader_class = None
+
+
+def loader_class():
+    """ShardedDataLoader, made on first use: torchtitan may be imported only after common.device.setup()."""
+    global _loader_class
+    if _loader_class is None:
+        _loader_class = _make_loader_class()
+    return _loader_class
+
+
+def _make_loader_class():
+    from dataclasses import dataclass as config_dataclass
+    from typing import Any
+
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    class ShardedDataLoader(BaseDataLoader):
+        """The run's data in its N shards on M data-parallel ranks (the module's docstring has the rule): one
+        torchtitan loader per shard this rank takes batches from, each built from the recipe's own loader config
+        with dp_rank = the shard and dp_world_size = N, its state saved under torchtitan's key for that shard."""
+
+        @config_dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            shards: Any = None  # the recipe's loader config (torchtitan's HuggingFaceTextDataLoader.Config)
+            data_shards: int = 0  # N; 0: one per data-parallel rank (a fresh run)
+            global_batch_size: int = -1  # G; -1: local batch x data-parallel ranks
+
+        def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, local_batch_size: int, **kwargs):
+            ranks, shards = dp_world_size, config.data_shards or dp_world_size
+            batch = config.global_batch_size if config.global_batch_size > 0 else local_batch_size * ranks
+            if batch % (local_batch_size * shards) or batch % (local_batch_size * ranks):
+                raise UserError(f"the global batch {batch} does not split into batches of {local_batch_size} over "
+                                f"{shards} data shards and {ranks} ranks")
+            self.ranks, self.rank, self.n_shards = ranks, dp_rank, shards
+            self.micro_steps = batch // (local_batch_size * ranks)  # of this rank, in a step
+            self.per_shard = batch // (local_batch_size * shards)  # batches a step takes from each shard
+            self.mine = deal(shards, ranks, dp_rank, self.micro_steps)
+            self.hosted = sorted({v for v, _ in self.mine})  # the shards this rank reads
+            self.loaders = {v: config.shards.build(dp_world_size=shards, dp_rank=v, local_batch_size=local_batch_size,
+                                                   **kwargs) for v in self.hosted}
+            self.step_of = None  # () -> the trainer's step, for the debug trace (set by Reshard.attach)
+            debug = os.environ.get(DEBUG_ENV)
+            self.trace = Path(debug) / f"data-w{ranks}-r{dp_rank}.jsonl" if debug else None
+
+        def __iter__(self):
+            iters = {v: iter(loader) for v, loader in self.loaders.items()}
+            while True:
+                mine = [None] * self.micro_steps
+                for v in self.hosted:  # each shard this rank takes from, read to the end of the step
+                    for b in range(self.per_shard):
+                        try:
+                            batch = next(iters[v])
+                        except StopIteration:  # a finite dataset ran out: torchtitan cancels the step
+                            return
+                        m = self.mine.get((v, b))  # None: another rank's batch, read past
+                        if m is not None:
+                            mine[m] = batch
+                            self._traced(v, b, m, batch)
+                yield from mine
+
+        def _traced(self, shard: int, batch_index: int, micro: int, batch) -> None:
+            if self.trace is None:
+                return
+            dataset = self.loaders[shard].dataset
+            rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch[0]["input"]]
+            line = {"step": self.step_of() if self.step_of else None, "world_size": self.ranks, "rank": self.rank,
+                    "micro_step": micro, "shard": shard, "batch": batch_index, "shards": self.n_shards,
+                    "epoch": getattr(dataset, "_epoch", None), "documents_read": getattr(dataset, "_sample_idx", None),
+                    "rows": rows}
+            self.trace.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.trace, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+        def state_dict(self) -> dict:
+            out = {"world_size": self.n_shards}
+            for loader in self.loaders.values():  # {"dp_rank_v": its state, "world_size": N}
+                out.update(loader.state_dict())
+            return out
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            for v, loader in self.loaders.items():
+                key = f"dp_rank_{v}"
+                loader.load_state_dict({key: state_dict[key], "world_size": state_dict["world_size"]})
+
+    return ShardedDataLoader
+
+
+# ------------------------------------------------------------------------------------------ in a run
+@dataclass
+class Reshard:
+    """The reshard guard of one run: its data plan, the loader swapped into the Trainer.Config, its segment."""
+    plan: Plan
+    world_size: int
+    out_dir: Path
+    is_main: bool
+    first_step: int = 1
+    entries: list = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """results.json's `data_shards`: how the data was read in this part of the run."""
+        shards = self.plan.shards or self.world_size
+        out = {"shards": shards, "world_size": self.world_size, "exact": self.plan.exact}
+        if self.plan.step and self.plan.saved_world_size not in (None, self.world_size):
+            out["resharded_from"] = {"step": self.plan.step, "world_size": self.plan.saved_world_size}
+        if not self.plan.exact:
+            out["why"] = self.plan.why
+        return out
+
+    def attach(self, trainer) -> None:
+        """After the build: the trace's step numbers; with the debug folder, the state a resume starts from."""
+        loader = trainer.dataloader
+        if hasattr(loader, "step_of"):
+            loader.step_of = lambda: trainer.step
+        folder = os.environ.get(DEBUG_ENV)
+        if not folder:
+            return
+        load = trainer.checkpointer.load
+
+        def load_and_dump(*args, **kw):  # the state as loaded: before anything of the first step runs
+            loaded = load(*args, **kw)
+            if loaded and trainer.step:
+                dump_state(trainer, Path(folder) / f"resumed-step{trainer.step}-w{self.world_size}.pt", self.is_main)
+            return loaded
+
+        trainer.checkpointer.load = load_and_dump
+
+    def results(self, rec, stopped: dict | None) -> dict:
+        """results.json's `segments` (the whole run's, this part closed) and `data_shards`."""
+        if self.is_main:
+            last = rec.steps[-1] if rec.steps else self.first_step - 1
+            self.entries = close_segment(self.out_dir, last, stopped["reason"] if stopped else None)
+        return {"segments": self.entries, "data_shards": self.summary()}
+
+
+def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
+    """Before the build, on every rank: the data plan from the newest checkpoint, the recipe's data loader wrapped in
+    a ShardedDataLoader, this part of the run opened in segments.json (rank 0). Returns the guard and notes."""
+    p = plan(out_dir)
+    guard = Reshard(plan=p, world_size=dev.world_size, out_dir=Path(out_dir), is_main=dev.is_main,
+                    first_step=p.step + 1)
+    notes = []
+    if not p.exact:  # nothing to carry over: the data starts from its beginning
+        tc.checkpoint.exclude_from_loading = [*tc.checkpoint.exclude_from_loading, "dataloader"]
+        if dev.is_main:
+            print(f"[reshard] the data position of step {p.step} cannot be carried over ({p.why}): the data starts "
+                  "from its beginning, so documents trained on before are trained on again", flush=True)
+    inner = tc.dataloader
+    tc.dataloader = loader_class().Config(dataset=inner.dataset, dataset_path=inner.dataset_path, shards=inner,
+                                          data_shards=p.shards or 0, global_batch_size=cfg.global_batch_size)
+    if p.shards and p.saved_world_size not in (None, dev.world_size) and dev.is_main:
+        m, n = dev.world_size, p.shards
+        spread = ("one shard a rank" if m == n else f"{n // m} shards a rank" if n % m == 0 else
+                  f"each shard read by {m // n} ranks" if m % n == 0 else "each rank reads the shards it takes from")
+        print(f"[reshard] step {p.step} of {_ranks(p.saved_world_size)} resumed on {_ranks(m)}: weights and optimizer "
+              f"state resharded by DCP; the data stays in its {n} shard{'s' * (n != 1)}, each at its position ({spread}); the "
+              f"global batch stays {cfg.global_batch_size if cfg.global_batch_size > 0 else cfg.local_batch_size * m}",
+              flush=True)
+        notes.append(f"data: {n} shard{'s' * (n != 1)} on {_ranks(m)}")
+    if dev.is_main:
+        open_segment(out_dir, guard.first_step, dev.world_size, guard.summary())
+    return guard, notes
+
+
+def dump_state(trainer, path: Path, is_main: bool) -> None:
+    """The whole training state (model, optimizer, LR schedule, step) as full tensors in one torch.save file, written
+    by rank 0; every rank takes part in gathering the sharded tensors."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def full(x):
+        return x.full_tensor() if isinstance(x, DTensor) else x
+
+    states = trainer.checkpointer.states
+    out = {}
+    for name in ("model", "optimizer", "lr_scheduler", "train_state"):
+        if name in states:
+            for k, v in states[name].state_dict().items():
+                out[f"{name}.{k}"] = full(v)
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(out, tmp)
+        os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ segments.json
+def read_segments(out_dir: Path) -> list[dict]:
+    path = Path(out_dir) / SEGMENTS
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("steps"), list) and len(r["steps"]) == 2] \
+        if isinstance(rows, list) else []
+
+
+def open_segment(out_dir: Path, first: int, world_size: int, data: dict) -> list[dict]:
+    """A part of the run starts at step `first`: the earlier parts are kept up to step first - 1 (a part that ended
+    without results is closed there: its checkpoint is where this one starts), later ones dropped (their steps
+    are trained again), and this one added, open."""
+    kept = []
+    for row in read_segments(out_dir):
+        start, end = row["steps"]
+        if not isinstance(start, int) or start >= first:
+            continue
+        if end is None:  # it never said where it ended
+            row = {**row, "stopped": NO_RESULT}
+        kept.append({**row, "steps": [start, first - 1 if end is None else min(end, first - 1)]})
+    kept.append({"steps": [first, None], "world_size": world_size, "stopped": None, "data": data})
+    atomic_write_text(Path(out_dir) / SEGMENTS, json.dumps(kept, indent=1) + "\n")
+    return kept
+
+
+def close_segment(out_dir: Path, last: int, stopped: str | None) -> list[dict]:
+    """This part of the run ends after step `last`: `stopped` is the reason of a stop (None: it trained all its
+    steps)."""
+    rows = read_segments(out_dir)
+    if rows and rows[-1]["steps"][1] is None:
+        rows[-1] = {**rows[-1], "steps": [rows[-1]["steps"][0], last], "stopped": stopped}
+        atomic_write_text(Path(out_dir) / SEGMENTS, json.dumps(rows, indent=1) + "\n")
+    return rows
