@@ -8,14 +8,16 @@
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
 
+from common import cli
 from common.checkpoint import read_hf_config
-from common.errors import UserError
+from common.errors import UserError, one_line
 from common.export import CheckInterrupted, model_logits, verify_export_subprocess
 from common.results import atomic_write_text, not_a_file, refuse_non_file
 
@@ -215,3 +217,55 @@ def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPU
             kind = "a dangling link" if path.is_symlink() and not path.exists() else not_a_file(path) or "a file"
             raise UserError(f"{path} is {kind}, not a folder for --{'tensorboard' if name == 'tb' else name}: it is "
                             "left alone; move it or choose another --out_dir")
+
+
+# A full disk during a save: the one line that names what is lost and what the same command resumes from.
+FULL_BELOW = 16 << 20  # bytes free: a file system a write failed on with less than this left is full
+
+
+def out_of_space(e: BaseException, out_dir: str | None) -> str | None:
+    """The one line for a write that failed on a full disk (None: `e` is something else): an OSError ENOSPC or
+    EDQUOT behind `e`; or a write torch's zip writer (torch.save, which torch.distributed.checkpoint writes each
+    shard with) reports without an errno (`[enforce fail at inline_container.cc] ... unexpected pos`), wrapped in
+    a CheckpointException, while OUT_DIR's file system is full. The line names the path, the space left and the last
+    whole checkpoint in OUT_DIR, which the same command resumes from."""
+    failed = cli._behind(e, lambda x: isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
+    if failed is not None:
+        where = str(failed.filename or out_dir or "a file")
+    elif out_dir and cli._behind(e, _torch_write_failure) is not None and _free_bytes(out_dir) < FULL_BELOW:
+        where = str(out_dir)
+    else:
+        return None
+    free = _free_bytes(out_dir or where)
+    space = f"{free / 2**20:.1f} MiB free on its file system" if free != float("inf") else "its file system is full"
+    if out_dir is None:
+        return f"out of disk space writing {one_line(where)} ({space}): free space or choose another --out_dir"
+    steps = sorted(int(d.name[5:]) for d in (Path(out_dir) / "checkpoint").glob("step-*")
+                   if d.name[5:].isdigit() and (d / ".metadata").is_file())
+    last = (f"the last whole checkpoint is {Path(out_dir) / 'checkpoint' / f'step-{steps[-1]}'} (the steps after it "
+            "are lost); free space there and run the same command to resume from it (a save cut short is removed)" if steps
+            else "no whole checkpoint was written; free space or choose another --out_dir")
+    return f"out of disk space writing {one_line(where)} ({space}): {last}"
+
+
+def _torch_write_failure(x: BaseException) -> bool:
+    """torch's zip writer (PyTorchStreamWriter) failing a write: it checks the file position, not the errno."""
+    return isinstance(x, RuntimeError) and any(t in str(x) for t in ("inline_container.cc", "PytorchStreamWriter",
+                                                                     "iostream error"))
+
+
+def _free_bytes(path: str | os.PathLike) -> float:
+    """Bytes this process may still write on `path`'s file system (root: the reserved blocks too); inf if unknown."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return float("inf")
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+def explain_failure(e: BaseException, cfg) -> str | None:
+    """cli.run_cli's `explain` for a training run: a full disk during a save (`out_of_space`), else None."""
+    return out_of_space(e, getattr(cfg, "out_dir", None))

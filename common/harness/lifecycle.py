@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common import cli, device, export, paths
 from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
-from common.harness.checks import Progress, attach_load_check, check_outputs, compare_losses, \
+from common.harness.checks import Progress, explain_failure, attach_load_check, check_outputs, compare_losses, \
     format_loss_comparison, read_reference_losses
 from common.harness.evaluation import EvalRecorder, apply_eval_settings, eval_dataset
 from common.harness.preflight import require_stack, wants_neuron
@@ -119,7 +119,7 @@ def run(recipe: Recipe, argv: list[str] | None = None) -> int:
     """The example's one call: parse its flags and the guards', run it with the guards; the exit code."""
     recipe = guarded(recipe)
     return cli.run_cli(lambda cfg: main(recipe, cfg), recipe.config, recipe.presets, recipe.doc,
-                       recipe.default_preset, argv)
+                       recipe.default_preset, argv, explain=explain_failure)
 
 
 def preflight(recipe: Recipe, cfg) -> dict:
