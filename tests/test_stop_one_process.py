@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.harness.resume import whole_checkpoints
-from common.harness.stops import EXIT_STOPPED
+from common.harness.stops import DEADLINE, EXIT_STOPPED
 from conftest import assert_clean_error, example_command, read_results, run_example
 from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 
@@ -22,10 +22,13 @@ from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 def checkpointed(tmp_path_factory, prepared_assets) -> tuple[Path, tuple[str, ...], dict]:
     """One process, 6 steps, never stopped: a whole checkpoint at step 3 (--checkpoint_every 3; without an export
     nothing is saved at the last step) and the losses of an uninterrupted run, as its results.json had them
-    (tests below rerun into the folder)."""
+    (tests below rerun into the folder). Its environment holds the launcher's DEADLINE, long past: a plain run
+    is no worker of the launcher's and ignores it."""
     out = tmp_path_factory.mktemp("checkpointed")
     run = (*ONE_RANK, "--checkpoint_every", "3", "--out_dir", str(out))
-    run_example(SCRIPT, *run)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(DEADLINE, "1.0")  # 1970
+        run_example(SCRIPT, *run)
     assert whole_checkpoints(out) == [3]
     return out, run, read_results(out)
 

@@ -1,5 +1,6 @@
-"""The stop guards' parts that need no training run. The runs that stop: tests/test_stop.py,
-tests/test_stop_one_process.py."""
+"""The stop guards' parts that need no training run: what --time_limit takes, the launcher's deadline reaching only
+its own workers, and the dry-run plan's child dying with the run that forked it. The runs that stop:
+tests/test_stop.py, tests/test_stop_one_process.py."""
 from __future__ import annotations
 
 import fcntl
@@ -10,9 +11,45 @@ import sys
 import time
 
 import psutil
+import pytest
 
-from conftest import ROOT, script_env
-from stop_helpers import alive
+from common.errors import UserError
+from common.harness import launcher, stops
+from conftest import ROOT, assert_clean_error, run_example, script_env
+from stop_helpers import SCRIPT, alive
+
+
+@pytest.mark.parametrize("text", ["", " ", "none", "soon"])
+def test_a_time_limit_that_is_not_minutes_or_an_end_time_is_one_error_line(tmp_path, text):
+    proc = run_example(SCRIPT, "--steps", "1", "--no-export", "--time_limit", text, "--out_dir", str(tmp_path),
+                       check=False)
+    assert_clean_error(proc, f"--time_limit {text!r} is neither minutes (90) nor an end time")
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_the_launchers_deadline_is_read_only_by_its_own_workers(monkeypatch, tmp_path):
+    """QWEN3_RECIPES_DEADLINE left in the environment of a plain run (or a torchrun of the user's) is not that run's
+    limit; a worker of the scripts' own launch reads it, and a value that is no time is one error line. The
+    launcher hands its workers its own deadline or none, never one it inherited."""
+    monkeypatch.delenv(stops.SELF_LAUNCHED, raising=False)
+    monkeypatch.setenv(stops.DEADLINE, "1.0")
+    assert stops.deadline(None) is None
+    assert abs(stops.deadline("2") - (time.time() + 120)) < 5
+    monkeypatch.setenv(stops.DEADLINE, "abc")
+    assert stops.deadline(None) is None
+
+    monkeypatch.setenv(stops.SELF_LAUNCHED, str(tmp_path / "stopped"))
+    monkeypatch.setenv(stops.DEADLINE, "1234567890.5")
+    assert stops.deadline("2") == 1234567890.5  # every worker the launcher's one end time
+    for bad in ("abc", "nan", "-5", "inf"):
+        monkeypatch.setenv(stops.DEADLINE, bad)
+        with pytest.raises(UserError, match=f"QWEN3_RECIPES_DEADLINE='{bad}' from the launcher is not a time"):
+            stops.deadline(None)
+
+    inherited = {stops.DEADLINE: "1.0", "PATH": "/bin"}
+    env = launcher.worker_env(inherited, tmp_path / "m", None)
+    assert stops.DEADLINE not in env and env[stops.SELF_LAUNCHED] == str(tmp_path / "m") and env["PATH"] == "/bin"
+    assert launcher.worker_env(inherited, tmp_path / "m", 99.5)[stops.DEADLINE] == "99.5"
 
 
 PLAN_PARENT = """

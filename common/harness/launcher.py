@@ -120,7 +120,7 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
            "--local-ranks-filter=0", *rest]
     with tempfile.TemporaryDirectory(prefix="qwen3-launch-") as tmp:
         marker = Path(tmp) / "stopped"  # on this host: a worker that stopped the run says so here, and exits 0
-        env = dict(os.environ, **{SELF_LAUNCHED: str(marker)}, **({DEADLINE: repr(deadline)} if deadline else {}))
+        env = worker_env(os.environ, marker, deadline)
         proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
                                 preexec_fn=die_with_parent(signal.SIGTERM))
         first = []
@@ -144,6 +144,16 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
         if cfg.node_rank:  # node 0's rank 0 has said it; another node's own output says it here
             print(marker.read_text(errors="replace").strip(), flush=True)
         return EXIT_STOPPED
+
+
+def worker_env(environ, marker: Path, deadline: float | None) -> dict:
+    """The workers' environment: where a stop is reported, and this launch's deadline; a DEADLINE this process
+    inherited is not this launch's and is dropped."""
+    env = {k: v for k, v in environ.items() if k != DEADLINE}
+    env[SELF_LAUNCHED] = str(marker)
+    if deadline:
+        env[DEADLINE] = repr(deadline)
+    return env
 
 
 def _signal_workers(pid: int, sig: int) -> None:

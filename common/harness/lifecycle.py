@@ -33,7 +33,7 @@ class Guards:
     checkpoint_every: int = field(default=0, metadata={
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
                 "command resumes from the latest", **cli.bounds(0, 10**7)})
-    time_limit: str | None = field(default=None, metadata={
+    time_limit: str = field(default=None, metadata={  # `str`, not optional: "" and "none" are refused, not "no limit"
         "help": "stop before this budget ends, with a checkpoint (exit 75; the same command resumes): minutes (90) "
                 "or an end time with its zone (2026-12-02T18:00:00Z: a capacity block's end)"})
     stop_margin_s: float = field(default=120.0, metadata={

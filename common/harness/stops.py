@@ -10,6 +10,7 @@ it (common/harness/resume.py).
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -28,7 +29,8 @@ TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its n
 
 def parse_time_limit(text: str | None, now: float | None = None) -> float | None:
     """--time_limit as an absolute time.time(): minutes from now ("90", "0.5"), or an end time in ISO 8601 with a
-    time zone ("2026-12-02T18:00:00+00:00", "...Z"), such as a capacity block's end."""
+    time zone ("2026-12-02T18:00:00+00:00", "...Z"), such as a capacity block's end. None: no limit; any text,
+    the empty one included, must be one of the two."""
     if text is None:
         return None
     now = time.time() if now is None else now
@@ -36,8 +38,10 @@ def parse_time_limit(text: str | None, now: float | None = None) -> float | None
         minutes = float(text)
     except ValueError:
         try:
-            end = datetime.fromisoformat(text.replace("Z", "+00:00"))
+            end = datetime.fromisoformat(text.replace("Z", "+00:00")) if text.strip() else None
         except ValueError:
+            end = None
+        if end is None:
             raise UserError(f"--time_limit {text!r} is neither minutes (90) nor an end time with its time zone "
                             "(2026-12-02T18:00:00Z)") from None
         if end.tzinfo is None:
@@ -51,10 +55,20 @@ def parse_time_limit(text: str | None, now: float | None = None) -> float | None
 
 
 def deadline(time_limit: str | None) -> float | None:
-    """The run's end time: the launcher's (every worker the same) or this process's own."""
-    if os.environ.get(DEADLINE):
-        return float(os.environ[DEADLINE])
-    return parse_time_limit(time_limit)
+    """The run's end time: in a worker of the scripts' own launch, the launcher's (every worker the same);
+    anywhere else this process's own --time_limit. A DEADLINE left in the environment of any other process (a
+    shell that exported it, a plain torchrun) is not this run's and is ignored."""
+    text = os.environ.get(DEADLINE) if os.environ.get(SELF_LAUNCHED) else None
+    if not text:
+        return parse_time_limit(time_limit)
+    try:
+        end = float(text)
+    except ValueError:
+        end = math.nan
+    if not (math.isfinite(end) and end > 0):
+        raise UserError(f"{DEADLINE}={text!r} from the launcher is not a time in seconds since the epoch: start the "
+                        f"run without {DEADLINE} and {SELF_LAUNCHED} in its environment")
+    return end
 
 
 class StopControl:
