@@ -1,6 +1,6 @@
 """The stop guards' parts that need no training run: what --time_limit takes, the launcher's deadline reaching only
-its own workers, and the dry-run plan's child dying with the run that forked it. The runs that stop:
-tests/test_stop.py, tests/test_stop_one_process.py."""
+its own workers, the grace a torchrun gives its workers' stop save, and the dry-run plan's child dying with the run
+that forked it. The runs that stop: tests/test_stop.py, tests/test_stop_one_process.py."""
 from __future__ import annotations
 
 import fcntl
@@ -50,6 +50,24 @@ def test_the_launchers_deadline_is_read_only_by_its_own_workers(monkeypatch, tmp
     env = launcher.worker_env(inherited, tmp_path / "m", None)
     assert stops.DEADLINE not in env and env[stops.SELF_LAUNCHED] == str(tmp_path / "m") and env["PATH"] == "/bin"
     assert launcher.worker_env(inherited, tmp_path / "m", 99.5)[stops.DEADLINE] == "99.5"
+
+
+def test_the_grace_a_torchrun_gives_its_workers_stop(monkeypatch):
+    """What torch 2.14's torchrun waits between passing on a signal and SIGKILL: --shutdown-timeout (either
+    spelling, before the script), PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30. The scripts' own
+    launch gives it STOP_GRACE_S, and passes on SIGUSR1 too."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    script = ["examples/train_native_qwen3.py", "--steps", "3"]
+    grace = stops.torchrun_grace_s
+    assert grace([*torchrun, *script], {}) == stops.TORCHRUN_DEFAULT_GRACE_S == 30
+    assert grace([*torchrun, "--shutdown-timeout", "600", *script], {}) == 600
+    assert grace([*torchrun, "--shutdown_timeout=900", *script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}) == 900
+    assert grace([*torchrun, *script, "--shutdown-timeout", "600"], {}) == 30  # the script's flag, not torchrun's
+    assert grace([*torchrun, *script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}) == 120
+    assert grace([*torchrun, *script], {"PET_SHUTDOWN_TIMEOUT": "240", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}) == 240
+    flags = launcher.torchrun_stop_flags()
+    assert grace([*torchrun, *flags, *script], {}) == stops.STOP_GRACE_S
+    assert "SIGUSR1" in flags[1] and "SIGTERM" in flags[1]
 
 
 PLAN_PARENT = """

@@ -7,6 +7,10 @@ torchtitan saves that step's whole training state in OUT_DIR/checkpoint/step-N (
 results.json says `stopped`, and the process exits with EXIT_STOPPED. A second signal ends the run at once; the
 previous checkpoint stays usable (a save cut short has no .metadata and is never loaded). The same command resumes
 it (common/harness/resume.py).
+
+torchrun kills its workers a while after passing them a signal it got itself (its --shutdown-timeout, 30 s unless
+told): the scripts' own launch gives it STOP_GRACE_S; under a torchrun of the user's, `torchrun_grace_s` reads what
+it was given and rank 0 says so at the start when it is less.
 """
 from __future__ import annotations
 
@@ -25,6 +29,23 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 SELF_LAUNCHED = "QWEN3_RECIPES_SELF_LAUNCHED"  # set by the launcher for its workers: where a stop is reported
 DEADLINE = "QWEN3_RECIPES_DEADLINE"  # --time_limit as an absolute time, set once by the launcher for every worker
 TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its number)
+# How long torchrun waits, after passing on a signal it got itself, before it SIGKILLs the workers: the rest of a
+# step and a stop save of a large model (a 64-rank qwen3_4b with its AdamW state writes tens of GB) must fit. A
+# second signal still ends the run at once.
+STOP_GRACE_S = 1800
+TORCHRUN_DEFAULT_GRACE_S = 30  # torch.distributed.run without --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# A test hook, never set by a user: "stop_save=31" makes each stop save sleep 31 s before torchtitan's save (a slow
+# disk, as a large model's save on a shared file system), at no CPU cost. tests/test_stop.py sets it.
+TEST_DELAYS = "QWEN3_RECIPES_TEST_DELAYS"
+
+
+def hook_delay(what: str) -> float:
+    """Seconds of the TEST_DELAYS hook for `what` (0 without it)."""
+    for item in os.environ.get(TEST_DELAYS, "").split(","):
+        name, _, seconds = item.partition("=")
+        if name.strip() == what:
+            return float(seconds)
+    return 0.0
 
 
 def parse_time_limit(text: str | None, now: float | None = None) -> float | None:
@@ -71,6 +92,30 @@ def deadline(time_limit: str | None) -> float | None:
     return end
 
 
+def torchrun_grace_s(parent_cmdline: list[str], env: dict) -> int:
+    """The seconds a torchrun (`parent_cmdline`: its argv) waits after passing on a signal before it SIGKILLs its
+    workers: its --shutdown-timeout (or --shutdown_timeout, or PET_SHUTDOWN_TIMEOUT as for every torchrun flag),
+    else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 (torch 2.14's torch/distributed/run.py and launcher/api.py)."""
+    value = None
+    for i, arg in enumerate(parent_cmdline):
+        name, eq, rest = arg.partition("=")
+        if name in ("--shutdown-timeout", "--shutdown_timeout"):
+            value = rest if eq else (parent_cmdline[i + 1] if i + 1 < len(parent_cmdline) else None)
+        elif not arg.startswith("-") and i > 0 and parent_cmdline[i - 1] not in ("-m", "-c") and arg.endswith(".py"):
+            break  # the training script: what follows is its own
+    for source in (value, env.get("PET_SHUTDOWN_TIMEOUT"), env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")):
+        if source is not None:
+            try:
+                return int(source)
+            except ValueError:
+                return TORCHRUN_DEFAULT_GRACE_S  # torchrun itself would not have started
+    return TORCHRUN_DEFAULT_GRACE_S
+
+
+def under_a_users_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get(SELF_LAUNCHED)
+
+
 class StopControl:
     """Stop signals and the time limit, decided together at each step boundary (`attach`)."""
 
@@ -87,6 +132,23 @@ class StopControl:
     def install(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        if self.is_main and under_a_users_torchrun():
+            self._say_torchrun_grace()
+
+    def _say_torchrun_grace(self) -> None:
+        try:
+            import psutil
+
+            cmdline = psutil.Process(os.getppid()).cmdline()
+        except Exception:  # noqa: BLE001  no parent to read: nothing to say
+            return
+        grace = torchrun_grace_s(cmdline, dict(os.environ))
+        if grace < STOP_GRACE_S:
+            print(f"[stop] torchrun kills its workers {grace} s after it passes on a stop signal it got itself: a "
+                  f"stop whose step and checkpoint save take longer is lost. Start torchrun with --shutdown-timeout "
+                  f"{STOP_GRACE_S} (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S}), or use the scripts' own "
+                  "launch (--nproc_per_node)", flush=True)
+
 
     def _on_signal(self, signum, _frame) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()
@@ -138,6 +200,8 @@ class StopControl:
                 last[0] = time.monotonic()
                 return saved
             self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
+            if delay := hook_delay("stop_save"):
+                time.sleep(delay)
             interval, ckpt.interval = ckpt.interval, curr_step  # this step is a save step: torchtitan's own save
             try:
                 save(curr_step, last_step=False)
