@@ -15,7 +15,7 @@ from common import cli, device, export, paths
 from common.harness import dryrun, launcher, pilot, resume, stops, verifier
 from common.harness.checks import Progress, attach_load_check, check_outputs, compare_losses, \
     format_loss_comparison, read_reference_losses
-from common.harness.evaluation import EvalRecorder, apply_eval_settings, eval_dataset
+from common.harness.evaluation import EVAL_LOSSES, EvalRecorder, apply_eval_settings, eval_dataset
 from common.harness.preflight import require_stack, wants_neuron
 from common.recipe import Hooks, Recipe, inputs, train
 
@@ -157,6 +157,7 @@ class GuardHooks(Hooks):
         if dev.is_main:
             resume.write_record(out_dir, found["record"])
             self.progress = Progress(out_dir / "losses.jsonl")
+            self.evals.path = out_dir / EVAL_LOSSES
         note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"))  # the validator
         return [note] if note else []
 
@@ -169,7 +170,7 @@ class GuardHooks(Hooks):
                 pass_positions=self.recipe.pass_positions)
         if self.progress is not None:
             rec.on_step.append(self.progress.append)
-        self.evals.attach(trainer)  # the validator's held-out losses (--eval_every)
+        self.evals.attach(trainer, self.stop)  # the validator's held-out losses (--eval_every), stopped with the run
         self.stop.attach(trainer, dev.device, export=cfg.export)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops)
         pilot.use_in_torchtitan(trainer, pilot.flops_per_token(shape, cfg.seq_len), self.peak)

@@ -4,9 +4,15 @@ Stop signals (SIGTERM: a spot reclaim, `kill`, Kubernetes, SLURM; SIGINT: Ctrl-C
 SIGHUP) and `--time_limit` end a run at the next step boundary: every rank finishes the step it is in, the ranks
 agree to stop (one all-reduce per step, so a signal that reached one rank stops them all at the same step),
 torchtitan saves that step's whole training state in OUT_DIR/checkpoint/step-N (what --checkpoint_every saves),
-results.json says `stopped`, and the process exits with EXIT_STOPPED. A second signal ends the run at once; the
-previous checkpoint stays usable (a save cut short has no .metadata and is never loaded). The same command resumes
-it (common/harness/resume.py).
+results.json says `stopped`, and the process exits with EXIT_STOPPED. A held-out evaluation (--eval_every) is a
+step boundary too: a stop agreed at a step skips that step's evaluation, and one that comes during an evaluation
+ends it at the next batch (the ranks agree at each batch) and saves the step it evaluated. A second signal ends
+the run at once; the previous checkpoint stays usable (a save cut short has no .metadata and is never loaded).
+The same command resumes it (common/harness/resume.py).
+
+--time_limit foresees what continuing costs: at a step boundary, the evaluation due there (the longest measured),
+one more step (the longest measured) and the stop save (the longest measured save, or --stop_margin_s); during an
+evaluation, its remaining batches at the pace measured so far, a step and the save.
 
 torchrun kills its workers a while after passing them a signal it got itself (its --shutdown-timeout, 30 s unless
 told): the scripts' own launch gives it STOP_GRACE_S; under a torchrun of the user's, `torchrun_grace_s` reads what
@@ -34,8 +40,9 @@ TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its n
 # second signal still ends the run at once.
 STOP_GRACE_S = 1800
 TORCHRUN_DEFAULT_GRACE_S = 30  # torch.distributed.run without --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-# A test hook, never set by a user: "stop_save=31" makes each stop save sleep 31 s before torchtitan's save (a slow
-# disk, as a large model's save on a shared file system), at no CPU cost. tests/test_stop.py sets it.
+# A test hook, never set by a user: "stop_save=31,eval_batch=2" makes each stop save sleep 31 s before torchtitan's
+# save (a slow disk, as a large model's save on a shared file system) and each held-out batch take 2 s more (a long
+# evaluation), at no CPU cost. tests/test_stop.py and tests/test_stop_one_process.py set it.
 TEST_DELAYS = "QWEN3_RECIPES_TEST_DELAYS"
 
 
@@ -46,6 +53,10 @@ def hook_delay(what: str) -> float:
         if name.strip() == what:
             return float(seconds)
     return 0.0
+
+
+class StopNow(Exception):
+    """Raised on every rank at the same held-out batch when the ranks agreed to stop during an evaluation."""
 
 
 def parse_time_limit(text: str | None, now: float | None = None) -> float | None:
@@ -117,7 +128,7 @@ def under_a_users_torchrun() -> bool:
 
 
 class StopControl:
-    """Stop signals and the time limit, decided together at each step boundary (`attach`)."""
+    """Stop signals and the time limit, decided together at each step boundary and each held-out batch (`attach`)."""
 
     DUPLICATE_S = 1.0  # a launcher forwarding the signal this process already got is the same signal
 
@@ -126,8 +137,15 @@ class StopControl:
         self.reason: str | None = None
         self.first_at = 0.0
         self.stopped_at: int | None = None
+        self.saved_at: int | None = None  # the step of this process's last checkpoint save
         self.save_s: list[float] = []
-        self.step_s = 0.0
+        self.step_s = 0.0  # the longest step measured (an evaluation's time not included)
+        self.eval_s = 0.0  # the longest evaluation measured
+        self.batch_s = 0.0  # the pace of the last evaluation: seconds a held-out batch
+        self._last = time.monotonic()  # when the last step's work (its save, its evaluation) ended
+        self._eval_start = 0.0
+        self.device = None
+        self.trainer = None
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -149,69 +167,130 @@ class StopControl:
                   f"{STOP_GRACE_S} (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S}), or use the scripts' own "
                   "launch (--nproc_per_node)", flush=True)
 
-
     def _on_signal(self, signum, _frame) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()
         if self.reason is None:
             self.reason, self.first_at = name, now
             if self.is_main:
-                os.write(2, f"[stop] {name}: finishing this step, then saving a checkpoint (a second signal ends the "
-                            "run at once)\n".encode())
+                os.write(2, f"[stop] {name}: finishing this step (or held-out batch), then saving a checkpoint (a "
+                            "second signal ends the run at once)\n".encode())
         elif now - self.first_at > self.DUPLICATE_S:
             os.write(2, f"error: {name} again: ended at once; the last complete checkpoint in the out_dir stays "
                         "usable\n".encode())
             os._exit(128 + signum)
 
-    def _wants_stop(self) -> bool:
+    def _room_s(self) -> float:
+        return max(self.save_s) if self.save_s else self.margin_s
+
+    def _wants_stop(self, ahead_s: float = 0.0) -> bool:
+        """A signal came, or the work `ahead_s` (an evaluation) plus one more step and the stop save would not end
+        before the time limit."""
         if self.reason is not None:
             return True
         if self.end is None:
             return False
-        room = max(self.save_s) if self.save_s else self.margin_s
-        if time.time() + self.step_s + room >= self.end:  # room for one more step and its save?
+        if time.time() + ahead_s + self.step_s + self._room_s() >= self.end:
             self.reason = "time_limit"
             return True
         return False
 
-    def attach(self, trainer, device, *, export: bool) -> None:
-        """Wrap the trainer's checkpoint save, which torchtitan calls after every step: there the ranks agree on a
-        stop, and a stop saves this step through torchtitan's own save and ends the loop."""
+    def agree(self, ahead_s: float = 0.0, have: bool = True) -> tuple[int, bool]:
+        """Every rank's stop wish and `have` (a held-out batch) in one all-reduce: (the stop code, 0 to go on; whether
+        every rank has a batch). The same answer on every rank."""
         import torch
         import torch.distributed as dist
 
+        wants = self._wants_stop(ahead_s)  # a signal's number, or TIME_LIMIT: the same reason on every rank
+        code = 0 if not wants else TIME_LIMIT if self.reason == "time_limit" else signal.Signals[self.reason]
+        flag = torch.tensor([float(code), 0.0 if have else 1.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code, lacking = (int(x) for x in flag.tolist())
+        if code:
+            self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
+        return code, not lacking
+
+    def attach(self, trainer, device, *, export: bool) -> None:
+        """Wrap the trainer's checkpoint save, which torchtitan calls after every step (before that step's
+        evaluation): there the ranks agree on a stop, and a stop saves this step through torchtitan's own save and
+        ends the loop. The held-out evaluation joins through `skips_eval`, `eval_batch` and `eval_ended`
+        (common/harness/evaluation.py)."""
         ckpt, save = trainer.checkpointer, trainer.checkpointer.save
-        last = [time.monotonic()]
+        self.device, self.trainer, self._save = device, trainer, save
+        self._last = time.monotonic()
 
         def save_or_stop(curr_step: int, last_step: bool = False) -> bool:
             now = time.monotonic()
-            self.step_s, last[0] = max(self.step_s, now - last[0]), now
+            self.step_s, self._last = max(self.step_s, now - self._last), now
             if last_step:  # the run ends here anyway: its last save is the HF export (none without --export)
                 return save(curr_step, last_step=True) if export else False
-            wants = self._wants_stop()  # a signal's number, or TIME_LIMIT: the same reason on every rank
-            code = 0 if not wants else TIME_LIMIT if self.reason == "time_limit" else signal.Signals[self.reason]
-            flag = torch.tensor([float(code)], device=device)
-            if dist.is_initialized():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            code = int(flag.item())
+            code, _ = self.agree(ahead_s=self.eval_s if self._eval_due(curr_step) else 0.0)
             if not code:
                 saved = save(curr_step, last_step=False)
                 if saved:
                     self.save_s.append(time.monotonic() - now)
-                last[0] = time.monotonic()
+                    self.saved_at = curr_step
+                self._last = time.monotonic()
                 return saved
-            self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
-            if delay := hook_delay("stop_save"):
-                time.sleep(delay)
-            interval, ckpt.interval = ckpt.interval, curr_step  # this step is a save step: torchtitan's own save
-            try:
-                save(curr_step, last_step=False)
-            finally:
-                ckpt.interval = interval
-            self.stopped_at = curr_step
-            trainer.should_continue_training = lambda: False
+            self._stop_at(curr_step)
             return True
 
+        self._ckpt = ckpt
         ckpt.save = save_or_stop
+
+    def _eval_due(self, step: int) -> bool:
+        validator = getattr(self.trainer, "validator", None)
+        return bool(self.trainer.config.validator.enable and validator is not None
+                    and validator.should_validate(step))
+
+    def _stop_at(self, step: int) -> None:
+        """Save `step` (unless its own --checkpoint_every save already did) and end the training loop."""
+        if self.saved_at != step:
+            if delay := hook_delay("stop_save"):
+                time.sleep(delay)
+            interval, self._ckpt.interval = self._ckpt.interval, step  # a save step: torchtitan's own save
+            try:
+                self._save(step, last_step=False)
+            finally:
+                self._ckpt.interval = interval
+            self.saved_at = step
+        self.stopped_at = step
+        self.trainer.should_continue_training = lambda: False
+
+    # ---- the held-out evaluation (common/harness/evaluation.py) ------------------------------------------------
+
+    def skips_eval(self, step: int) -> bool:
+        """A stop agreed at this step's save: its evaluation does not run."""
+        skip = self.stopped_at == step
+        if not skip:
+            self._eval_start = time.monotonic()
+        return skip
+
+    def eval_batch(self, done: int, planned: int, have: bool) -> bool:
+        """Before held-out batch `done` + 1 of `planned`: the ranks agree whether to stop (a signal, or the rest of
+        the evaluation at its pace plus a step and the save past the time limit: raises StopNow) and whether every
+        rank has this batch (False: the held-out data ended on some rank)."""
+        if done:
+            self.batch_s = (time.monotonic() - self._eval_start) / done
+        code, every = self.agree(ahead_s=max(planned - done, 0) * self.batch_s, have=have)
+        if code:
+            raise StopNow(self.reason)
+        return every
+
+    def eval_ended(self, step: int, *, interrupted: bool, batches: int) -> None:
+        """After an evaluation: its time is measured (the next step's is counted from here); one a stop ended saves
+        its step and ends the loop (after the last step nothing is left to stop: the run finishes)."""
+        now = time.monotonic()
+        if batches:
+            self.batch_s = (now - self._eval_start) / batches
+        if not interrupted:
+            self.eval_s = max(self.eval_s, now - self._eval_start)
+        if interrupted and step < self.trainer.config.training.steps:
+            if self.is_main:
+                print(f"[stop] {self.reason}: the evaluation of step {step} ended after {batches} held-out "
+                      f"batches; saving step {step}", flush=True)
+            self._stop_at(step)
+        self._last = time.monotonic()
 
     def stopped(self, out_dir: Path) -> dict | None:
         if self.stopped_at is None:
