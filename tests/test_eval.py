@@ -160,3 +160,24 @@ def test_a_folder_without_a_validation_split_uses_c4_validation_from_the_hub(tmp
         evaluation.eval_dataset(("c4_test", str(tmp_path)))
     (tmp_path / "validation.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
     assert evaluation.eval_dataset(("c4_test", str(tmp_path)))[:2] == (evaluation.LOCAL_VALIDATION, str(tmp_path))
+
+
+def test_eval_steps_past_the_held_out_data_read_it_once(tmp_path, prepared_assets):
+    """--eval_steps 100000 on a held-out file of two short documents: torchtitan's validator would loop them for
+    hours; each evaluation reads them once (a few batches) and the first says how many there are. One step,
+    evaluated at step 1."""
+    data = tmp_path / "data"
+    data.mkdir()
+    corpus = prepared_assets["corpus"]
+    lines = (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    (data / "train.jsonl").write_text("".join(lines[:40]), encoding="utf-8")
+    (data / "validation.jsonl").write_text("".join(json.dumps({"text": f"Held-out document {i}. " * 60}) + "\n"
+                                                   for i in range(2)), encoding="utf-8")
+    out = tmp_path / "o"
+    proc = run_example("train_native_qwen3.py", "--steps", "1", "--no-export", "--dataset", str(data),
+                       "--eval_every", "1", "--eval_steps", "100000", "--out_dir", str(out), timeout=300)
+    said = re.findall(r"\[eval\] the held-out data gives every rank (\d+) batches: each evaluation reads them once "
+                      r"\(\d+ batches, not --eval_steps 100000\)", proc.stdout)
+    assert len(said) == 1 and 1 <= int(said[0]) <= 4, proc.stdout[-3000:]
+    evals = json.loads((out / "results.json").read_text())["eval_losses"]
+    assert [r["step"] for r in evals] == [1] and math.isfinite(evals[0]["loss"]), evals

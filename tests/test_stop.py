@@ -1,8 +1,11 @@
 """A rented hour is never lost: a stop signal ends a multi-process training run at a step boundary with a
 torchtitan checkpoint of that step and exit code 75, and the same command resumes it with the losses of a run that
-never stopped. Signals go to the scripts' own launcher, to one worker only, to torchrun, and to one node's launcher
-of a run over two nodes; a SIGKILL of the launcher leaves no worker training. No process outlives any of these
-runs. One-process stops (--time_limit, a second signal) and the refusal of a rerun that is not the same run:
+never stopped. Signals go to the scripts' own launcher and its torchrun together (a host's shutdown), to one worker
+only, to a torchrun of the user's, and to one node's launcher of a run over two nodes; a SIGKILL of the launcher
+leaves no worker training. Where torchrun itself gets the signal, the stop save is made to take 31 s (the
+TEST_DELAYS hook: a sleep before torchtitan's save, as a large model's save on a shared file system takes), past
+torchrun's default 30 s before it kills its workers. No process outlives any of these runs. One-process stops
+(--time_limit, a second signal, a signal during an evaluation) and the refusal of a rerun that is not the same run:
 tests/test_stop_one_process.py."""
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ import socket
 import psutil
 import pytest
 
-from common.harness.stops import EXIT_STOPPED
-from conftest import assert_clean_error, example_command, read_results, run_example
+from common.harness.stops import EXIT_STOPPED, STOP_GRACE_S, TEST_DELAYS
+from conftest import ROOT, assert_clean_error, example_command, read_results, run_example
 from stop_helpers import (SCRIPT, STEPS, TWO_RANKS, close, finish, no_process_outlives, start, wait_for_step,
                           workers)
 
@@ -25,16 +28,30 @@ def uninterrupted(tmp_path_factory, prepared_assets) -> dict:
     return read_results(out)
 
 
-def _stop(cmd: list[str], out, log, after: int, target: str) -> tuple[dict, int, str]:
-    """Start `cmd`, wait for step `after`, send SIGTERM to `target` ("launcher": the process started, or "one
-    worker": the rank-1 worker only; rank 0 learns of it through the per-step agreement), and check the stop: one
-    step for every rank, a whole checkpoint of it, no process left. (stopped, exit code, output)."""
+SLOW_SAVE = "stop_save=31"  # a stop save that outlasts torchrun's default 30 s between its SIGTERM and SIGKILL
+
+
+def _stop(cmd: list[str], out, log, after: int, target: str, slow_save=None) -> tuple[dict, int, str]:
+    """Start `cmd` (with `slow_save`, a monkeypatch: its stop save takes 31 s), wait for step `after`, send SIGTERM
+    to `target` ("launcher": the process started; "launcher and torchrun": both at once, as a host's shutdown
+    signals every process; "one worker": the rank-1 worker only, rank 0 learns of it through the per-step
+    agreement), and check the stop: one step for every rank, a whole checkpoint of it, no process left. (stopped,
+    exit code, output)."""
+    if slow_save is not None:
+        slow_save.setenv(TEST_DELAYS, SLOW_SAVE)  # read when the command starts: for this command only
     proc = start(cmd, log)
+    if slow_save is not None:
+        slow_save.delenv(TEST_DELAYS)
     wait_for_step(proc, out, after)
     ranks = workers(proc)
     assert len(ranks) == 2, ranks
     family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    (ranks[1] if target == "one worker" else psutil.Process(proc.pid)).send_signal(signal.SIGTERM)
+    if target == "one worker":
+        ranks[1].send_signal(signal.SIGTERM)
+    else:
+        torchrun = [p for p in family if "torch.distributed.run" in " ".join(psutil.Process(p).cmdline())]
+        for pid in [proc.pid, *(torchrun if target == "launcher and torchrun" else [])]:
+            psutil.Process(pid).send_signal(signal.SIGTERM)
     err = finish(proc)
     no_process_outlives(family)
     stopped = read_results(out)["stopped"]
@@ -44,8 +61,12 @@ def _stop(cmd: list[str], out, log, after: int, target: str) -> tuple[dict, int,
     return stopped, proc.returncode, err
 
 
-def _stopped_cleanly(stopped: dict, code: int, err: str) -> None:
-    assert code == EXIT_STOPPED and "Traceback" not in err, err[-3000:]
+def _stopped_cleanly(stopped: dict, code: int, err: str, torchrun_signalled: bool = False) -> None:
+    """Exit 75 with the resume line, and no traceback (but torchrun's own report of the signal it got, where it
+    got one)."""
+    own = "torch.distributed.elastic.multiprocessing.api.SignalException: Process"
+    assert code == EXIT_STOPPED and err.count("Traceback") == (err.count(own) if torchrun_signalled else 0), \
+        err[-3000:]
     assert f"[stopped] SIGTERM after step {stopped['step']}: checkpoint" in err, err[-3000:]
 
 
@@ -56,16 +77,19 @@ def _resumed(out, start_step: int, uninterrupted: dict) -> None:
     assert close(resumed["history"]["losses"], uninterrupted["losses"]), (resumed["history"], uninterrupted["losses"])
 
 
-def test_a_stop_signal_to_the_launcher_or_one_worker_saves_and_the_same_command_resumes(uninterrupted, tmp_path):
-    """Two ranks under the scripts' own launch. SIGTERM to the launcher after step 3: every rank stops at one
-    step with a whole checkpoint of it, results.json says so, exit 75 with the resume line and no traceback. The
-    same command again resumes there; SIGTERM to its rank-1 worker only, a step later, stops it the same way. The
-    same command a third time trains the remaining steps to the losses of a run that never stopped."""
+def test_a_stop_signal_to_the_launcher_or_one_worker_saves_and_the_same_command_resumes(uninterrupted, tmp_path,
+                                                                                         monkeypatch):
+    """Two ranks under the scripts' own launch. SIGTERM to the launcher and its torchrun together after step 3
+    (a host's shutdown), the stop save taking 31 s: torchrun waits for it (the launcher gives it
+    --shutdown-timeout STOP_GRACE_S), every rank stops at one step with a whole checkpoint of it, results.json says
+    so, exit 75 with the resume line and no traceback but torchrun's report of its signal. The same command again
+    resumes there; SIGTERM to its rank-1 worker only, a step later, stops it the same way. The same command a
+    third time trains the remaining steps to the losses of a run that never stopped."""
     out = tmp_path / "o"
     args = (*TWO_RANKS, "--out_dir", str(out), "--nproc_per_node", "2")
     cmd = example_command(SCRIPT, *args)
-    first, code, err = _stop(cmd, out, tmp_path / "log1", 3, "launcher")
-    _stopped_cleanly(first, code, err)
+    first, code, err = _stop(cmd, out, tmp_path / "log1", 3, "launcher and torchrun", slow_save=monkeypatch)
+    _stopped_cleanly(first, code, err, torchrun_signalled=True)
     second, code, err = _stop(cmd, out, tmp_path / "log2", first["step"] + 1, "one worker")
     _stopped_cleanly(second, code, err)
     assert read_results(out)["resumed_from_step"] == first["step"]
@@ -73,14 +97,17 @@ def test_a_stop_signal_to_the_launcher_or_one_worker_saves_and_the_same_command_
     _resumed(out, second["step"], uninterrupted)
 
 
-def test_a_stop_signal_to_torchrun_saves_and_the_same_command_resumes(uninterrupted, tmp_path):
-    """The same under torchrun, SIGTERM to torchrun after step 3: the workers stop at one step with a whole
-    checkpoint; torchrun reports their stop (or the signal it got itself) its own way, non-zero. The same torchrun
-    command resumes to the losses of a run that never stopped."""
+def test_a_stop_signal_to_torchrun_saves_and_the_same_command_resumes(uninterrupted, tmp_path, monkeypatch):
+    """The same under a torchrun of the user's, started as the docs say (--shutdown-timeout STOP_GRACE_S), SIGTERM
+    to torchrun after step 3 and a stop save of 31 s: the workers stop at one step with a whole checkpoint, rank 0
+    prints the resume line (its exit, 75, is torchrun's to report: it reports the signal it got itself, non-zero).
+    The same torchrun command resumes to the losses of a run that never stopped."""
     out = tmp_path / "o"
     args = (*TWO_RANKS, "--out_dir", str(out))
-    stopped, code, _ = _stop(example_command(SCRIPT, *args, torchrun=2), out, tmp_path / "log", 3, "launcher")
-    assert code != 0
+    cmd = example_command(SCRIPT, *args, torchrun=2)
+    cmd.insert(cmd.index(str(ROOT / "examples" / SCRIPT)), f"--shutdown-timeout={STOP_GRACE_S}")
+    stopped, code, err = _stop(cmd, out, tmp_path / "log", 3, "launcher", slow_save=monkeypatch)
+    assert code != 0 and f"[stopped] SIGTERM after step {stopped['step']}: checkpoint" in err, err[-3000:]
     run_example(SCRIPT, *args, torchrun=2)
     _resumed(out, stopped["step"], uninterrupted)
 

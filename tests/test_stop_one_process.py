@@ -1,10 +1,12 @@
 """Stopping a one-process training run and resuming only the same run: --time_limit stops it before the budget
-ends; a second signal during the stop save ends it at once and the previous checkpoint stays usable; a rerun that
-differs from the run that wrote the checkpoints is refused in one line before anything is built, and --steps at or
-below the newest checkpoint trains nothing."""
+ends, its evaluation counted; a signal during an evaluation ends it at a batch and saves that step; the held-out
+losses of the whole run survive the stops; a second signal during the stop save ends it at once and the previous
+checkpoint stays usable; a rerun that differs from the run that wrote the checkpoints is refused in one line before
+anything is built, and --steps at or below the newest checkpoint trains nothing."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.harness.resume import whole_checkpoints
-from common.harness.stops import EXIT_STOPPED
+from common.harness.stops import DEADLINE, EXIT_STOPPED, TEST_DELAYS
 from conftest import assert_clean_error, example_command, read_results, run_example
 from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 
@@ -22,28 +24,71 @@ from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 def checkpointed(tmp_path_factory, prepared_assets) -> tuple[Path, tuple[str, ...], dict]:
     """One process, 6 steps, never stopped: a whole checkpoint at step 3 (--checkpoint_every 3; without an export
     nothing is saved at the last step) and the losses of an uninterrupted run, as its results.json had them
-    (tests below rerun into the folder)."""
+    (tests below rerun into the folder). Its environment holds the launcher's DEADLINE, long past: a plain run
+    is no worker of the launcher's and ignores it."""
     out = tmp_path_factory.mktemp("checkpointed")
     run = (*ONE_RANK, "--checkpoint_every", "3", "--out_dir", str(out))
-    run_example(SCRIPT, *run)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(DEADLINE, "1.0")  # 1970
+        run_example(SCRIPT, *run)
     assert whole_checkpoints(out) == [3]
     return out, run, read_results(out)
 
 
-def test_time_limit_stops_before_the_budget_ends_and_the_run_resumes(checkpointed, tmp_path):
-    """--time_limit 0.01 (0.6 s, spent before step 1 ends) with no margin: the run stops after step 1 with a
-    checkpoint, exit 75; the same command without the limit trains on to the losses of a run that never stopped."""
+def _held_out_batches_started(log: Path) -> int:
+    """Evaluations begun, as torchtitan's log says (each builds the held-out dataloader)."""
+    return log.read_text(errors="replace").count("Preparing local_validation dataset")
+
+
+def test_time_limit_and_a_signal_during_an_evaluation_stop_at_once_and_the_held_out_losses_survive(
+        checkpointed, tmp_path, monkeypatch):
+    """Held out every 2 steps (steps 1, 2, 4, 6), three runs of the same command:
+
+    1. --time_limit 0.2 (12 s) with no margin, --eval_steps 100000 (hours of held-out batches): the budget counts
+       the evaluation, so the run stops after step 1 without evaluating it (at the step, or at the first held-out
+       batch), within the budget plus the stop save and exit, exit 75.
+    2. Resumed without the limit, 3 held-out batches, each made to last 1.5 s more (the TEST_DELAYS hook): step 2 is
+       evaluated; SIGTERM once the evaluation of step 4 has begun ends it at the next batch, saves step 4, exit 75.
+    3. Resumed again: steps 5 and 6, step 6 evaluated. results.json's eval_losses holds steps 2 and 6, the one of
+       step 2 as the second run had it (kept in eval_losses.jsonl), and the training losses are those of a run
+       that never stopped."""
     _, _, straight = checkpointed
     out = tmp_path / "o"
-    run = (*ONE_RANK, "--out_dir", str(out))
-    proc = run_example(SCRIPT, *run, "--time_limit", "0.01", "--stop_margin_s", "0", check=False)
+    run = (*ONE_RANK, "--out_dir", str(out), "--eval_every", "2")
+    started = time.monotonic()
+    proc = run_example(SCRIPT, *run, "--eval_steps", "100000", "--time_limit", "0.2", "--stop_margin_s", "0",
+                       check=False)
+    took = time.monotonic() - started
     assert proc.returncode == EXIT_STOPPED, proc.stdout[-2000:] + proc.stderr[-2000:]
-    stopped = read_results(out)["stopped"]
-    assert stopped == {"reason": "time_limit", "step": 1, "checkpoint": str(out / "checkpoint" / "step-1")}
+    first = read_results(out)
+    assert first["stopped"] == {"reason": "time_limit", "step": 1, "checkpoint": str(out / "checkpoint" / "step-1")}
+    assert first["eval_losses"] == [] and "validate step" not in proc.stdout + proc.stderr
     assert "run the same command again" in proc.stdout
-    run_example(SCRIPT, *run)
+    assert took < 12 + 60, took  # an evaluation of 100000 batches takes hours
+
+    monkeypatch.setenv(TEST_DELAYS, "eval_batch=1.5")
+    second = start(example_command(SCRIPT, *run, "--eval_steps", "3"), tmp_path / "log2")
+    monkeypatch.delenv(TEST_DELAYS)
+    wait_for_step(second, out, 4)
+    deadline = time.monotonic() + 120
+    while _held_out_batches_started(tmp_path / "log2") < 2:  # step 2's, then step 4's
+        assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "log2").read_text()[-3000:]
+        time.sleep(0.05)
+    second.send_signal(signal.SIGTERM)
+    log = finish(second)
+    assert second.returncode == EXIT_STOPPED and "Traceback" not in log, log[-3000:]
+    cut = re.search(r"\[stop\] SIGTERM: the evaluation of step 4 ended after (\d) held-out batches; saving step 4",
+                    log)
+    assert cut and int(cut.group(1)) < 3, log[-3000:]
+    stopped = read_results(out)
+    assert stopped["stopped"]["step"] == 4 and (out / "checkpoint" / "step-4" / ".metadata").is_file()
+    assert [r["step"] for r in stopped["eval_losses"]] == [2], stopped["eval_losses"]
+
+    run_example(SCRIPT, *run, "--eval_steps", "3")
     resumed = read_results(out)
-    assert resumed["resumed_from_step"] == 1 and close(resumed["history"]["losses"], straight["losses"])
+    assert resumed["resumed_from_step"] == 4 and close(resumed["history"]["losses"], straight["losses"])
+    assert [r["step"] for r in resumed["eval_losses"]] == [2, 6], resumed["eval_losses"]
+    assert resumed["eval_losses"][0] == stopped["eval_losses"][0]
 
 
 def test_a_second_signal_during_the_stop_save_ends_the_run_at_once(checkpointed, tmp_path):

@@ -200,7 +200,7 @@ def read_progress(path: Path) -> list[dict]:
 
 # What a training run writes in OUT_DIR, each replaced atomically (results.json, the loss curve, the export check).
 RUN_OUTPUTS = ("results.json", "losses.jsonl", "loss.png", "export_check.json", "export_reference.safetensors",
-               ".export_check.json")
+               ".export_check.json", "eval_losses.jsonl", "segments.json")
 
 
 def check_outputs(out_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS,

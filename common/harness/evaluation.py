@@ -15,20 +15,32 @@ The held-out data is text the training stream never holds:
   (Once a folder has a validation file, `datasets` reads only files named train* as the train split.)
 - a folder without one, such as a torchtitan checkout's tests/assets/c4_test (data.json only): torchtitan's own
   `c4_validation`, the validation split of allenai/c4 streamed from the Hugging Face Hub (it needs the network).
+
+An evaluation reads the held-out data at most once: torchtitan's validator loops it without end when `steps` is set
+(re-shuffled each time), so `--eval_steps` past the data's size would read the same text again for hours. Here its
+dataloader reads one pass, and before each batch the ranks agree (one all-reduce) whether every rank still has one
+and whether to stop (a stop signal, or --time_limit: common/harness/stops.py); the first evaluation that runs out
+says how many batches the data holds. The held-out losses go to results.json's `eval_losses` and, on rank 0, to
+OUT_DIR/eval_losses.jsonl, kept across stops and resumes as losses.jsonl is.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import paths
 from common.errors import UserError
+from common.harness.stops import StopNow, hook_delay
+from common.results import atomic_write_text
 
 # torchtitan's datasets are looked up by name in its DATASETS registry; this one reads a local folder's
 # validation split, as its c4_test reads the train split.
 LOCAL_VALIDATION = "local_validation"
 HUB_VALIDATION = "c4_validation"  # torchtitan's own: allenai/c4, name "en", split "validation", streamed
+EVAL_LOSSES = "eval_losses.jsonl"  # in OUT_DIR: a line an evaluation, kept across stops and resumes
 
 
 def has_validation_split(folder: str | os.PathLike) -> bool:
@@ -102,7 +114,13 @@ def apply_eval_settings(tc, every: int, steps: int, dataset: tuple[str, str] | N
 class EvalRecorder:
     """Records the held-out loss torchtitan's Validator hands its MetricsProcessor (`log_validation`, after each
     validated step), as common.losses.LossRecorder does for training: the validator's own token-weighted mean
-    over its batches, reduced over the ranks, never recomputed here.
+    over its batches, reduced over the ranks, never recomputed here. With `path` (rank 0: OUT_DIR/eval_losses.jsonl)
+    each loss is also appended there, and on this process's first step the file keeps only the earlier steps of the
+    run it resumes, so `rows` holds the held-out losses of the whole run.
+
+    It gives the validator one pass over the held-out data with a gate before each batch (see the module
+    docstring), and joins it to the stop control (`stop`): a stop agreed at a step skips its evaluation, one
+    during an evaluation ends it at the next batch (nothing is recorded for it) and saves that step.
 
     It also re-shards the model after each validation. FSDP2 re-shards parameters in the backward pass; the
     validator's forward runs without one, so the model would leave it with its parameters unsharded: one
@@ -113,31 +131,142 @@ class EvalRecorder:
 
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    path: Path | None = None
+    pass_batches: int | None = None  # batches a rank of one pass over the held-out data, once an evaluation ran out
+    first_step: int | None = None  # this process's first training step
+    _batches: int = 0
 
-    def attach(self, trainer) -> "EvalRecorder":
+    def attach(self, trainer, stop=None) -> "EvalRecorder":
         mp = trainer.metrics_processor
         original = mp.log_validation
 
         def log_validation(loss, step, extra_metrics=None):
-            self.steps.append(int(step))
-            self.losses.append(float(loss))
+            self._append(int(step), float(loss))
             return original(loss=loss, step=step, extra_metrics=extra_metrics)
 
         mp.log_validation = log_validation
+        if self.path is not None:
+            train_step = trainer.train_step
+
+            def first_train_step(*args, **kw):  # once: the file keeps the steps before this process's first
+                if self.first_step is None:
+                    self.first_step = trainer.step
+                    kept = [r for r in _read_rows(self.path) if r["step"] < self.first_step]
+                    atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+                return train_step(*args, **kw)
+
+            trainer.train_step = first_train_step
         validator = getattr(trainer, "validator", None)  # set only when the config enables it
         if validator is not None:
-            validate = validator.validate
+            validate, asked = validator.validate, validator.config.steps
+            if hasattr(validator, "dl_config"):
+                validator.dl_config = HeldOutPass(validator.dl_config, lambda done, have: self._gate(done, have,
+                                                                                                   asked, stop))
 
-            def validate_and_reshard(model_parts, step):
-                validate(model_parts, step)
-                reshard(model_parts)
+            def validate_guarded(model_parts, step):
+                if stop is not None and stop.skips_eval(step):
+                    return  # a stop was agreed at this step: no evaluation after its save
+                self._batches, interrupted = 0, False
+                try:
+                    validate(model_parts, step)
+                except StopNow:
+                    interrupted = True
+                    for model in model_parts:  # what torchtitan's validate does at its end
+                        model.train()
+                finally:
+                    reshard(model_parts)
+                if stop is not None:
+                    stop.eval_ended(step, interrupted=interrupted, batches=self._batches)
 
-            validator.validate = validate_and_reshard
+            validator.validate = validate_guarded
         return self
 
+    def _gate(self, done: int, have: bool, asked: int, stop) -> bool:
+        """Before held-out batch `done` + 1: whether every rank has it (False ends the evaluation there, as the end
+        of torchtitan's data does); a stop raises StopNow on every rank."""
+        if delay := hook_delay("eval_batch"):
+            import time
+
+            time.sleep(delay)
+        planned = asked if asked > 0 else self.pass_batches or done + 1  # the batches this evaluation will read
+        planned = min(planned, self.pass_batches or planned)
+        every = stop.eval_batch(done, planned, have) if stop is not None else _every_rank_has(have)
+        if every:
+            self._batches = done + 1
+            return True
+        if done == 0:
+            raise UserError("--eval_every: the held-out data holds no batch of --local_batch_size sequences of "
+                            "--seq_len tokens for every rank: use more held-out data, or fewer ranks")
+        if self.pass_batches is None:
+            self.pass_batches = done
+            if done < asked and int(os.environ.get("RANK", "0")) == 0:
+                print(f"[eval] the held-out data gives every rank {done} batches: each evaluation reads them once "
+                      f"({done} batches, not --eval_steps {asked})", flush=True)
+        return False
+
+    def _append(self, step: int, loss: float) -> None:
+        self.steps.append(step)
+        self.losses.append(loss)
+        if self.path is not None and self.first_step is not None:
+            with open(self.path, "a") as f:  # a kill can cut the last line; _read_rows skips it
+                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+
     def rows(self) -> list[dict]:
-        """results.json's `eval_losses`: [{"step": s, "loss": x}, ...], empty when no validation ran."""
+        """results.json's `eval_losses`: [{"step": s, "loss": x}, ...], empty when no validation ran; on rank 0
+        those of the whole run, resumed parts included."""
+        if self.path is not None and self.first_step is not None:
+            return _read_rows(self.path)
         return [{"step": s, "loss": x} for s, x in zip(self.steps, self.losses)]
+
+
+class HeldOutPass:
+    """Stands in for the Validator's dataloader config (`validator.dl_config`, whose `build` it calls once per
+    evaluation): the same dataloader, reading the held-out data once instead of looping it, its batches passed
+    through `gate(done, have) -> bool` (False: the evaluation ends before that batch)."""
+
+    def __init__(self, config, gate):
+        self.config = dataclasses.replace(config, infinite=False) if hasattr(config, "infinite") else config
+        self.gate = gate
+
+    def build(self, **kwargs):
+        return _GatedBatches(self.config.build(**kwargs), self.gate)
+
+
+class _GatedBatches:
+    def __init__(self, loader, gate):
+        self.loader, self.gate = loader, gate
+
+    def __iter__(self):
+        batches, done = iter(self.loader), 0
+        while True:
+            try:
+                batch, have = next(batches), True
+            except StopIteration:
+                batch, have = None, False
+            if not self.gate(done, have):
+                return
+            done += 1
+            yield batch
+
+
+def _every_rank_has(have: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return have
+    from torchtitan.tools import utils
+
+    flag = torch.tensor([0.0 if have else 1.0], device=utils.device_type)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not flag.item()
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The rows of an eval_losses.jsonl ({"step", "loss"} a line); a last line cut by a kill is skipped."""
+    from common.harness.checks import read_progress
+
+    return read_progress(path)
 
 
 def reshard(model_parts) -> None:

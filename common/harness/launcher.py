@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common.device import GIB, die_with_parent
 from common.errors import UserError, one_line
-from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_SIGNALS
+from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
 
 
 def under_launcher() -> bool:
@@ -153,9 +153,11 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
     share of a run that the same command with another --node_rank starts on each other host); returns the exit
     code. A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) to this process is passed to the workers, which finish
     their step, agree with every other rank (on every node) to stop there, save it and end (harness/stops.py); each
-    node's launch then exits EXIT_STOPPED. A second signal kills every process of this node's share at once.
+    node's launch then exits EXIT_STOPPED, also when torchrun got the signal too (a host's shutdown signals every
+    process) and reports it its own way. A second signal kills every process of this node's share at once.
     torchrun gets SIGTERM if this process dies (however), the workers SIGKILL if torchrun does: nothing outlives
-    the launch."""
+    the launch. torchrun, when it gets a signal itself, passes it on (SIGUSR1 too) and waits STOP_GRACE_S for the
+    workers' stop save before it kills them (its default, 30 s, is shorter than a large model's save)."""
     import subprocess
     import tempfile
 
@@ -171,10 +173,10 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
              [f"--nnodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
               f"--master_port={cfg.master_port}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.nproc_per_node}",
-           "--local-ranks-filter=0", *rest]
+           "--local-ranks-filter=0", *torchrun_stop_flags(), *rest]
     with tempfile.TemporaryDirectory(prefix="qwen3-launch-") as tmp:
         marker = Path(tmp) / "stopped"  # on this host: a worker that stopped the run says so here, and exits 0
-        env = dict(os.environ, **{SELF_LAUNCHED: str(marker)}, **({DEADLINE: repr(deadline)} if deadline else {}))
+        env = worker_env(os.environ, marker, deadline)
         proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
                                 preexec_fn=die_with_parent(signal.SIGTERM))
         first = []
@@ -193,11 +195,27 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
         for sig in STOP_SIGNALS:
             signal.signal(sig, stop)
         code = proc.wait()
-        if code != 0 or not marker.exists():
-            return code
+        if not marker.exists():  # a stop's mark: every worker of this host saved and ended; torchrun's own exit
+            return code         # is not 0 when it got the signal too
         if cfg.node_rank:  # node 0's rank 0 has said it; another node's own output says it here
             print(marker.read_text(errors="replace").strip(), flush=True)
         return EXIT_STOPPED
+
+
+def torchrun_stop_flags() -> list[str]:
+    """torchrun's flags for a stop: wait STOP_GRACE_S after passing on a signal before killing the workers, and
+    pass on SIGUSR1 (SLURM's --signal) as well as its default four."""
+    return [f"--shutdown-timeout={STOP_GRACE_S}", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+
+
+def worker_env(environ, marker: Path, deadline: float | None) -> dict:
+    """The workers' environment: where a stop is reported, and this launch's deadline; a DEADLINE this process
+    inherited is not this launch's and is dropped."""
+    env = {k: v for k, v in environ.items() if k != DEADLINE}
+    env[SELF_LAUNCHED] = str(marker)
+    if deadline:
+        env[DEADLINE] = repr(deadline)
+    return env
 
 
 def _signal_workers(pid: int, sig: int) -> None:

@@ -18,7 +18,7 @@ from common import cli, device, export, paths
 from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import Progress, explain_failure, attach_load_check, check_outputs, compare_losses, \
     format_loss_comparison, read_reference_losses
-from common.harness.evaluation import EvalRecorder, apply_eval_settings, eval_dataset
+from common.harness.evaluation import EVAL_LOSSES, EvalRecorder, apply_eval_settings, eval_dataset
 from common.harness.preflight import require_stack, wants_neuron
 from common.recipe import Hooks, Recipe, inputs, train
 
@@ -36,7 +36,7 @@ class Guards:
     checkpoint_every: int = field(default=0, metadata={
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
                 "command resumes from the latest", **cli.bounds(0, 10**7)})
-    time_limit: str | None = field(default=None, metadata={
+    time_limit: str = field(default=None, metadata={  # `str`, not optional: "" and "none" are refused, not "no limit"
         "help": "stop before this budget ends, with a checkpoint (exit 75; the same command resumes): minutes (90) "
                 "or an end time with its zone (2026-12-02T18:00:00Z: a capacity block's end)"})
     stop_margin_s: float = field(default=120.0, metadata={
@@ -204,6 +204,7 @@ class GuardHooks(Hooks):
         if dev.is_main:
             resume.write_record(out_dir, found["record"])
             self.progress = Progress(out_dir / "losses.jsonl")
+            self.evals.path = out_dir / EVAL_LOSSES
         note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"))  # the validator
         return notes + ([note] if note else [])
 
@@ -216,7 +217,7 @@ class GuardHooks(Hooks):
                 pass_positions=self.recipe.pass_positions)
         if self.progress is not None:
             rec.on_step.append(self.progress.append)
-        self.evals.attach(trainer)  # the validator's held-out losses (--eval_every)
+        self.evals.attach(trainer, self.stop)  # the validator's held-out losses (--eval_every), stopped with the run
         self.stop.attach(trainer, dev.device, export=cfg.export)
         self.reshard.attach(trainer)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)

@@ -394,33 +394,43 @@ PLAN_TIMEOUT_S = 300
 def _plan_in_a_child(plan, device_type: str, route) -> float | None:
     """None where a fork is not safe (device.fork_is_safe: another Python thread, holding a lock at the fork, would
     leave the child waiting on it forever); and None, the child killed, if it has not answered in
-    PLAN_TIMEOUT_S. The child plans on one torch thread (the parent's OpenMP threads are not in it)."""
+    PLAN_TIMEOUT_S. The child plans on one torch thread (the parent's OpenMP threads are not in it). It dies with
+    this process, however this process ends (a SIGKILL too: it holds a copy of the out_dir lock's descriptor, and
+    would hold the lock until it ended), and never prints a traceback: whatever happens in it ends in os._exit."""
     import json
     import select
     import signal
 
-    from common.device import fork_is_safe
+    from common.device import die_with_parent, fork_is_safe
 
     if not fork_is_safe():
         return None
     if device_type == "cpu":
         route("cpu")
 
+    arm = die_with_parent(signal.SIGKILL)  # prctl looked up here, before the fork
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: plan, report, leave without running anything of the parent's
-        os.close(read)
         try:
-            import torch
+            arm()
+            os.close(read)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):  # the parent's stop handlers
+                signal.signal(sig, signal.SIG_DFL)                                      # are not the child's
+            try:
+                import torch
 
-            # One intra-op thread before any op: the parent's OpenMP pool (torch's default threads, once an op has
-            # run) is not in the child, and a parallel region there would wait for it forever.
-            torch.set_num_threads(1)
-            payload = json.dumps({"planned_bytes": plan()})
-        except BaseException as e:  # noqa: BLE001  reported to the parent as text
-            payload = json.dumps({"error": f"{type(e).__name__}: {e}"})
-        os.write(write, payload.encode())
-        os._exit(0)
+                # One intra-op thread before any op: the parent's OpenMP pool (torch's default threads, once an op
+                # has run) is not in the child, and a parallel region there would wait for it forever.
+                torch.set_num_threads(1)
+                payload = json.dumps({"planned_bytes": plan()})
+            except BaseException as e:  # noqa: BLE001  reported to the parent as text
+                payload = json.dumps({"error": f"{type(e).__name__}: {e}"})
+            os.write(write, payload.encode())
+        except BaseException:  # noqa: BLE001  the parent gone (a broken pipe) or a signal: nothing to tell
+            pass
+        finally:
+            os._exit(0)
     os.close(write)
     chunks, deadline = [], time.monotonic() + PLAN_TIMEOUT_S
     while select.select([read], [], [], max(deadline - time.monotonic(), 0))[0]:

@@ -4,12 +4,23 @@ Stop signals (SIGTERM: a spot reclaim, `kill`, Kubernetes, SLURM; SIGINT: Ctrl-C
 SIGHUP) and `--time_limit` end a run at the next step boundary: every rank finishes the step it is in, the ranks
 agree to stop (one all-reduce per step, so a signal that reached one rank stops them all at the same step),
 torchtitan saves that step's whole training state in OUT_DIR/checkpoint/step-N (what --checkpoint_every saves),
-results.json says `stopped`, and the process exits with EXIT_STOPPED. A second signal ends the run at once; the
-previous checkpoint stays usable (a save cut short has no .metadata and is never loaded). The same command resumes
-it (common/harness/resume.py).
+results.json says `stopped`, and the process exits with EXIT_STOPPED. A held-out evaluation (--eval_every) is a
+step boundary too: a stop agreed at a step skips that step's evaluation, and one that comes during an evaluation
+ends it at the next batch (the ranks agree at each batch) and saves the step it evaluated. A second signal ends
+the run at once; the previous checkpoint stays usable (a save cut short has no .metadata and is never loaded).
+The same command resumes it (common/harness/resume.py).
+
+--time_limit foresees what continuing costs: at a step boundary, the evaluation due there (the longest measured),
+one more step (the longest measured) and the stop save (the longest measured save, or --stop_margin_s); during an
+evaluation, its remaining batches at the pace measured so far, a step and the save.
+
+torchrun kills its workers a while after passing them a signal it got itself (its --shutdown-timeout, 30 s unless
+told): the scripts' own launch gives it STOP_GRACE_S; under a torchrun of the user's, `torchrun_grace_s` reads what
+it was given and rank 0 says so at the start when it is less.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -24,11 +35,34 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 SELF_LAUNCHED = "QWEN3_RECIPES_SELF_LAUNCHED"  # set by the launcher for its workers: where a stop is reported
 DEADLINE = "QWEN3_RECIPES_DEADLINE"  # --time_limit as an absolute time, set once by the launcher for every worker
 TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its number)
+# How long torchrun waits, after passing on a signal it got itself, before it SIGKILLs the workers: the rest of a
+# step and a stop save of a large model (a 64-rank qwen3_4b with its AdamW state writes tens of GB) must fit. A
+# second signal still ends the run at once.
+STOP_GRACE_S = 1800
+TORCHRUN_DEFAULT_GRACE_S = 30  # torch.distributed.run without --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# A test hook, never set by a user: "stop_save=31,eval_batch=2" makes each stop save sleep 31 s before torchtitan's
+# save (a slow disk, as a large model's save on a shared file system) and each held-out batch take 2 s more (a long
+# evaluation), at no CPU cost. tests/test_stop.py and tests/test_stop_one_process.py set it.
+TEST_DELAYS = "QWEN3_RECIPES_TEST_DELAYS"
+
+
+def hook_delay(what: str) -> float:
+    """Seconds of the TEST_DELAYS hook for `what` (0 without it)."""
+    for item in os.environ.get(TEST_DELAYS, "").split(","):
+        name, _, seconds = item.partition("=")
+        if name.strip() == what:
+            return float(seconds)
+    return 0.0
+
+
+class StopNow(Exception):
+    """Raised on every rank at the same held-out batch when the ranks agreed to stop during an evaluation."""
 
 
 def parse_time_limit(text: str | None, now: float | None = None) -> float | None:
     """--time_limit as an absolute time.time(): minutes from now ("90", "0.5"), or an end time in ISO 8601 with a
-    time zone ("2026-12-02T18:00:00+00:00", "...Z"), such as a capacity block's end."""
+    time zone ("2026-12-02T18:00:00+00:00", "...Z"), such as a capacity block's end. None: no limit; any text,
+    the empty one included, must be one of the two."""
     if text is None:
         return None
     now = time.time() if now is None else now
@@ -36,8 +70,10 @@ def parse_time_limit(text: str | None, now: float | None = None) -> float | None
         minutes = float(text)
     except ValueError:
         try:
-            end = datetime.fromisoformat(text.replace("Z", "+00:00"))
+            end = datetime.fromisoformat(text.replace("Z", "+00:00")) if text.strip() else None
         except ValueError:
+            end = None
+        if end is None:
             raise UserError(f"--time_limit {text!r} is neither minutes (90) nor an end time with its time zone "
                             "(2026-12-02T18:00:00Z)") from None
         if end.tzinfo is None:
@@ -51,14 +87,48 @@ def parse_time_limit(text: str | None, now: float | None = None) -> float | None
 
 
 def deadline(time_limit: str | None) -> float | None:
-    """The run's end time: the launcher's (every worker the same) or this process's own."""
-    if os.environ.get(DEADLINE):
-        return float(os.environ[DEADLINE])
-    return parse_time_limit(time_limit)
+    """The run's end time: in a worker of the scripts' own launch, the launcher's (every worker the same);
+    anywhere else this process's own --time_limit. A DEADLINE left in the environment of any other process (a
+    shell that exported it, a plain torchrun) is not this run's and is ignored."""
+    text = os.environ.get(DEADLINE) if os.environ.get(SELF_LAUNCHED) else None
+    if not text:
+        return parse_time_limit(time_limit)
+    try:
+        end = float(text)
+    except ValueError:
+        end = math.nan
+    if not (math.isfinite(end) and end > 0):
+        raise UserError(f"{DEADLINE}={text!r} from the launcher is not a time in seconds since the epoch: start the "
+                        f"run without {DEADLINE} and {SELF_LAUNCHED} in its environment")
+    return end
+
+
+def torchrun_grace_s(parent_cmdline: list[str], env: dict) -> int:
+    """The seconds a torchrun (`parent_cmdline`: its argv) waits after passing on a signal before it SIGKILLs its
+    workers: its --shutdown-timeout (or --shutdown_timeout, or PET_SHUTDOWN_TIMEOUT as for every torchrun flag),
+    else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 (torch 2.14's torch/distributed/run.py and launcher/api.py)."""
+    value = None
+    for i, arg in enumerate(parent_cmdline):
+        name, eq, rest = arg.partition("=")
+        if name in ("--shutdown-timeout", "--shutdown_timeout"):
+            value = rest if eq else (parent_cmdline[i + 1] if i + 1 < len(parent_cmdline) else None)
+        elif not arg.startswith("-") and i > 0 and parent_cmdline[i - 1] not in ("-m", "-c") and arg.endswith(".py"):
+            break  # the training script: what follows is its own
+    for source in (value, env.get("PET_SHUTDOWN_TIMEOUT"), env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")):
+        if source is not None:
+            try:
+                return int(source)
+            except ValueError:
+                return TORCHRUN_DEFAULT_GRACE_S  # torchrun itself would not have started
+    return TORCHRUN_DEFAULT_GRACE_S
+
+
+def under_a_users_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get(SELF_LAUNCHED)
 
 
 class StopControl:
-    """Stop signals and the time limit, decided together at each step boundary (`attach`)."""
+    """Stop signals and the time limit, decided together at each step boundary and each held-out batch (`attach`)."""
 
     DUPLICATE_S = 1.0  # a launcher forwarding the signal this process already got is the same signal
 
@@ -67,73 +137,160 @@ class StopControl:
         self.reason: str | None = None
         self.first_at = 0.0
         self.stopped_at: int | None = None
+        self.saved_at: int | None = None  # the step of this process's last checkpoint save
         self.save_s: list[float] = []
-        self.step_s = 0.0
+        self.step_s = 0.0  # the longest step measured (an evaluation's time not included)
+        self.eval_s = 0.0  # the longest evaluation measured
+        self.batch_s = 0.0  # the pace of the last evaluation: seconds a held-out batch
+        self._last = time.monotonic()  # when the last step's work (its save, its evaluation) ended
+        self._eval_start = 0.0
+        self.device = None
+        self.trainer = None
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        if self.is_main and under_a_users_torchrun():
+            self._say_torchrun_grace()
+
+    def _say_torchrun_grace(self) -> None:
+        try:
+            import psutil
+
+            cmdline = psutil.Process(os.getppid()).cmdline()
+        except Exception:  # noqa: BLE001  no parent to read: nothing to say
+            return
+        grace = torchrun_grace_s(cmdline, dict(os.environ))
+        if grace < STOP_GRACE_S:
+            print(f"[stop] torchrun kills its workers {grace} s after it passes on a stop signal it got itself: a "
+                  f"stop whose step and checkpoint save take longer is lost. Start torchrun with --shutdown-timeout "
+                  f"{STOP_GRACE_S} (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S}), or use the scripts' own "
+                  "launch (--nproc_per_node)", flush=True)
 
     def _on_signal(self, signum, _frame) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()
         if self.reason is None:
             self.reason, self.first_at = name, now
             if self.is_main:
-                os.write(2, f"[stop] {name}: finishing this step, then saving a checkpoint (a second signal ends the "
-                            "run at once)\n".encode())
+                os.write(2, f"[stop] {name}: finishing this step (or held-out batch), then saving a checkpoint (a "
+                            "second signal ends the run at once)\n".encode())
         elif now - self.first_at > self.DUPLICATE_S:
             os.write(2, f"error: {name} again: ended at once; the last complete checkpoint in the out_dir stays "
                         "usable\n".encode())
             os._exit(128 + signum)
 
-    def _wants_stop(self) -> bool:
+    def _room_s(self) -> float:
+        return max(self.save_s) if self.save_s else self.margin_s
+
+    def _wants_stop(self, ahead_s: float = 0.0) -> bool:
+        """A signal came, or the work `ahead_s` (an evaluation) plus one more step and the stop save would not end
+        before the time limit."""
         if self.reason is not None:
             return True
         if self.end is None:
             return False
-        room = max(self.save_s) if self.save_s else self.margin_s
-        if time.time() + self.step_s + room >= self.end:  # room for one more step and its save?
+        if time.time() + ahead_s + self.step_s + self._room_s() >= self.end:
             self.reason = "time_limit"
             return True
         return False
 
-    def attach(self, trainer, device, *, export: bool) -> None:
-        """Wrap the trainer's checkpoint save, which torchtitan calls after every step: there the ranks agree on a
-        stop, and a stop saves this step through torchtitan's own save and ends the loop."""
+    def agree(self, ahead_s: float = 0.0, have: bool = True) -> tuple[int, bool]:
+        """Every rank's stop wish and `have` (a held-out batch) in one all-reduce: (the stop code, 0 to go on; whether
+        every rank has a batch). The same answer on every rank."""
         import torch
         import torch.distributed as dist
 
+        wants = self._wants_stop(ahead_s)  # a signal's number, or TIME_LIMIT: the same reason on every rank
+        code = 0 if not wants else TIME_LIMIT if self.reason == "time_limit" else signal.Signals[self.reason]
+        flag = torch.tensor([float(code), 0.0 if have else 1.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code, lacking = (int(x) for x in flag.tolist())
+        if code:
+            self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
+        return code, not lacking
+
+    def attach(self, trainer, device, *, export: bool) -> None:
+        """Wrap the trainer's checkpoint save, which torchtitan calls after every step (before that step's
+        evaluation): there the ranks agree on a stop, and a stop saves this step through torchtitan's own save and
+        ends the loop. The held-out evaluation joins through `skips_eval`, `eval_batch` and `eval_ended`
+        (common/harness/evaluation.py)."""
         ckpt, save = trainer.checkpointer, trainer.checkpointer.save
-        last = [time.monotonic()]
+        self.device, self.trainer, self._save = device, trainer, save
+        self._last = time.monotonic()
 
         def save_or_stop(curr_step: int, last_step: bool = False) -> bool:
             now = time.monotonic()
-            self.step_s, last[0] = max(self.step_s, now - last[0]), now
+            self.step_s, self._last = max(self.step_s, now - self._last), now
             if last_step:  # the run ends here anyway: its last save is the HF export (none without --export)
                 return save(curr_step, last_step=True) if export else False
-            wants = self._wants_stop()  # a signal's number, or TIME_LIMIT: the same reason on every rank
-            code = 0 if not wants else TIME_LIMIT if self.reason == "time_limit" else signal.Signals[self.reason]
-            flag = torch.tensor([float(code)], device=device)
-            if dist.is_initialized():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            code = int(flag.item())
+            code, _ = self.agree(ahead_s=self.eval_s if self._eval_due(curr_step) else 0.0)
             if not code:
                 saved = save(curr_step, last_step=False)
                 if saved:
                     self.save_s.append(time.monotonic() - now)
-                last[0] = time.monotonic()
+                    self.saved_at = curr_step
+                self._last = time.monotonic()
                 return saved
-            self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
-            interval, ckpt.interval = ckpt.interval, curr_step  # this step is a save step: torchtitan's own save
-            try:
-                save(curr_step, last_step=False)
-            finally:
-                ckpt.interval = interval
-            self.stopped_at = curr_step
-            trainer.should_continue_training = lambda: False
+            self._stop_at(curr_step)
             return True
 
+        self._ckpt = ckpt
         ckpt.save = save_or_stop
+
+    def _eval_due(self, step: int) -> bool:
+        validator = getattr(self.trainer, "validator", None)
+        return bool(self.trainer.config.validator.enable and validator is not None
+                    and validator.should_validate(step))
+
+    def _stop_at(self, step: int) -> None:
+        """Save `step` (unless its own --checkpoint_every save already did) and end the training loop."""
+        if self.saved_at != step:
+            if delay := hook_delay("stop_save"):
+                time.sleep(delay)
+            interval, self._ckpt.interval = self._ckpt.interval, step  # a save step: torchtitan's own save
+            try:
+                self._save(step, last_step=False)
+            finally:
+                self._ckpt.interval = interval
+            self.saved_at = step
+        self.stopped_at = step
+        self.trainer.should_continue_training = lambda: False
+
+    # ---- the held-out evaluation (common/harness/evaluation.py) ------------------------------------------------
+
+    def skips_eval(self, step: int) -> bool:
+        """A stop agreed at this step's save: its evaluation does not run."""
+        skip = self.stopped_at == step
+        if not skip:
+            self._eval_start = time.monotonic()
+        return skip
+
+    def eval_batch(self, done: int, planned: int, have: bool) -> bool:
+        """Before held-out batch `done` + 1 of `planned`: the ranks agree whether to stop (a signal, or the rest of
+        the evaluation at its pace plus a step and the save past the time limit: raises StopNow) and whether every
+        rank has this batch (False: the held-out data ended on some rank)."""
+        if done:
+            self.batch_s = (time.monotonic() - self._eval_start) / done
+        code, every = self.agree(ahead_s=max(planned - done, 0) * self.batch_s, have=have)
+        if code:
+            raise StopNow(self.reason)
+        return every
+
+    def eval_ended(self, step: int, *, interrupted: bool, batches: int) -> None:
+        """After an evaluation: its time is measured (the next step's is counted from here); one a stop ended saves
+        its step and ends the loop (after the last step nothing is left to stop: the run finishes)."""
+        now = time.monotonic()
+        if batches:
+            self.batch_s = (now - self._eval_start) / batches
+        if not interrupted:
+            self.eval_s = max(self.eval_s, now - self._eval_start)
+        if interrupted and step < self.trainer.config.training.steps:
+            if self.is_main:
+                print(f"[stop] {self.reason}: the evaluation of step {step} ended after {batches} held-out "
+                      f"batches; saving step {step}", flush=True)
+            self._stop_at(step)
+        self._last = time.monotonic()
 
     def stopped(self, out_dir: Path) -> dict | None:
         if self.stopped_at is None:

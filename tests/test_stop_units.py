@@ -1,0 +1,114 @@
+"""The stop guards' parts that need no training run: what --time_limit takes, the launcher's deadline reaching only
+its own workers, the grace a torchrun gives its workers' stop save, and the dry-run plan's child dying with the run
+that forked it. The runs that stop: tests/test_stop.py, tests/test_stop_one_process.py."""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from common.errors import UserError
+from common.harness import launcher, stops
+from conftest import ROOT, assert_clean_error, run_example, script_env
+from stop_helpers import SCRIPT, alive
+
+
+@pytest.mark.parametrize("text", ["", " ", "none", "soon"])
+def test_a_time_limit_that_is_not_minutes_or_an_end_time_is_one_error_line(tmp_path, text):
+    proc = run_example(SCRIPT, "--steps", "1", "--no-export", "--time_limit", text, "--out_dir", str(tmp_path),
+                       check=False)
+    assert_clean_error(proc, f"--time_limit {text!r} is neither minutes (90) nor an end time")
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_the_launchers_deadline_is_read_only_by_its_own_workers(monkeypatch, tmp_path):
+    """QWEN3_RECIPES_DEADLINE left in the environment of a plain run (or a torchrun of the user's) is not that run's
+    limit; a worker of the scripts' own launch reads it, and a value that is no time is one error line. The
+    launcher hands its workers its own deadline or none, never one it inherited."""
+    monkeypatch.delenv(stops.SELF_LAUNCHED, raising=False)
+    monkeypatch.setenv(stops.DEADLINE, "1.0")
+    assert stops.deadline(None) is None
+    assert abs(stops.deadline("2") - (time.time() + 120)) < 5
+    monkeypatch.setenv(stops.DEADLINE, "abc")
+    assert stops.deadline(None) is None
+
+    monkeypatch.setenv(stops.SELF_LAUNCHED, str(tmp_path / "stopped"))
+    monkeypatch.setenv(stops.DEADLINE, "1234567890.5")
+    assert stops.deadline("2") == 1234567890.5  # every worker the launcher's one end time
+    for bad in ("abc", "nan", "-5", "inf"):
+        monkeypatch.setenv(stops.DEADLINE, bad)
+        with pytest.raises(UserError, match=f"QWEN3_RECIPES_DEADLINE='{bad}' from the launcher is not a time"):
+            stops.deadline(None)
+
+    inherited = {stops.DEADLINE: "1.0", "PATH": "/bin"}
+    env = launcher.worker_env(inherited, tmp_path / "m", None)
+    assert stops.DEADLINE not in env and env[stops.SELF_LAUNCHED] == str(tmp_path / "m") and env["PATH"] == "/bin"
+    assert launcher.worker_env(inherited, tmp_path / "m", 99.5)[stops.DEADLINE] == "99.5"
+
+
+def test_the_grace_a_torchrun_gives_its_workers_stop(monkeypatch):
+    """What torch 2.14's torchrun waits between passing on a signal and SIGKILL: --shutdown-timeout (either
+    spelling, before the script), PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30. The scripts' own
+    launch gives it STOP_GRACE_S, and passes on SIGUSR1 too."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    script = ["examples/train_native_qwen3.py", "--steps", "3"]
+    grace = stops.torchrun_grace_s
+    assert grace([*torchrun, *script], {}) == stops.TORCHRUN_DEFAULT_GRACE_S == 30
+    assert grace([*torchrun, "--shutdown-timeout", "600", *script], {}) == 600
+    assert grace([*torchrun, "--shutdown_timeout=900", *script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}) == 900
+    assert grace([*torchrun, *script, "--shutdown-timeout", "600"], {}) == 30  # the script's flag, not torchrun's
+    assert grace([*torchrun, *script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}) == 120
+    assert grace([*torchrun, *script], {"PET_SHUTDOWN_TIMEOUT": "240", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}) == 240
+    flags = launcher.torchrun_stop_flags()
+    assert grace([*torchrun, *flags, *script], {}) == stops.STOP_GRACE_S
+    assert "SIGUSR1" in flags[1] and "SIGTERM" in flags[1]
+
+
+PLAN_PARENT = """
+import fcntl, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from common.harness import pilot
+fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)  # as the out_dir lock is held when the run plans
+print(pilot._plan_in_a_child(lambda: time.sleep(120) or 1, "cpu", lambda device: None), flush=True)
+"""
+
+
+def test_the_dry_run_plans_child_dies_with_the_run(tmp_path):
+    """kill -9 of a run while its dry-run plan child plans (pilot._plan_in_a_child; the plan here is a sleep of
+    two minutes): the child dies with it at once, so the out_dir lock (the child holds a copy of its descriptor) is
+    free again, and nothing prints a traceback."""
+    lock, err = tmp_path / ".run.lock", tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        parent = subprocess.Popen([sys.executable, "-c", PLAN_PARENT, str(ROOT), str(lock)], env=script_env(),
+                                  stdout=subprocess.DEVNULL, stderr=stderr)
+    started = [parent.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while not (children := psutil.Process(parent.pid).children()):
+            assert parent.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.05)
+        child = children[0].pid
+        started.append(child)
+        time.sleep(3)  # the child has imported torch and plans
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while alive([child]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive([child]), "the plan child outlived the run that forked it"
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: nothing holds the run's lock
+        finally:
+            os.close(fd)
+        assert "Traceback" not in err.read_text(), err.read_text()
+    finally:
+        for pid in alive(started):
+            os.kill(pid, signal.SIGKILL)
