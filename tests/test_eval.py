@@ -181,3 +181,29 @@ def test_eval_steps_past_the_held_out_data_read_it_once(tmp_path, prepared_asset
     assert len(said) == 1 and 1 <= int(said[0]) <= 4, proc.stdout[-3000:]
     evals = json.loads((out / "results.json").read_text())["eval_losses"]
     assert [r["step"] for r in evals] == [1] and math.isfinite(evals[0]["loss"]), evals
+
+
+def test_a_local_held_out_folder_replaces_the_hubs_c4_and_the_hub_is_named(tmp_path, monkeypatch):
+    """Training data without a validation split (a c4_test-like folder) streams torchtitan's c4_validation from the
+    Hub on every rank, and the run's notes say so; --eval_dataset_path reads a local folder's validation split
+    instead, and a folder without one is one error line."""
+    from common.errors import UserError
+    from common.harness.evaluation import HUB_VALIDATION, LOCAL_VALIDATION, eval_dataset
+
+    train = tmp_path / "c4_like"
+    train.mkdir()
+    (train / "data.json").write_text('{"text": "a training document"}\n')
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    (held_out / "validation.jsonl").write_text('{"text": "a held-out document"}\n')
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    name, path, what = eval_dataset(("c4_test", str(train)))
+    assert name == HUB_VALIDATION and path is None and "streamed from the Hub by every rank" in what
+    assert "--eval_dataset_path" in what
+    assert eval_dataset(("c4_test", str(train)), str(held_out))[:2] == (LOCAL_VALIDATION, str(held_out.resolve()))
+    with pytest.raises(UserError, match="has no validation split"):
+        eval_dataset(("c4_test", str(train)), str(train))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="give --eval_dataset_path"):
+        eval_dataset(("c4_test", str(train)))

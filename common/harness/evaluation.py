@@ -13,8 +13,11 @@ The held-out data is text the training stream never holds:
   the folder as torchtitan's c4_test does, `load_dataset(folder, split="train")`, i.e. the train files alone;
   the corpus's validation.jsonl holds the last documents of each half of it, left out of its train.jsonl.
   (Once a folder has a validation file, `datasets` reads only files named train* as the train split.)
-- a folder without one, such as a torchtitan checkout's tests/assets/c4_test (data.json only): torchtitan's own
-  `c4_validation`, the validation split of allenai/c4 streamed from the Hugging Face Hub (it needs the network).
+- `--eval_dataset_path FOLDER`: that folder's validation split (a local copy of c4's validation files, say), for a
+  training folder without one;
+- a folder without one, such as a torchtitan checkout's tests/assets/c4_test (data.json only), and no
+  --eval_dataset_path: torchtitan's own `c4_validation`, the validation split of allenai/c4 streamed from the
+  Hugging Face Hub by every rank at step 1 (it needs the network on every host; the run's notes say so).
 
 An evaluation reads the held-out data at most once: torchtitan's validator loops it without end when `steps` is set
 (re-shuffled each time), so `--eval_steps` past the data's size would read the same text again for hours. Here its
@@ -58,9 +61,17 @@ def _offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def eval_dataset(training: tuple[str, str]) -> tuple[str, str | None, str]:
+def eval_dataset(training: tuple[str, str], held_out: str | None = None) -> tuple[str, str | None, str]:
     """(torchtitan dataset name, dataset_path, a description) of the held-out data for a run whose training
-    dataset is `training` (paths.training_dataset's (name, folder))."""
+    dataset is `training` (paths.training_dataset's (name, folder)); `held_out`: --eval_dataset_path."""
+    if held_out:
+        if not Path(held_out).is_dir():
+            raise UserError(f"--eval_dataset_path {held_out} is not a folder: give a folder of JSON lines with a "
+                            "validation split (validation*.jsonl)")
+        if not has_validation_split(held_out):
+            raise UserError(f"--eval_dataset_path {held_out} has no validation split: name its held-out files "
+                            "validation*.jsonl (or .json), with a 'text' field")
+        return LOCAL_VALIDATION, str(Path(held_out).resolve()), f"the validation split of {held_out}"
     folder = training[1]
     if has_validation_split(folder):
         return LOCAL_VALIDATION, folder, f"the validation split of {folder}"
@@ -71,8 +82,9 @@ def eval_dataset(training: tuple[str, str]) -> tuple[str, str | None, str]:
     if _offline():
         raise UserError(f"--eval_every: {folder} has no validation split (a validation*.jsonl file beside the "
                         f"training files) and the Hub is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), so "
-                        f"torchtitan's {HUB_VALIDATION} (allenai/c4) cannot be streamed")
-    return HUB_VALIDATION, None, f"torchtitan's {HUB_VALIDATION} (allenai/c4 validation split, streamed from the Hub)"
+                        f"torchtitan's {HUB_VALIDATION} (allenai/c4) cannot be streamed: give --eval_dataset_path")
+    return HUB_VALIDATION, None, (f"torchtitan's {HUB_VALIDATION} (allenai/c4 validation split), streamed from the Hub "
+                                  "by every rank from step 1 (--eval_dataset_path FOLDER reads a local copy instead)")
 
 
 def register_local_validation() -> None:
@@ -93,14 +105,15 @@ def _load_validation_split(path: str):
     return load_dataset(path, split="validation")
 
 
-def apply_eval_settings(tc, every: int, steps: int, dataset: tuple[str, str] | None) -> str | None:
+def apply_eval_settings(tc, every: int, steps: int, dataset: tuple[str, str] | None,
+                        held_out: str | None = None) -> str | None:
     """Configure torchtitan's validator in a Trainer.Config: on at step 1 and every `every` steps (0: off), `steps`
-    batches each, on the held-out data of the training `dataset` (None: a dry run, which reads no data).
-    Returns a line for the run's notes, or None when off."""
+    batches each, on the held-out data of the training `dataset` (None: a dry run, which reads no data) or of
+    `held_out` (--eval_dataset_path). Returns a line for the run's notes, or None when off."""
     tc.validator.enable = bool(every) and dataset is not None
     if not tc.validator.enable:
         return None
-    name, path, what = eval_dataset(dataset)
+    name, path, what = eval_dataset(dataset, held_out)
     if name == LOCAL_VALIDATION:
         register_local_validation()
     tc.validator.freq = every

@@ -33,6 +33,9 @@ class Guards:
     eval_steps: int = field(default=4, metadata={
         "help": "with --eval_every: batches of held-out data per evaluation (--local_batch_size sequences a rank)",
         **cli.bounds(1, 10**5)})
+    eval_dataset_path: str | None = field(default=None, metadata={
+        "help": "with --eval_every: a local folder of held-out JSON lines (its validation*.jsonl files), for training "
+                "data without a validation split; without it such a run streams c4's validation split from the Hub"})
     checkpoint_every: int = field(default=0, metadata={
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
                 "command resumes from the latest", **cli.bounds(0, 10**7)})
@@ -128,7 +131,7 @@ def preflight(recipe: Recipe, cfg) -> dict:
         require_stack("trn2", recipe.stack, **(recipe.stack_options(cfg) if recipe.stack_options else {}))
     found = inputs(recipe, cfg)
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
-        eval_dataset(found["dataset"])
+        eval_dataset(found["dataset"], cfg.eval_dataset_path)
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     if found.get("shape"):  # a torchtitan flavor has no config.json here: --dry_run sizes it
@@ -141,7 +144,8 @@ def preflight(recipe: Recipe, cfg) -> dict:
 def main(recipe: Recipe, cfg) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={
         "--hf_checkpoint": getattr(cfg, "hf_checkpoint", None), "--hf_assets": getattr(cfg, "hf_assets", None),
-        "--compare_losses": cfg.compare_losses, "--dataset": paths.dataset_folder(cfg.dataset, cfg.dataset_path)},
+        "--compare_losses": cfg.compare_losses, "--dataset": paths.dataset_folder(cfg.dataset, cfg.dataset_path),
+        "--eval_dataset_path": cfg.eval_dataset_path},
     ).resolve()
     launcher.hold_out_dir(out_dir, cfg.node_rank)
     if cfg.dry_run:
@@ -152,7 +156,6 @@ def main(recipe: Recipe, cfg) -> dict:
     export.check_replaceable(out_dir)
     check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training
-    check_outputs(out_dir, (reshard.SEGMENTS,))
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)
@@ -205,7 +208,7 @@ class GuardHooks(Hooks):
             resume.write_record(out_dir, found["record"])
             self.progress = Progress(out_dir / "losses.jsonl")
             self.evals.path = out_dir / EVAL_LOSSES
-        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"))  # the validator
+        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"), cfg.eval_dataset_path)  # the validator
         return notes + ([note] if note else [])
 
     def attach(self, trainer, tc, dev, shape: dict, rec) -> None:

@@ -21,7 +21,7 @@ RECORD = "run.json"
 MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "export_tolerance", "compare_losses",
               "loss_tolerance", "load_check", "time_limit", "stop_margin_s", "nproc_per_node", "nnodes", "node_rank",
               "master_addr", "master_port", "oversubscribe", "reshard",
-              "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "tensorboard",
+              "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "eval_dataset_path", "tensorboard",
               "peak_tflops", "price_per_hour", "assumed_mfu", "profile", "profile_freq"}
 
 
