@@ -215,9 +215,11 @@ def test_peak_tflops_has_a_real_lower_bound():
 
     from common import cli
     from common.errors import UserError
+    from common.harness.lifecycle import guarded
 
     def parse(value):
-        return cli.parse_config(script.Config, script.PRESETS, ["--peak_tflops", value], "", script.Config().preset)
+        recipe = guarded(script.RECIPE)  # the recipe's flags and the guards'
+        return cli.parse_config(recipe.config, recipe.presets, ["--peak_tflops", value], "", recipe.default_preset)
 
     assert parse("0.001").peak_tflops == 0.001 and parse("1e5").peak_tflops == 1e5
     for value in ("1e-300", "0.0009", "0"):

@@ -44,29 +44,6 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' * (n != 1)}"
 
 
-# ------------------------------------------------------------------------------------------ the resume check
-def compared(old: dict, new: dict, reshard: bool) -> tuple[dict, dict, str]:
-    """Two run records (common/harness/resume.py) as a resume compares them, and a hint for its refusal. With
-    --reshard the world size is left out, and a global batch of -1 (local x ranks) is resolved with each record's own
-    world size: the global batch must stay what it was (gradient accumulation takes up the change of ranks)."""
-    def resolved(record: dict) -> dict:
-        settings = dict(record.get("settings") or {})
-        local, ranks = settings.get("local_batch_size"), record.get("world_size")
-        if settings.get("global_batch_size") == -1 and isinstance(local, int) and isinstance(ranks, int):
-            settings["global_batch_size"] = local * ranks
-        return {**record, "world_size": None, "settings": settings}
-
-    if not reshard:
-        ranks = new.get("world_size")
-        hint = f" (on {_ranks(ranks)}: add --reshard)" if old.get("world_size") != ranks else ""
-        return old, new, hint
-    old, new = resolved(old), resolved(new)
-    batch = old["settings"].get("global_batch_size")
-    hint = (f" (--reshard keeps the global batch: pass --global_batch_size {batch})"
-            if batch != new["settings"].get("global_batch_size") else "")
-    return old, new, hint
-
-
 # ------------------------------------------------------------------------------------------ the data plan
 def data_shards(keys) -> int | None:
     """The number of data shards whose loader states a checkpoint holds (its keys `dataloader.dp_rank_0` to

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 from common.errors import UserError, one_line
-from common.harness.reshard import compared
 from common.results import atomic_write_text
 
 RECORD = "run.json"
@@ -325,6 +324,29 @@ def read_record(folder: Path, new: dict) -> dict:
         raise UserError(f"{path} is damaged ({problem}): the checkpoints beside it are not loaded and are left as "
                         "they are; restore it, choose another --out_dir, or move that folder away")
     return old
+
+
+def compared(old: dict, new: dict, reshard: bool) -> tuple[dict, dict, str]:
+    """Two run records as a resume compares them, and a hint for its refusal. With
+    --reshard the world size is left out, and a global batch of -1 (local x ranks) is resolved with each record's own
+    world size: the global batch must stay what it was (gradient accumulation takes up the change of ranks;
+    common/harness/reshard.py)."""
+    def resolved(record: dict) -> dict:
+        settings = dict(record.get("settings") or {})
+        local, ranks = settings.get("local_batch_size"), record.get("world_size")
+        if settings.get("global_batch_size") == -1 and isinstance(local, int) and isinstance(ranks, int):
+            settings["global_batch_size"] = local * ranks
+        return {**record, "world_size": None, "settings": settings}
+
+    if not reshard:
+        ranks = new.get("world_size")
+        hint = f" (on {ranks} rank{'s' * (ranks != 1)}: add --reshard)" if old.get("world_size") != ranks else ""
+        return old, new, hint
+    old, new = resolved(old), resolved(new)
+    batch = old["settings"].get("global_batch_size")
+    hint = (f" (--reshard keeps the global batch: pass --global_batch_size {batch})"
+            if batch != new["settings"].get("global_batch_size") else "")
+    return old, new, hint
 
 
 def check_resume(out_dir: Path, record: dict, steps: int, reshard: bool = False) -> int | None:
