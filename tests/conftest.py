@@ -282,11 +282,12 @@ def prepared_assets():
 
 
 # pytest-xdist hands whole files to its three workers (`--dist loadfile`), by default sorted by their number of tests:
-# the stop tests (four tests, a fifth of the suite's time) and the one-test compatibility training file came last and
-# ran on alone at the end. Handed out first, they run beside the many short one-process files; every other file
+# the stop tests (four tests, a fifth of the suite's time), the chains of runs of test_reshard.py and the one-test
+# compatibility training file came last and ran on alone at the end. Handed out first, they run beside the many
+# short one-process files; every other file
 # keeps xdist's order (most tests first), now given here (`--no-loadscope-reorder`). Handing out every long file
 # first cost more CPU time than it saved (docs/testing.md).
-FIRST_FILES = ("test_stop.py", "test_compat_train.py")
+FIRST_FILES = ("test_stop.py", "test_reshard.py", "test_compat_train.py")
 
 
 def pytest_collection_modifyitems(config, items):

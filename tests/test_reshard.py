@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from common.harness import reshard
+from common.harness import reshard, resume
 from common.harness.stops import EXIT_STOPPED
 from conftest import assert_clean_error, example_command, read_results, run_example
 from stop_helpers import finish, start, wait_for_step
@@ -183,14 +183,14 @@ def test_the_global_batch_is_compared_and_named_with_the_flag():
         return {"script": "s", "world_size": ranks, "dataset": None,
                 "settings": {"local_batch_size": 2, "global_batch_size": batch, "lr": lr}}
 
-    old, new, hint = reshard.compared(record(2), record(1), reshard=False)
+    old, new, hint = resume.compared(record(2), record(1), reshard=False)
     assert (old, new) == (record(2), record(1)) and hint == " (on 1 rank: add --reshard)"
-    old, new, hint = reshard.compared(record(2), record(1, 4), reshard=True)
+    old, new, hint = resume.compared(record(2), record(1, 4), reshard=True)
     assert old == new and hint == ""  # -1 on 2 ranks of 2 is 4
-    old, new, hint = reshard.compared(record(2), record(1), reshard=True)
+    old, new, hint = resume.compared(record(2), record(1), reshard=True)
     assert old["settings"]["global_batch_size"] == 4 and new["settings"]["global_batch_size"] == 2
     assert hint == " (--reshard keeps the global batch: pass --global_batch_size 4)"
-    old, new, _ = reshard.compared(record(2, 4), record(4, 4, lr=0.01), reshard=True)
+    old, new, _ = resume.compared(record(2, 4), record(4, 4, lr=0.01), reshard=True)
     assert old["world_size"] == new["world_size"] and old["settings"]["lr"] != new["settings"]["lr"]
 
 
