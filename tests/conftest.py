@@ -296,3 +296,17 @@ def pytest_collection_modifyitems(config, items):
         count[item.path.name] = count.get(item.path.name, 0) + 1
     first = {name: i for i, name in enumerate(FIRST_FILES)}
     items.sort(key=lambda item: (first.get(item.path.name, len(FIRST_FILES)), -count[item.path.name]))  # stable
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str):
+    """A small tmpfs mounted at `folder` (a full disk for real, not a patched write); skips where it cannot be
+    mounted (it needs root)."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)])

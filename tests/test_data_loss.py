@@ -125,16 +125,11 @@ def test_out_dir_inside_or_around_any_input_is_refused(prepared_assets, tmp_path
 def test_out_of_disk_space_is_one_line(prepared_assets, tmp_path):
     """--out_dir on a 3 MB file system: the checkpoint save fails with ENOSPC inside torchtitan's
     distributed checkpoint; the run ends in one `error:` line, not a traceback."""
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    from conftest import tmpfs
+
+    with tmpfs(tmp_path / "small_disk", "3m") as disk:
         proc = run_example(SCRIPT, *SHORT, "--out_dir", str(disk / "run"), check=False)
         assert_clean_error(proc, "out of disk space writing")
-    finally:
-        subprocess.run(["umount", str(disk)])
 
 
 def test_a_users_hf_export_rejected_is_refused_before_training(prepared_assets, tmp_path):

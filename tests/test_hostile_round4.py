@@ -317,17 +317,10 @@ def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_asse
 @pytest.fixture
 def small_disk(tmp_path):
     """A 200 MiB tmpfs: one checkpoint of the tiny model (150 MiB) fits, a second does not."""
-    import subprocess
+    from conftest import tmpfs
 
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "small_disk", "200m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_a_full_disk_during_a_checkpoint_save_is_one_line_naming_the_last_whole_checkpoint(small_disk):
