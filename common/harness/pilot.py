@@ -27,6 +27,7 @@ import statistics
 import time
 
 from common.device import GIB
+from common.export import STOP_SIGNALS
 # bfloat16 FLOP/s of one physical NeuronCore-v3 (torchtitan's figure in get_peak_flops). A logical core is --lnc of
 # them: torchtitan 0.3.0 multiplies by 2 whatever the LNC is, which halves the MFU of an LNC=1 run.
 TRN2_CORE_PEAK = 79e12
@@ -415,8 +416,8 @@ def _plan_in_a_child(plan, device_type: str, route) -> float | None:
         try:
             arm()
             os.close(read)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):  # the parent's stop handlers
-                signal.signal(sig, signal.SIG_DFL)                                      # are not the child's
+            for sig in STOP_SIGNALS:  # the parent's stop handlers are not the child's
+                signal.signal(sig, signal.SIG_DFL)
             try:
                 import torch
 

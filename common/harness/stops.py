@@ -28,10 +28,10 @@ from datetime import datetime
 from pathlib import Path
 
 from common.errors import UserError
+from common.export import STOP_SIGNALS  # SIGTERM, SIGINT, SIGUSR1, SIGHUP: one tuple for the run and its checks
 from common.results import atomic_write_text
 
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped at a step boundary with a checkpoint; run the same command again
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 SELF_LAUNCHED = "QWEN3_RECIPES_SELF_LAUNCHED"  # set by the launcher for its workers: where a stop is reported
 DEADLINE = "QWEN3_RECIPES_DEADLINE"  # --time_limit as an absolute time, set once by the launcher for every worker
 TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its number)
