@@ -8,10 +8,11 @@ class UserError(Exception):
     """A problem the user can fix (a path, a flag, a checkpoint). The message names the problem and the fix."""
 
 
-def one_line(text: str) -> str:
+def one_line(text: str, keep: str = "") -> str:
     """`text` as one printable line: newlines, CR, ESC and other control characters (from a path, a model id, a
-    file's cell) become U+FFFD, so they cannot split an `error:` line, hide text or recolour the terminal."""
-    return "".join(ch if ch.isprintable() else "\N{REPLACEMENT CHARACTER}" for ch in text)
+    file's cell) become U+FFFD, so they cannot split an `error:` line, hide text or recolour the terminal. `keep`:
+    control characters left as they are (tabs and newlines of a file shown whole)."""
+    return "".join(ch if ch.isprintable() or ch in keep else "\N{REPLACEMENT CHARACTER}" for ch in text)
 
 
 class ArgumentParser(argparse.ArgumentParser):

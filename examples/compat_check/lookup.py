@@ -12,7 +12,7 @@ entries such as Spark's `_temporary/` are not read), and a file named twice is r
 needs are read: the table never reads `run_py`, `--run_py` reads it for the one matching row, and the page reads
 it as a dictionary of its distinct texts, so a 200,000-row public file stays a few hundred megabytes.
 `run_py` is printed or shown as text, never run. Every string from a file or a path reaches the terminal as
-printable text (`printable`), error lines included. `--html` never writes over a file it reads or over an
+printable text (`common.errors.one_line`), error lines included. `--html` never writes over a file it reads or over an
 existing file that is not a page it wrote (page.check_target).
 
 With `--rankings FILE` (written by the `rankings` subcommand: rankings.py) the Trending and Downloads views list one
@@ -119,12 +119,6 @@ RANKED_SHOW = (("rank", "rank", 5), ("model_id", "model_id", 50), ("result", "re
                ("transformers", "transformers", 12), ("exclusion", "exclusion", 40), ("error", "error", 50))
 WHOLE = ("tp", "rank", "downloads", "trending_score", "likes", "compile_graphs", "compile_recompiles",
          "compile_graph_breaks")  # shown without decimals
-
-
-def printable(text: str, keep: str = "") -> str:
-    """`text` with every character that is not printable (newline, CR, ESC, other controls; all but `keep`)
-    replaced by U+FFFD, so a value cannot add lines, hide text, move the cursor or recolour the terminal."""
-    return "".join(ch if ch.isprintable() or ch in keep else "\N{REPLACEMENT CHARACTER}" for ch in text)
 
 
 FIRST_LINE = ("error", "exclusion")  # prose (a traceback, a reason): its first line stands for it in a cell
@@ -241,15 +235,15 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
             columns, dictionary = tuple(dict.fromkeys(FILTER_COLUMNS + tuple(c for c, _, _ in SHOW))), ()
         df, problems = load_results(files, columns, dictionary)
         for problem in problems:
-            print(printable(f"skipped: {problem}"), file=sys.stderr)
+            print(one_line(f"skipped: {problem}"), file=sys.stderr)
         if view != "rows":  # one task's ranked models; the filters apply to their rows
             task = args.task or (ranks.tasks[0] if ranks.tasks else "text-generation")
             rows = filter_results(df, None, args.compiler, args.transformers, task, args.compiles_once)
             lines = ranked_lines(rows, ranks, view, task, args.name, keep_untested=not args.compiles_once)
             print(format_table([[line.get(c) for c, _, _ in RANKED_SHOW] for line in lines], RANKED_SHOW))
-            print(printable(ranked_summary(lines, ranks, view, task)))
+            print(one_line(ranked_summary(lines, ranks, view, task)))
             if task not in ranks.tasks:
-                print(printable(f"note: the rankings hold no {task} models (they hold: "
+                print(one_line(f"note: the rankings hold no {task} models (they hold: "
                                 f"{', '.join(ranks.tasks) or 'none'})"), file=sys.stderr)
             if args.html:
                 write_page_or_fail(filter_results(df, args.name, args.compiler, args.transformers, args.task,
@@ -266,7 +260,7 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
                 raise UserError(f"the row for {df['model_id'].iloc[0]} holds no run_py")
             source = source.replace("\r\n", "\n")
             hidden = sum(not (ch.isprintable() or ch in "\t\n") for ch in source)
-            sys.stdout.write(printable(source if source.endswith("\n") else source + "\n", keep="\t\n"))
+            sys.stdout.write(one_line(source if source.endswith("\n") else source + "\n", keep="\t\n"))
             if hidden:  # a carriage return or an escape sequence could hide lines of a script users save
                 print(f"warning: run_py holds {hidden} control character(s) (escape sequences, carriage returns), "
                       "printed as \N{REPLACEMENT CHARACTER}: the stored text differs from what is shown; read it "
@@ -277,7 +271,7 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
         if args.html:
             write_page_or_fail(df, args, selected, rerun, ranks)
     except UserError as e:
-        print(printable(f"error: {e}"), file=sys.stderr)
+        print(one_line(f"error: {e}"), file=sys.stderr)
         return 2
     return 0
 
@@ -287,4 +281,4 @@ def write_page_or_fail(df, args, selected: tuple[str, ...], rerun, ranks) -> Non
         path = page.write_page(df, args.html, selected, [str(s) for s in args.sources], rerun, ranks)
     except OSError as e:
         raise UserError(f"--html {args.html} cannot be written: {e.strerror or e}") from None
-    print(printable(f"page: {path} ({len(df)} rows)"))
+    print(one_line(f"page: {path} ({len(df)} rows)"))
