@@ -230,7 +230,10 @@ GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other i
 # The arguments both training paths get when their losses are compared (the tiny preset's defaults, spelled out).
 SAME_RUN = ("--dtype", "float32", "--seq_len", "128", "--local_batch_size", "2", "--warmup_steps", "2",
             "--lr", "3e-3", "--seed", "0")
-SHARED_RUNS = {  # name: (script, arguments, torchrun processes)
+# The stop and reshard tests' 2-rank runs: 8 steps (room for two stops and steps after them), half the tiny preset's
+# tokens, the global batch spelled out (a resume on another number of ranks keeps it).
+TWO_RANKS = ("--steps", "8", "--no-export", "--seed", "1", "--seq_len", "64", "--global_batch_size", "4")
+SHARED_RUNS = {  # name: (script, arguments, torchrun processes[, environment, "{out}" its out_dir])
     # the tiny preset, 10 steps, exported, its losses compared with the golden ones; validated at step 1 and every
     # 2 steps (2 batches), TensorBoard on (tests/test_eval.py)
     "native_tiny": ("train_native_qwen3.py", ("--preset", "tiny", "--steps", "10", "--compare_losses",
@@ -244,6 +247,10 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes)
     "hf_tiny": ("train_hf_backend.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1", "--price_per_hour",
                                         "12.5"), 0),
     "moe_tiny_2_ranks": ("train_moe_nki.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1"), 2),
+    # the stop and reshard tests' run that never stops: 8 steps on 2 ranks (own launch), every rank's batches traced
+    # (the reshard debug trace, in the folder `trace` beside the out_dir)
+    "native_2_ranks_8_steps": ("train_native_qwen3.py", (*TWO_RANKS, "--nproc_per_node", "2"), 0,
+                               {"QWEN3_RECIPES_RESHARD_DEBUG": "{out}.trace"}),
 }
 
 
@@ -260,10 +267,12 @@ def shared_run(tmp_path_factory, prepared_assets) -> Callable[[str], tuple[Path,
     root.mkdir(exist_ok=True)
 
     def get(name: str) -> tuple[Path, dict]:
-        script, args, torchrun = SHARED_RUNS[name]
+        script, args, torchrun, *env = SHARED_RUNS[name]
         args = [a.format(tiny_qwen3=prepared_assets["tiny_qwen3"]) for a in args]
         out, done = root / name, root / f"{name}.done"
-        with FileLock(str(root / f"{name}.lock")):
+        with FileLock(str(root / f"{name}.lock")), pytest.MonkeyPatch.context() as mp:
+            for var, value in (env[0] if env else {}).items():
+                mp.setenv(var, value.format(out=out))
             if not done.exists():
                 shutil.rmtree(out, ignore_errors=True)
                 proc = run_example(script, *args, "--out_dir", str(out), torchrun=torchrun)

@@ -8,11 +8,10 @@ from pathlib import Path
 import psutil
 
 from common.harness.checks import read_progress
-from conftest import PreforkedProcess, start_python
+from conftest import TWO_RANKS, PreforkedProcess, start_python
 
 SCRIPT = "train_native_qwen3.py"
-STEPS = 8  # room for two stops, one after the other, and steps left after them
-TWO_RANKS = ("--steps", str(STEPS), "--no-export", "--seed", "1", "--seq_len", "64")  # half the tiny preset's tokens
+STEPS = int(TWO_RANKS[TWO_RANKS.index("--steps") + 1])  # room for two stops, one after the other, and steps after them
 ONE_RANK = ("--steps", "6", "--no-export")  # the tiny preset, seed 0
 REL = 1e-6  # float32 on CPU: a resumed step's loss is the uninterrupted one's to an ulp or so (9.5e-7 at loss 11)
 

@@ -14,10 +14,10 @@ import pytest
 
 from common.harness import reshard, resume
 from common.harness.stops import EXIT_STOPPED
-from conftest import assert_clean_error, example_command, read_results, run_example
+from conftest import TWO_RANKS, assert_clean_error, example_command, read_results, run_example
 from stop_helpers import finish, start, wait_for_step
 
-NATIVE = ("--steps", "8", "--no-export", "--global_batch_size", "4", "--seq_len", "64")
+NATIVE = TWO_RANKS  # the shared 2-rank run's (the stop tests' too), which never changes size
 MOE = ("--steps", "6", "--no-export", "--global_batch_size", "4")  # the shared 2-rank MoE run's; the batch spelled out
 # float32 on CPU. Another world size changes the order of floating-point sums: the gradient norm is summed over
 # shards and then over ranks instead of over whole tensors, AdamW's vectorised loops meet other tensor lengths, and
@@ -82,14 +82,13 @@ def _same_state(out, step: int, dump, tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory, prepared_assets) -> dict:
-    """An uninterrupted 2-rank run, and the chain: 2 ranks (own launch) stopped after step 3 or so, 1 rank stopped
-    two steps later, 2 ranks (torchrun) to step 8; the two refusals on the first stop's out_dir. Every rank traces
-    its batches; each resume dumps its starting state."""
+def native(tmp_path_factory, shared_run) -> dict:
+    """The chain: 2 ranks (own launch) stopped after step 3 or so, 1 rank stopped two steps later, 2 ranks (torchrun)
+    to step 8; the two refusals on the first stop's out_dir. Every rank traces its batches; each resume dumps its
+    starting state. Against the shared 2-rank run that never stops (the stop tests' too), traced the same way."""
+    straight, straight_results = shared_run("native_2_ranks_8_steps")
     root = tmp_path_factory.mktemp("reshard_native")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(reshard.DEBUG_ENV, str(root / "straight_debug"))
-        run_example("train_native_qwen3.py", *NATIVE, "--out_dir", str(root / "straight"), torchrun=2)
         mp.setenv(reshard.DEBUG_ENV, str(root / "debug"))
         out, run = root / "chain", (*NATIVE, "--reshard", "--out_dir", str(root / "chain"))
         first = _stop(example_command("train_native_qwen3.py", *run, "--nproc_per_node", "2"), out, root / "log1", 2)
@@ -98,7 +97,8 @@ def native(tmp_path_factory, prepared_assets) -> dict:
         second = _stop(example_command("train_native_qwen3.py", *run), out, root / "log2", first["step"] + 2)
         run_example("train_native_qwen3.py", *run, torchrun=2)
     return {"root": root, "out": out, "stops": [first["step"], second["step"]], "refused": refused,
-            "straight": read_results(root / "straight"), "results": read_results(out)}
+            "straight": straight_results, "straight_trace": straight.parent / f"{straight.name}.trace",
+            "results": read_results(out)}
 
 
 def test_a_resume_on_another_world_size_needs_the_flag_and_the_same_run(native):
@@ -123,7 +123,7 @@ def test_native_resumes_2_then_1_then_2_ranks_as_if_it_never_changed_size(native
     _same_state(out, s1, native["root"] / "debug" / f"resumed-step{s1}-w1.pt", tmp_path)
     _same_state(out, s2, native["root"] / "debug" / f"resumed-step{s2}-w2.pt", tmp_path)
     # the data: the same batches each step as the run that never stopped, each trained once, none left out
-    chain, ref = _by_batch(_trace(native["root"] / "debug")), _by_batch(_trace(native["root"] / "straight_debug"))
+    chain, ref = _by_batch(_trace(native["root"] / "debug")), _by_batch(_trace(native["straight_trace"]))
     assert len(ref) == 8 * 2 and chain == ref  # 8 steps x 2 shards x 1 batch of 2 sequences
     assert {line["world_size"] for line in _trace(native["root"] / "debug") if s1 < line["step"] <= s2} == {1}
     # the losses: equal before the first change, within the bound after

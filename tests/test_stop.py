@@ -22,10 +22,9 @@ from stop_helpers import (SCRIPT, STEPS, TWO_RANKS, close, finish, no_process_ou
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, prepared_assets) -> dict:
-    out = tmp_path_factory.mktemp("straight")
-    run_example(SCRIPT, *TWO_RANKS, "--nproc_per_node", "2", "--out_dir", str(out))
-    return read_results(out)
+def uninterrupted(shared_run) -> dict:
+    """The 2-rank run that never stops (its out_dir is shared with the reshard tests)."""
+    return shared_run("native_2_ranks_8_steps")[1]
 
 
 SLOW_SAVE = "stop_save=31"  # a stop save that outlasts torchrun's default 30 s between its SIGTERM and SIGKILL
