@@ -1,5 +1,5 @@
-"""--reshard: a stopped run resumes on another number of ranks. The native script stops on 2 ranks, resumes on 1 and
-stops again, and resumes on 2 to the end; the MoE script stops on 2 ranks and ends on 1. After each change of world
+"""--reshard: a stopped run resumes on another number of ranks. The native and the MoE script each stop on 2 ranks,
+resume on 1 and stop again, and resume on 2 to the end. After each change of world
 size the resumed state (weights, optimizer state, LR schedule, step) is the checkpoint's, tensor for tensor; each
 step trains on the same sequences as a run that never changed size (the debug trace of every rank), none twice and
 none left out; the losses stay within LOSS_BOUND of that run's. Without the flag the refusal names it; with it,
@@ -133,22 +133,27 @@ def test_native_resumes_2_then_1_then_2_ranks_as_if_it_never_changed_size(native
     assert worst <= LOSS_BOUND, (worst, losses, straight["losses"])
 
 
-def test_moe_resumes_from_2_ranks_on_1(tmp_path, shared_run, monkeypatch):
-    """The shortest chain across a change: 2 ranks stopped, 1 rank to the end, against the shared 2-rank MoE run
-    (the same settings; its held-out losses change nothing it trains)."""
+def test_moe_resumes_2_then_1_then_2_ranks_as_if_it_never_changed_size(tmp_path, shared_run, monkeypatch):
+    """The same chain for the MoE script (its grouped experts and routing state sharded anew): 2 ranks stopped, 1 rank
+    stopped, 2 ranks (torchrun) to the end, against the shared 2-rank MoE run (the same settings; its held-out losses
+    change nothing it trains)."""
     _, straight = shared_run("moe_tiny_2_ranks")
     monkeypatch.setenv(reshard.DEBUG_ENV, str(tmp_path / "debug"))
     out = tmp_path / "o"
     run = (*MOE, "--reshard", "--out_dir", str(out))
-    s1 = _stop(example_command("train_moe_nki.py", *run, "--nproc_per_node", "2"), out, tmp_path / "log", 2)["step"]
-    assert 2 <= s1 < 6, s1
-    run_example("train_moe_nki.py", *run)
+    # each stop a step or two after the signal, sent once a step of the launch is logged: 6 steps leave room for both
+    s1 = _stop(example_command("train_moe_nki.py", *run, "--nproc_per_node", "2"), out, tmp_path / "log1", 1)["step"]
+    s2 = _stop(example_command("train_moe_nki.py", *run), out, tmp_path / "log2", s1 + 1)["step"]
+    assert 2 <= s1 < s2 < 6, (s1, s2)
+    run_example("train_moe_nki.py", *run, torchrun=2)
     res = read_results(out)
     assert [(s["steps"], s["world_size"], s["stopped"]) for s in res["segments"]] == [
-        ([1, s1], 2, "SIGTERM"), ([s1 + 1, 6], 1, None)]
+        ([1, s1], 2, "SIGTERM"), ([s1 + 1, s2], 1, "SIGTERM"), ([s2 + 1, 6], 2, None)]
     _same_state(out, s1, tmp_path / "debug" / f"resumed-step{s1}-w1.pt", tmp_path)
+    _same_state(out, s2, tmp_path / "debug" / f"resumed-step{s2}-w2.pt", tmp_path)
     trained = _by_batch(_trace(tmp_path / "debug"))
     assert sorted(trained) == [(step, shard, 0) for step in range(1, 7) for shard in (0, 1)]
+    assert {line["world_size"] for line in _trace(tmp_path / "debug") if s1 < line["step"] <= s2} == {1}
     losses = res["history"]["losses"]
     assert losses[:s1] == straight["losses"][:s1]
     worst = max(abs(a - b) for a, b in zip(losses, straight["losses"]))
