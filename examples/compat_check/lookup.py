@@ -161,18 +161,22 @@ def format_table(records: list[list], show: tuple) -> str:
 def ranked_lines(df, rankings: ranking.Rankings, view: str, task: str, name: str | None = None,
                  keep_untested: bool = True) -> list[dict]:
     """The Trending or Downloads view: `task`'s ranked models in the rankings' order, each with its rows in `df`
-    (already filtered), or one "not tested" line (result None) where it has none."""
-    by_model: dict[str, list[dict]] = {}
-    for rec in df[df["task"] == task].to_dict("records"):
-        by_model.setdefault(rec["model_id"], []).append(rec)
-    lines = []
+    (already filtered), or one "not tested" line (result None) where it has none. The rows are indexed by model
+    once, a column at a time; a row becomes a record only where a ranked model has it."""
+    rows = df[df["task"] == task]
+    names = [str(c) for c in rows.columns]
+    values = [rows.iloc[:, i].tolist() for i in range(len(names))]  # Python values, as to_dict("records") gives
+    by_model: dict[str, list[int]] = {}
+    for i, model_id in enumerate(rows["model_id"].tolist()):
+        by_model.setdefault(model_id, []).append(i)
+    rank, lines, needle = ranking.ORDERS[view][1], [], name.lower() if name else None
     for e in rankings.ranked(view, task):
-        if name and name.lower() not in e["model_id"].lower():
+        if needle and needle not in e["model_id"].lower():
             continue
-        hub = {"rank": e[ranking.ORDERS[view][1]], "downloads": e["downloads"], "trending_score": e["trending_score"],
+        hub = {"rank": e[rank], "downloads": e["downloads"], "trending_score": e["trending_score"],
                "likes": e["likes"], "model_id": e["model_id"], "task": task}
-        found = by_model.get(e["model_id"], [])
-        lines += [dict(rec, **hub) for rec in found]
+        found = by_model.get(e["model_id"], ())
+        lines += [dict(zip(names, (column[i] for column in values)), **hub) for i in found]
         if not found and keep_untested:
             lines.append(dict(hub, result="not tested", tested=False))
     return lines
