@@ -12,6 +12,8 @@ def one_line(text: str, keep: str = "") -> str:
     """`text` as one printable line: newlines, CR, ESC and other control characters (from a path, a model id, a
     file's cell) become U+FFFD, so they cannot split an `error:` line, hide text or recolour the terminal. `keep`:
     control characters left as they are (tabs and newlines of a file shown whole)."""
+    if text.isprintable():  # nothing to replace (most text): as it is
+        return text
     return "".join(ch if ch.isprintable() or ch in keep else "\N{REPLACEMENT CHARACTER}" for ch in text)
 
 

@@ -139,3 +139,13 @@ def test_bench_compat_page(tmp_path):
     assert [row["what"].split()[0] for row in r["rows"]] == ["open", "search", "filter"]
     assert all(finite(row["ms"]) and row["ms"] >= 0 for row in r["rows"])
     assert (tmp_path / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_compat_lookup(tmp_path):
+    """The lookup with rankings, terminal and page, against its own start-up: 500 rows and ranked records."""
+    r = run_bench("bench_compat_lookup.py", tmp_path)
+    assert [row["command"] for row in r["rows"]] == ["start-up", "terminal", "html"]
+    for row in r["rows"]:
+        for key in ("wall_s", "cpu_s", "over_start_up", "cpu_over_start_up"):
+            assert finite(row[key]), (row["command"], key, row[key])
+    assert r["page_bytes"] > 0 and "start-up" in r["baseline"]

@@ -285,6 +285,43 @@ def test_page_rerun_commands_parse_with_one_parser(monkeypatch):
     assert len(built) <= 1, f"the parser was built {len(built)} times for 201 rows"
 
 
+
+def test_rerun_verdicts_are_shared_by_rows_that_differ_only_in_free_text():
+    """The page parses a row's run_args once per distinct set of settings: rows differing only in the values of
+    text flags (--models, --prompt) share a verdict, and every verdict equals a parse of that row's own words."""
+    import shlex
+
+    import generate_compat_check as check
+    from compat_check import subcommands
+
+    parses = []
+    parser = check.check_parser()
+    parse = parser.parse_args
+    parser.parse_args = lambda argv: parses.append(argv) or parse(argv)
+    rerun = subcommands.reruns(lambda: parser)
+    fresh = check.check_parser()
+    rng = random.Random(0)
+    values = ["org/m", "-org", "", "a b", "x;y", "4", "--", "\t", "é", "--models", "a=b", "'q'", "\x1b[2K"]
+    texts = []
+    for i in range(400):
+        words = ["--models", rng.choice(values) if i % 4 else f"org/model-{i}"]
+        for _ in range(rng.randint(0, 3)):
+            words += rng.choice([["--task", rng.choice(["text-generation", "train", "x"])], ["--no_compile"],
+                                 ["--cores", rng.choice(["1", "4", "-1", "x"])], ["--prompt", rng.choice(values)],
+                                 ["--device", rng.choice(["cpu", "gpu"])], ["--", rng.choice(values)]])
+        texts.append(shlex.join(words) if i % 3 else " ".join(words))  # quoted, and as typed (quotes unclosed too)
+    for text in texts:
+        assert rerun(text) == subcommands.rerun_argv(text, fresh), text
+    parses.clear()  # a page's rows: a model each, three sets of settings
+    for i in range(1000):
+        argv = rerun(f"--models org/model-{i} --task text-generation --cores {2 ** (i % 3)} --prompt 'Hi {i}'")
+        assert argv == ["--models", f"org/model-{i}", "--task", "text-generation", "--cores", str(2 ** (i % 3)),
+                        "--prompt", f"Hi {i}"]
+    assert len(parses) == 3, f"{len(parses)} parses for 1000 rows of 3 settings"
+    assert rerun("--models org/a --no_compile") == ["--models", "org/a", "--no_compile"]
+    assert rerun("--models 'org/b' --no_compile") == ["--models", "org/b", "--no_compile"]
+    assert rerun("--models -org --no_compile") is None and rerun("--models x --cores x") is None
+
 def test_check_never_rewrites_another_scripts_results_json(tmp_path):
     """The check rewrites <out_dir>/results.json after every model: an --out_dir holding another script's is
     refused before anything runs, and that file stays."""

@@ -128,6 +128,8 @@ def _shown(value, col: str) -> str:
     """One cell as a single printable line: '-' for null, NaN or empty; control characters shown as U+FFFD
     (common.errors.one_line), so a value cannot add lines, move the cursor or recolour the terminal, and two ids
     that differ after a newline are shown different. An error or exclusion shows its first line."""
+    if type(value) is str and col not in FIRST_LINE:  # most cells: text shown as it is, unless empty or not printable
+        return one_line(value) if value else "-"
     if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
         return "-"
     if isinstance(value, bool):
@@ -150,29 +152,34 @@ def format_table(records: list[list], show: tuple) -> str:
     """One printable line per record (its values in `show`'s order), under a header of `show`'s titles."""
     if not records:
         return "(no matching rows)"
-    cells = [[_shown(v, col) for v, (col, _, _) in zip(values, show)] for values in records]
-    cells = [[c if len(c) <= w else c[: w - 1] + "\N{HORIZONTAL ELLIPSIS}" for c, (_, _, w) in zip(row, show)]
-             for row in cells]
-    header = [title for _, title, _ in show]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *cells])
+    columns = []  # a column at a time: its cells, cut to its width, padded to its widest
+    for i, (col, title, width) in enumerate(show):
+        cells = [_shown(values[i], col) for values in records]
+        cells = [c if len(c) <= width else c[: width - 1] + "\N{HORIZONTAL ELLIPSIS}" for c in cells]
+        widest = max(len(title), max(map(len, cells)))
+        columns.append([c.ljust(widest) for c in [title, *cells]])
+    return "\n".join("  ".join(row).rstrip() for row in zip(*columns))
 
 
 def ranked_lines(df, rankings: ranking.Rankings, view: str, task: str, name: str | None = None,
                  keep_untested: bool = True) -> list[dict]:
     """The Trending or Downloads view: `task`'s ranked models in the rankings' order, each with its rows in `df`
-    (already filtered), or one "not tested" line (result None) where it has none."""
-    by_model: dict[str, list[dict]] = {}
-    for rec in df[df["task"] == task].to_dict("records"):
-        by_model.setdefault(rec["model_id"], []).append(rec)
-    lines = []
+    (already filtered), or one "not tested" line (result None) where it has none. The rows are indexed by model
+    once, from their columns; a row becomes a record only where a ranked model has it."""
+    rows = df[df["task"] == task]
+    names = [str(c) for c in rows.columns]
+    records = list(zip(*(rows.iloc[:, i].tolist() for i in range(len(names)))))  # Python values, as to_dict gives
+    by_model: dict[str, list[int]] = {}
+    for i, model_id in enumerate(rows["model_id"].tolist()):
+        by_model.setdefault(model_id, []).append(i)
+    rank, lines, needle = ranking.ORDERS[view][1], [], name.lower() if name else None
     for e in rankings.ranked(view, task):
-        if name and name.lower() not in e["model_id"].lower():
+        if needle and needle not in e["model_id"].lower():
             continue
-        hub = {"rank": e[ranking.ORDERS[view][1]], "downloads": e["downloads"], "trending_score": e["trending_score"],
+        hub = {"rank": e[rank], "downloads": e["downloads"], "trending_score": e["trending_score"],
                "likes": e["likes"], "model_id": e["model_id"], "task": task}
-        found = by_model.get(e["model_id"], [])
-        lines += [dict(rec, **hub) for rec in found]
+        found = by_model.get(e["model_id"], ())
+        lines += [dict(zip(names, records[i]), **hub) for i in found]
         if not found and keep_untested:
             lines.append(dict(hub, result="not tested", tested=False))
     return lines

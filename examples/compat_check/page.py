@@ -48,6 +48,21 @@ def _cell(v):
     return v if isinstance(v, (str, int, float, bool)) else str(v)
 
 
+def _cells(values: list) -> list:
+    """`_cell` of each value, without a call for the values it leaves as they are (text, whole numbers, null)."""
+    return [v if v is None or type(v) is str or type(v) is int else _cell(v) for v in values]
+
+
+def _column(df, name: str) -> list:
+    """Column `name` of `df` as the page's cells (`_cell` of each value), or nulls where `df` has no such column."""
+    if name not in df.columns:
+        return [None] * len(df)
+    series = df[name]
+    if series.dtype == "float64":  # Python floats: a cell where finite, else null (as _cell)
+        return [v if math.isfinite(v) else None for v in series.tolist()]
+    return _cells(series.tolist())
+
+
 def rankings_data(rankings) -> dict | None:
     """The rankings the page embeds (rankings.Rankings), or None: the Trending and Downloads views then say how to
     write a rankings file."""
@@ -55,28 +70,27 @@ def rankings_data(rankings) -> dict | None:
         return None
     from compat_check.rankings import FIELDS
 
+    columns = [_cells([e[c] for e in rankings.entries]) for c in FIELDS]  # a field at a time
     return {"source": rankings.source, "fetched_at": rankings.fetched_at, "tasks": rankings.tasks,
-            "columns": list(FIELDS), "entries": [[_cell(e[c]) for c in FIELDS] for e in rankings.entries]}
+            "columns": list(FIELDS), "entries": [list(entry) for entry in zip(*columns)]}
 
 
 def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None, rankings=None) -> dict:
     """The JSON the page embeds: column names, one list per row, distinct run_py texts, the curated list.
     `rerun(run_args)` gives the argv that reruns a row, or None where run_args are not a plain list of the
     script's flags: the row's `rerun` cell is then null ("not reproducible from this row"), else the command,
-    every word quoted (shlex.join)."""
+    every word quoted (shlex.join). Built a column at a time (a row at a time took seconds for 100,000 rows)."""
     texts: dict[str, int] = {}
     commands: dict = {}
-    rows = []
-    for rec in df.to_dict("records"):
-        row = [_cell(rec.get(c)) for c in PAGE_COLUMNS]
-        args = rec.get("run_args")
-        if isinstance(args, str) and args not in commands:  # a run's rows share their flags: parsed once
+    run_args = df["run_args"].tolist() if "run_args" in df.columns else [None] * len(df)
+    for args in run_args:  # a run's rows share their flags: each distinct text parsed once
+        if isinstance(args, str) and args not in commands:
             argv = rerun(args) if rerun else None
             commands[args] = shlex.join(["python", "generate_compat_check.py", *argv]) if argv else None
-        row.append(commands.get(args) if isinstance(args, str) else None)
-        run_py = rec.get("run_py")
-        row.append(texts.setdefault(run_py, len(texts)) if isinstance(run_py, str) and run_py else None)
-        rows.append(row)
+    rerun_cells = [commands.get(args) if isinstance(args, str) else None for args in run_args]
+    run_py = df["run_py"].tolist() if "run_py" in df.columns else [None] * len(df)
+    text_cells = [texts.setdefault(t, len(texts)) if isinstance(t, str) and t else None for t in run_py]
+    rows = [list(row) for row in zip(*(_column(df, c) for c in PAGE_COLUMNS), rerun_cells, text_cells)]
     return {"columns": [*PAGE_COLUMNS, "rerun", "run_py"], "rows": rows, "texts": list(texts),
             "selected": list(selected), "sources": sources, "rankings": rankings_data(rankings),
             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -208,6 +208,8 @@ def _page(client, url, params, headers: dict, deadline: float, late: UserError):
 def _count(v) -> int | float | None:
     """A number from 0 to MAX_COUNT (an int where it is whole), or None: anything else (negative, NaN, infinite,
     past MAX_COUNT such as a 1 followed by 400 zeros, not a number) is not recorded."""
+    if type(v) is int:  # the usual case, first
+        return v if 0 <= v <= MAX_COUNT else None
     if isinstance(v, bool) or v is None:
         return None
     if isinstance(v, str):
@@ -230,6 +232,8 @@ def _rank(v) -> int | None:
 
 
 def _text(v) -> str | None:
+    if type(v) is str:  # the usual case, first
+        return v or None
     if isinstance(v, bytes):
         v = v.decode("utf-8", "replace")
     if v is None or (isinstance(v, float) and math.isnan(v)):

@@ -171,6 +171,9 @@ def normalize(df, columns: tuple[str, ...] = COLUMNS):
     for col in columns:
         if col not in df.columns:
             df[col] = None
+        if col in FLOAT_COLUMNS and df[col].dtype.kind in "fiu":  # numbers already: as _float makes each of them
+            df[col] = df[col].astype("float64")
+            continue
         values = df[col].astype(object)  # a categorical's rows share its texts: nothing is copied
         if col in FLOAT_COLUMNS:
             df[col] = pd.to_numeric(values.map(_float), errors="coerce").astype("float64")
