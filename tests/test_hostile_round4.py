@@ -279,8 +279,9 @@ def test_tensorboard_into_a_tb_that_is_not_a_folder_is_refused_before_any_work(t
 
 # --------------------------------------------------------------------------- the verifier's --out
 def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_assets, tmp_path):
-    """`python -m common.export verify X --reference R --out O`: O that is R, lies inside X, or is any other existing
-    file than a previous check's JSON is refused in one line and kept; a previous check's JSON is replaced."""
+    """`python -m common.harness.verifier verify X --reference R --out O`: O that is R, lies inside X, or is any
+    other existing file than a previous check's JSON is refused in one line and kept; a previous check's JSON is
+    replaced."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -297,8 +298,8 @@ def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_asse
     weights.write_bytes((export / "model.safetensors").read_bytes()[:4096])
 
     def verify(out):
-        return run_python([sys.executable, "-m", "common.export", "verify", str(export), "--reference", str(reference),
-                           "--out", str(out)])
+        return run_python([sys.executable, "-m", "common.harness.verifier", "verify", str(export), "--reference",
+                           str(reference), "--out", str(out)])
 
     kept = {p: p.read_bytes() for p in (reference, weights, export / "config.json")}
     for out, needle in ((reference, "is the --reference file"), (export / "config.json", f"lies inside {export}"),
