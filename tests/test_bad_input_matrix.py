@@ -257,7 +257,7 @@ SHORTENED_FLAG_ROWS = [  # (module, entry point, argv with a shortened flag, tha
     ("compat_check.lookup", "lookup_main", ["runs", "--nam", "qwen"], "--nam"),
     ("common.harness.verifier", "_main", ["verify", "e", "--reference", "r", "--out", "o", "--weights"],
      "--weights"),
-    ("common.checkpoint", "_main", ["validate", "c", "--ar", "X"], "--ar"),
+    ("common.harness.checks", "_main", ["validate", "c", "--ar", "X"], "--ar"),
     ("common.harness.preflight", "main", ["--targ", "cpu"], "--targ"),
 ]
 
@@ -352,7 +352,7 @@ def test_checkpoint_validate_refuses_a_fifo_or_folder_where_a_file_is_expected(n
 
     ckpt = _copy(good, tmp_path / "ckpt")
     _not_a_file(ckpt / name, kind)
-    proc = run_python([sys.executable, "-m", "common.checkpoint", "validate", str(ckpt)], timeout=120)
+    proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(ckpt)], timeout=120)
     assert_clean_error(proc, f"{ckpt / name} is {'a FIFO' if kind == 'fifo' else 'a folder'}, not a regular file")
 
 
