@@ -201,8 +201,9 @@ def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer
     _fsync_tree(tmp)
     try:
         passed = verify is None or verify(tmp)
-    except CheckInterrupted as e:  # no verdict (the harness's stop): neither moved into place nor rejected
-        raise CheckInterrupted(f"{e}; the new export stays unverified in {tmp}, {export_dir} is as it was") from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or a stop (the harness's CheckInterrupted): no verdict, nothing moved
+        staged = f"the new export stays unverified in {tmp}, {export_dir} is as it was"
+        raise type(e)(f"{e}; {staged}" if str(e) else staged) from None
     if not passed:
         results.replace_dir(tmp, rejected)  # an earlier rejected export (the run's own) or a link is replaced
         return None
@@ -221,14 +222,8 @@ _service: list = []  # a verifier serving every check of this run (common/harnes
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # a run's stop signals
 
 
-class CheckInterrupted(KeyboardInterrupt):
-    """A check that ended without a verdict (the harness raises it: its verifier was killed by a signal while the run
-    was being stopped). Neither a pass nor a fail: the run ends as interrupted, an export checked stays staged."""
-
-
 def use_service(check) -> None:
-    """Send every check to `check(request) -> (code, error)` from now on, instead of a process per check; it may
-    raise CheckInterrupted."""
+    """Send every check to `check(request) -> (code, error)` from now on, instead of a process per check."""
     _service[:] = [check]
 
 

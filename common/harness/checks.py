@@ -23,7 +23,8 @@ from pathlib import Path
 from common import cli
 from common.checkpoint import read_hf_config, validate_hf_checkpoint
 from common.errors import ArgumentParser, UserError, one_line
-from common.export import CheckInterrupted, model_logits, verify_export_subprocess
+from common.export import model_logits, verify_export_subprocess
+from common.harness.verifier import CheckInterrupted
 from common.results import atomic_write_text, not_a_file, refuse_non_file
 
 

@@ -5,7 +5,7 @@ On the CPU the run forks it before it has a device, a process group, other threa
 elsewhere the first check starts `python -m common.harness.verifier serve`. A check from another thread while
 none runs gets a process of its own (common.export.one_shot). Either way the verifier dies with the run, however
 that ends (the kernel's parent-death signal), and is killed when the run is interrupted or fails while waiting.
-A verifier killed while the run is stopping gives no verdict (common.export.CheckInterrupted).
+A verifier killed while the run is stopping gives no verdict (CheckInterrupted).
 
     python -m common.harness.verifier serve   # a JSON request a line on stdin, a reply a line on stdout
     python -m common.harness.verifier verify EXPORT_DIR --reference REF.safetensors --out check.json
@@ -28,11 +28,16 @@ from pathlib import Path
 from common import export, results
 from common.device import die_with_parent, fork_is_safe
 from common.errors import ArgumentParser, UserError, one_line
-from common.export import STOP_SIGNALS, CheckInterrupted
+from common.export import STOP_SIGNALS
 
 _server: list = []  # the run's verifier (`serve`, or a forked child), while it lives
 _server_lock = threading.Lock()
 _stopping: list = []  # () -> whether the run has been told to stop (common/harness/stops.py), when installed
+
+
+class CheckInterrupted(KeyboardInterrupt):
+    """A check that ended without a verdict: its verifier was killed by a signal while the run was being stopped.
+    Neither a pass nor a fail: the run ends as interrupted, what was checked is left as it was (an export staged)."""
 
 
 def install(stopping=None) -> None:
