@@ -23,16 +23,15 @@ from common.device import die_with_parent
 from common.errors import UserError, one_line
 
 
-def apply_checkpoint_settings(cfg, *, steps: int, export: bool, every: int = 0,
-                              initial_hf: Path | None = None, dtype: str = "float32") -> None:
-    """torchtitan's checkpointer as the three training scripts use it. Mid-run saves (every
-    `every` steps, 0: none) are distributed checkpoints of the whole training state (weights,
+def apply_checkpoint_settings(cfg, *, steps: int, initial_hf: Path | None = None, dtype: str = "float32") -> None:
+    """torchtitan's checkpointer as the three training scripts use it. Mid-run saves (none here; the harness's
+    --checkpoint_every sets their interval) are distributed checkpoints of the whole training state (weights,
     optimizer, LR schedule, data loader position) in OUT_DIR/checkpoint/step-N; torchtitan resumes
     from the latest one when the same command runs again. The last save is model-only in HF
     safetensors: the export. `initial_hf` is an HF folder to start from when there is nothing to
     resume."""
     cfg.checkpoint.enable = True  # a stop signal or --time_limit may save any step (common/harness/stops.py)
-    cfg.checkpoint.interval = every or steps + 1
+    cfg.checkpoint.interval = steps + 1
     cfg.checkpoint.initial_load_path = str(initial_hf) if initial_hf else None
     cfg.checkpoint.initial_load_in_hf = initial_hf is not None
     cfg.checkpoint.last_save_model_only = True
