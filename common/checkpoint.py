@@ -2,8 +2,7 @@
 architecture, no remote code) and config.json both ways (torchtitan model specs for dense and MoE
 Qwen3 built from it, and written back from them).
 
-A folder on its own:
-    python -m common.checkpoint validate CKPT_DIR [--arch Qwen3ForCausalLM]
+A folder on its own: `python -m common.harness.checks validate CKPT_DIR` (common/harness/).
 """
 from __future__ import annotations
 
@@ -11,10 +10,9 @@ import json
 import math
 import os
 import struct
-import sys
 from pathlib import Path
 
-from common.errors import ArgumentParser, UserError
+from common.errors import UserError
 from common.results import not_a_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -352,22 +350,3 @@ def hf_config_from_qwen3(model_config, *, dtype: str = "float32") -> dict:
             "moe_intermediate_size": experts.hidden_dim, "intermediate_size": experts.hidden_dim * moe.router.top_k,
             "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": bool(moe.router.route_norm),
             "output_router_logits": False, "router_aux_loss_coef": 0.001}
-
-
-def _main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(description="Check an HF checkpoint folder before loading it.")
-    p.add_argument("cmd", choices=["validate"])
-    p.add_argument("ckpt_dir", type=Path)
-    p.add_argument("--arch", default="Qwen3ForCausalLM")
-    args = p.parse_args(argv)
-    try:
-        validate_hf_checkpoint(args.ckpt_dir, (args.arch,))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.ckpt_dir}: ok")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -205,7 +205,7 @@ def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: 
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C; or a check cut short by a stop (common.export.CheckInterrupted)
+    except KeyboardInterrupt as e:  # Ctrl-C; or a check cut short by a stop (common.harness.verifier.CheckInterrupted)
         _exit_interrupted(str(e))
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if isinstance(e, (SystemExit, GeneratorExit)):

@@ -1,14 +1,11 @@
 """Checkpoints in and out of a training run, around torchtitan's checkpointer:
 
 - its settings and OUT_DIR's folders (which ones a run owns and may replace, stale saves cleared);
-- the load check: an HF checkpoint a run starts from is compared, logits against transformers,
-  with what torchtitan loaded (attach_load_check);
 - the HF export at the end: the reference logits of the trained model, completing torchtitan's HF
   save (it writes only safetensors + index) into a folder transformers opens as is, and a
-  verification that re-reads it with transformers in a separate process.
+  verification that re-reads it with transformers in a separate process (`python -m common.export REQUEST`).
 
-The verifier on its own:
-    python -m common.export verify EXPORT_DIR --reference REF.safetensors --out check.json
+The verifier on its own, with its inputs checked: `python -m common.harness.verifier verify` (common/harness/).
 """
 from __future__ import annotations
 
@@ -23,19 +20,18 @@ from pathlib import Path
 from common import results
 from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
 from common.device import die_with_parent
-from common.errors import ArgumentParser, UserError, one_line
+from common.errors import UserError, one_line
 
 
-def apply_checkpoint_settings(cfg, *, steps: int, export: bool, every: int = 0,
-                              initial_hf: Path | None = None, dtype: str = "float32") -> None:
-    """torchtitan's checkpointer as the three training scripts use it. Mid-run saves (every
-    `every` steps, 0: none) are distributed checkpoints of the whole training state (weights,
+def apply_checkpoint_settings(cfg, *, steps: int, initial_hf: Path | None = None, dtype: str = "float32") -> None:
+    """torchtitan's checkpointer as the three training scripts use it. Mid-run saves (none here; the harness's
+    --checkpoint_every sets their interval) are distributed checkpoints of the whole training state (weights,
     optimizer, LR schedule, data loader position) in OUT_DIR/checkpoint/step-N; torchtitan resumes
     from the latest one when the same command runs again. The last save is model-only in HF
     safetensors: the export. `initial_hf` is an HF folder to start from when there is nothing to
     resume."""
     cfg.checkpoint.enable = True  # a stop signal or --time_limit may save any step (common/harness/stops.py)
-    cfg.checkpoint.interval = every or steps + 1
+    cfg.checkpoint.interval = steps + 1
     cfg.checkpoint.initial_load_path = str(initial_hf) if initial_hf else None
     cfg.checkpoint.initial_load_in_hf = initial_hf is not None
     cfg.checkpoint.last_save_model_only = True
@@ -204,8 +200,9 @@ def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer
     _fsync_tree(tmp)
     try:
         passed = verify is None or verify(tmp)
-    except CheckInterrupted as e:  # no verdict: neither moved into place nor rejected
-        raise CheckInterrupted(f"{e}; the new export stays unverified in {tmp}, {export_dir} is as it was") from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or a stop (the harness's CheckInterrupted): no verdict, nothing moved
+        staged = f"the new export stays unverified in {tmp}, {export_dir} is as it was"
+        raise type(e)(f"{e}; {staged}" if str(e) else staged) from None
     if not passed:
         results.replace_dir(tmp, rejected)  # an earlier rejected export (the run's own) or a link is replaced
         return None
@@ -221,28 +218,7 @@ def _fsync_tree(root: Path) -> None:
 
 
 _service: list = []  # a verifier serving every check of this run (common/harness/verifier.py), when installed
-_stopping: list = []  # () -> whether the run has been told to stop (common/harness/stops.py), when installed
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # a run's stop signals
-
-
-class CheckInterrupted(KeyboardInterrupt):
-    """A check that ended without a verdict: its verifier was killed by a signal while the run was being stopped.
-    Neither a pass nor a fail: the run ends as interrupted, what was checked is left as it was (an export staged)."""
-
-
-def when_stopping(stopping) -> None:
-    """`stopping() -> bool`: whether the run has got a stop signal (a verifier killed then gives no verdict)."""
-    _stopping[:] = [stopping]
-
-
-def no_verdict(code: int) -> CheckInterrupted | None:
-    """The verifier ended with `code` during a check: a CheckInterrupted when that was a signal's doing while the run
-    is stopping (or a stop signal's, which the verifier ignores: someone else sent it), else None (a verdict)."""
-    if code >= 0 or not (-code in STOP_SIGNALS or (_stopping and _stopping[0]())):
-        return None
-    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-    return CheckInterrupted(f"the checks' verifier ended by {name} during a check, while the run was stopping: no "
-                            "verdict")
 
 
 def use_service(check) -> None:
@@ -254,14 +230,12 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
     """Re-read the export with transformers in a process of its own (no state shared with the trainer,
     whose libraries may have patched transformers) and return the check as a dict. A folder the
     verifier cannot read at all fails the check with the verifier's error. Each check starts
-    `python -m common.export verify`, which dies with this process however that ends (the kernel's
+    `python -m common.export REQUEST`, which dies with this process however that ends (the kernel's
     parent-death signal); the harness serves a run's checks from one process instead (`use_service`)."""
     out_json = Path(reference).with_name(".export_check.json")
     request = {"export_dir": str(Path(export_dir).absolute()), "reference": str(Path(reference).absolute()),
                "out": str(out_json.absolute()), "files": files}
     code, error = (_service[0] if _service else one_shot)(request)
-    if (interrupted := no_verdict(code)) is not None:
-        raise interrupted
     if code != 0:
         return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
                 "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
@@ -294,10 +268,8 @@ def last_line(text: str) -> str:
 
 
 def one_shot(request: dict) -> tuple[int, str]:
-    """One check in a process of its own: (exit code, its error line)."""
-    proc = python_module("common.export", "verify", request["export_dir"], "--reference", request["reference"],
-                         "--out", request["out"], *([] if request["files"] else ["--weights_only"]),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    """One check in a process of its own (`python -m common.export REQUEST`): (exit code, its error line)."""
+    proc = python_module("common.export", json.dumps(request), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _, stderr = proc.communicate()
     except BaseException:
@@ -307,10 +279,11 @@ def one_shot(request: dict) -> tuple[int, str]:
     return proc.returncode, last_line(stderr) if proc.returncode else ""
 
 
-def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict:
+def verify_export(export_dir: Path, reference: Path, files: bool = True, check_reference=None) -> dict:
     """Load the export with AutoModelForCausalLM and compare its logits on the reference input.
     config.json and tokenizer.json must be there, and the weights are validated against config.json
-    first (headers, index, keys, shapes, finite values), so a bad tensor is named."""
+    first (headers, index, keys, shapes, finite values), so a bad tensor is named. `check_reference(reference,
+    config)`: a check of a reference a user gave (common/harness/verifier.py), before the weights are read."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -322,7 +295,8 @@ def verify_export(export_dir: Path, reference: Path, files: bool = True) -> dict
     if missing:
         raise UserError(f"{export_dir} lacks {', '.join(missing)}")
     config = read_hf_config(export_dir)
-    _check_reference(Path(reference), config)  # before the weights are read: a wrong --reference fails at once
+    if check_reference is not None:  # before the weights are read: a wrong --reference fails at once
+        check_reference(Path(reference), config)
     stored = checkpoint_tensors(export_dir)
     if files:  # an export: keys, shapes and finite values against its own config.json, tensors named
         validate_hf_checkpoint(export_dir, tuple(config.get("architectures") or ()), hf_config=config, found=stored)
@@ -367,35 +341,14 @@ def export_check_passed(check: dict, *, tied_expected: bool, tol: float) -> bool
             and check["max_abs_logit_diff"] <= tol)
 
 
-def verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
-    _check_out(out, export_dir, reference)  # before the work: a bad --out is named now, not after the model has run
-    check = verify_export(export_dir, reference, files=files)
+def verify_to(export_dir: Path, reference: Path, out: Path, files: bool, check_reference=None) -> dict:
+    """verify_export's check, written to `out` as JSON."""
+    check = verify_export(export_dir, reference, files=files, check_reference=check_reference)
     try:
         results.atomic_write_text(out, json.dumps(check, indent=2))
     except OSError as e:
         raise UserError(f"--out {out} cannot be written: {e.strerror or e}") from None
     return check
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import gc
-
-    gc.disable()  # the import of transformers takes about a fifth less CPU time
-    p = ArgumentParser(description="Re-read an HF export and compare its logits with a reference.")
-    p.add_argument("cmd", choices=["verify"])
-    p.add_argument("export_dir", type=Path)
-    p.add_argument("--reference", type=Path, required=True,
-                   help="safetensors file with input_ids, position_ids and the trained model's logits")
-    p.add_argument("--out", type=Path, required=True, help="where to write the check as JSON")
-    p.add_argument("--weights_only", action="store_true", help="a checkpoint, not an export: no tokenizer needed")
-    args = p.parse_args(argv)
-    try:
-        check = verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only)
-    except UserError as e:
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
-        return 2
-    print(json.dumps(check))
-    return 0
 
 
 def _refuse_foreign(folder: Path, step_dir: Path) -> None:
@@ -406,68 +359,19 @@ def _refuse_foreign(folder: Path, step_dir: Path) -> None:
                         f"{step_dir}); move it or choose another --out_dir")
 
 
-REFERENCE_TENSORS = {"input_ids": ("I64", "I32"), "position_ids": ("I64", "I32"),
-                     "logits": ("F32", "F16", "BF16", "F64")}
+def _main(argv: list[str] | None = None) -> int:
+    """`one_shot`'s process: one check, its request (JSON: export_dir, reference, out, files) the one argument;
+    exit 2 and an `error:` line for a folder it refuses."""
+    import gc
 
-
-def _check_reference(reference: Path, config: dict) -> None:
-    """--reference of the verifier: a regular safetensors file holding input_ids and position_ids ([batch, tokens],
-    integers) and the trained model's logits ([batch, tokens, vocab_size], floats). Read from its header, before
-    anything is loaded; each way it can be wrong is one UserError naming it."""
-    from common.checkpoint import require_regular_file, safetensors_header
-
-    if not os.path.lexists(reference):
-        raise UserError(f"--reference {reference} does not exist")
-    require_regular_file(reference)
+    gc.disable()  # the import of transformers takes about a fifth less CPU time
+    request = json.loads((sys.argv[1:] if argv is None else argv)[0])
     try:
-        header = safetensors_header(reference)
+        verify_to(Path(request["export_dir"]), Path(request["reference"]), Path(request["out"]), request["files"])
     except UserError as e:
-        raise UserError(f"--reference is not a readable safetensors file: {e}") from None
-    missing = [k for k in REFERENCE_TENSORS if k not in header]
-    if missing:
-        raise UserError(f"--reference {reference} holds no {', '.join(missing)}: it is not an export check's "
-                        "reference (input_ids, position_ids, logits)")
-    shapes = {k: header[k]["shape"] for k in REFERENCE_TENSORS}
-    wrong = [f"{k}: {header[k]['dtype']}" for k, kinds in REFERENCE_TENSORS.items() if header[k]["dtype"] not in kinds]
-    vocab = config.get("vocab_size")
-    if (len(shapes["input_ids"]) != 2 or 0 in shapes["input_ids"] or shapes["position_ids"] != shapes["input_ids"]
-            or shapes["logits"][:2] != shapes["input_ids"] or len(shapes["logits"]) != 3
-            or (isinstance(vocab, int) and shapes["logits"][2] != vocab)):
-        wrong.append("shapes " + ", ".join(f"{k} {v}" for k, v in shapes.items())
-                     + f" (expected [batch, tokens] twice and [batch, tokens, {vocab}])")
-    if wrong:
-        raise UserError(f"--reference {reference} does not fit the export: {'; '.join(wrong)}")
-
-
-CHECK_KEYS = ("missing_keys", "unexpected_keys", "tied_lm_head", "max_abs_logit_diff")  # in every check's JSON
-CHECK_MAX = 16 << 20  # bytes: a check's JSON is a few KiB
-
-
-def is_check_json(path: Path) -> bool:
-    """Whether the regular file at `path` holds an export check's JSON (what `verify_to` writes)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(CHECK_MAX + 1)
-        check = json.loads(raw.decode("utf-8")) if len(raw) <= CHECK_MAX else None
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(check, dict) and all(k in check for k in CHECK_KEYS)
-
-
-def _check_out(out: Path, export_dir: Path, reference: Path) -> None:
-    """--out of the verifier: a new file, or a previous check's JSON it replaces; never --reference, nothing inside
-    the folder it checks, no other file (a user's weights, notes): each is a UserError naming it, the file kept."""
-    results.refuse_non_file(out, what="a file for the check's JSON", fix="give a file path")
-    where = Path(out).parent.resolve() / Path(out).name  # the name written (a link there is replaced, not followed)
-    if where == Path(reference).resolve() or Path(out).resolve() == Path(reference).resolve():
-        raise UserError(f"--out {out} is the --reference file: the check would replace it; give another path")
-    folder = Path(export_dir).resolve()
-    if folder in where.parents or folder in Path(out).resolve().parents or where == folder:
-        raise UserError(f"--out {out} lies inside {export_dir}, the folder it checks: the check would change it; "
-                        "give a path outside it")
-    if os.path.exists(out) and not is_check_json(Path(out)):
-        raise UserError(f"--out {out} is an existing file that is not an export check's JSON: it is left alone; give "
-                        "a new path, or a previous check's file")
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -67,13 +67,6 @@ def asset_dir(name: str, check: bool = True) -> Path:
     return folder
 
 
-def dataset_folder(dataset: str, dataset_path: str | None) -> str | None:
-    """The folder `--dataset`/`--dataset_path` name, unchecked (None for 'corpus', which is in the asset cache)."""
-    if dataset == "corpus":
-        return None
-    return (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
-
-
 def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
     """The training scripts' `--dataset`/`--dataset_path` as (torchtitan dataset name, folder).
     Everything loads as torchtitan's c4_test does: `load_dataset(folder, split="train")` over JSON

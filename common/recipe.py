@@ -129,8 +129,7 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: dict) -> list[str]:
     tc.training.mixed_precision_param = cfg.dtype
     tc.optimizer = default_adamw(lr=cfg.lr)
     tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
-    export.apply_checkpoint_settings(tc, steps=cfg.steps, export=cfg.export, initial_hf=found.get("initial_hf"),
-                                     dtype=cfg.dtype)
+    export.apply_checkpoint_settings(tc, steps=cfg.steps, initial_hf=found.get("initial_hf"), dtype=cfg.dtype)
     return torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
 
 

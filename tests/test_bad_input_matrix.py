@@ -255,8 +255,9 @@ def test_control_characters_in_a_path_or_flag_cannot_split_or_colour_the_error_l
 
 SHORTENED_FLAG_ROWS = [  # (module, entry point, argv with a shortened flag, that flag)
     ("compat_check.lookup", "lookup_main", ["runs", "--nam", "qwen"], "--nam"),
-    ("common.export", "_main", ["verify", "e", "--reference", "r", "--out", "o", "--weights"], "--weights"),
-    ("common.checkpoint", "_main", ["validate", "c", "--ar", "X"], "--ar"),
+    ("common.harness.verifier", "_main", ["verify", "e", "--reference", "r", "--out", "o", "--weights"],
+     "--weights"),
+    ("common.harness.checks", "_main", ["validate", "c", "--ar", "X"], "--ar"),
     ("common.harness.preflight", "main", ["--targ", "cpu"], "--targ"),
 ]
 
@@ -351,7 +352,7 @@ def test_checkpoint_validate_refuses_a_fifo_or_folder_where_a_file_is_expected(n
 
     ckpt = _copy(good, tmp_path / "ckpt")
     _not_a_file(ckpt / name, kind)
-    proc = run_python([sys.executable, "-m", "common.checkpoint", "validate", str(ckpt)], timeout=120)
+    proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(ckpt)], timeout=120)
     assert_clean_error(proc, f"{ckpt / name} is {'a FIFO' if kind == 'fifo' else 'a folder'}, not a regular file")
 
 
@@ -409,8 +410,8 @@ VERIFY_ROWS = ["missing-reference", "reference-not-safetensors", "reference-with
 
 @pytest.mark.parametrize("row", VERIFY_ROWS)
 def test_export_verify_bad_input_is_one_line(row, prepared_assets, tmp_path):
-    """`python -m common.export verify` with a --reference that is missing, not safetensors or without logits, or
-    an --out that is a folder: one `error:` line each (before: four tracebacks), and nothing written."""
+    """`python -m common.harness.verifier verify` with a --reference that is missing, not safetensors or without
+    logits, or an --out that is a folder: one `error:` line each (before: four tracebacks), and nothing written."""
     import sys
 
     from conftest import run_python
@@ -431,8 +432,8 @@ def test_export_verify_bad_input_is_one_line(row, prepared_assets, tmp_path):
     if row == "out-a-folder":
         out.mkdir()
         (out / "keep.txt").write_text("someone's")
-    proc = run_python([sys.executable, "-m", "common.export", "verify", str(export), "--reference", str(ref),
-                       "--out", str(out)], timeout=300)
+    proc = run_python([sys.executable, "-m", "common.harness.verifier", "verify", str(export), "--reference",
+                       str(ref), "--out", str(out)], timeout=300)
     assert_clean_error(proc, needle)
     assert proc.returncode == 2
     if row == "out-a-folder":

@@ -30,7 +30,7 @@ def test_nonfinite_weights_are_never_ok(prepared_assets, tmp_path):
     tensors = load_file(str(bad / "model.safetensors"))
     tensors["model.norm.weight"][3] = math.nan
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    proc = run_python([sys.executable, "-m", "common.checkpoint", "validate", str(bad)])
+    proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(bad)])
     assert_clean_error(proc, "NaN or Inf in [model.norm.weight]")
     assert "ok" not in proc.stdout
     proc = run_example(SCRIPT, "--hf_checkpoint", str(bad), "--out_dir", str(tmp_path / "o"), check=False)
@@ -42,7 +42,7 @@ def test_index_naming_keys_no_shard_holds_is_refused(prepared_assets, tmp_path):
     keys = list(load_file(str(bad / "model.safetensors")))
     index = {"metadata": {}, "weight_map": {**{k: "model.safetensors" for k in keys}, "model.extra.weight": "model.safetensors"}}
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    proc = run_python([sys.executable, "-m", "common.checkpoint", "validate", str(bad)])
+    proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(bad)])
     assert_clean_error(proc, "does not match its shards", "model.extra.weight")
 
 

@@ -279,8 +279,9 @@ def test_tensorboard_into_a_tb_that_is_not_a_folder_is_refused_before_any_work(t
 
 # --------------------------------------------------------------------------- the verifier's --out
 def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_assets, tmp_path):
-    """`python -m common.export verify X --reference R --out O`: O that is R, lies inside X, or is any other existing
-    file than a previous check's JSON is refused in one line and kept; a previous check's JSON is replaced."""
+    """`python -m common.harness.verifier verify X --reference R --out O`: O that is R, lies inside X, or is any
+    other existing file than a previous check's JSON is refused in one line and kept; a previous check's JSON is
+    replaced."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -297,8 +298,8 @@ def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_asse
     weights.write_bytes((export / "model.safetensors").read_bytes()[:4096])
 
     def verify(out):
-        return run_python([sys.executable, "-m", "common.export", "verify", str(export), "--reference", str(reference),
-                           "--out", str(out)])
+        return run_python([sys.executable, "-m", "common.harness.verifier", "verify", str(export), "--reference",
+                           str(reference), "--out", str(out)])
 
     kept = {p: p.read_bytes() for p in (reference, weights, export / "config.json")}
     for out, needle in ((reference, "is the --reference file"), (export / "config.json", f"lies inside {export}"),
@@ -367,7 +368,7 @@ try:
     check = export.verify_export_subprocess(Path({export!r}), Path({reference!r}))
     print(json.dumps({{"check": check, "stop": stop.reason}}), flush=True)
 except KeyboardInterrupt as e:
-    print(json.dumps({{"interrupted": str(e), "is_check_interrupted": isinstance(e, export.CheckInterrupted),
+    print(json.dumps({{"interrupted": str(e), "is_check_interrupted": isinstance(e, verifier.CheckInterrupted),
                       "stop": stop.reason}}), flush=True)
 """
 
@@ -421,6 +422,7 @@ def test_an_interrupted_export_check_leaves_the_export_staged_and_the_old_one_in
     from safetensors.torch import save_file
 
     from common import export
+    from common.harness.verifier import CheckInterrupted
 
     out = tmp_path / "o"
     old = out / "hf_export"
@@ -431,13 +433,37 @@ def test_an_interrupted_export_check_leaves_the_export_staged_and_the_old_one_in
     save_file({"w": torch.zeros(2)}, str(step / "model.safetensors"))
 
     def verify(_staged):
-        raise export.CheckInterrupted("the checks' verifier ended by SIGKILL during a check, while the run was "
-                                      "stopping: no verdict")
+        raise CheckInterrupted("the checks' verifier ended by SIGKILL during a check, while the run was "
+                               "stopping: no verdict")
 
-    with pytest.raises(export.CheckInterrupted) as stopped:
+    with pytest.raises(CheckInterrupted) as stopped:
         export.complete_export(step, old, {"architectures": ["Qwen3ForCausalLM"]}, tmp_path, {"new": "1"},
                                verify=verify)
     assert f"the new export stays unverified in {out / '.hf_export.tmp'}" in str(stopped.value)
     assert json.loads((old / "config.json").read_text())["qwen3_recipes_versions"] == {"old": "1"}
     assert (out / ".hf_export.tmp" / "model.safetensors").is_file() and not (out / "hf_export.rejected").exists()
     assert export.owned(out / ".hf_export.tmp")  # the run's own: the next export replaces it
+
+
+def test_a_ctrl_c_during_the_export_check_of_the_core_alone_says_where_the_export_is(tmp_path):
+    """With the core alone (no stop handlers), a Ctrl-C during the export check is a KeyboardInterrupt: it ends the
+    run as interrupted (exit 130), naming the staged export; hf_export is as it was."""
+    import torch
+    from safetensors.torch import save_file
+
+    from common import export
+
+    out = tmp_path / "o"
+    step = out / "checkpoint" / "step-2"
+    step.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(step / "model.safetensors"))
+
+    def verify(_staged):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        export.complete_export(step, out / "hf_export", {"architectures": ["Qwen3ForCausalLM"]}, tmp_path,
+                               {"new": "1"}, verify=verify)
+    assert str(stopped.value) == (f"the new export stays unverified in {out / '.hf_export.tmp'}, "
+                                  f"{out / 'hf_export'} is as it was")
+    assert (out / ".hf_export.tmp" / "model.safetensors").is_file() and not (out / "hf_export").exists()

@@ -5,6 +5,10 @@
 - the loss comparison with reference losses (`--compare_losses`, golden losses) over the whole curve;
 - losses.jsonl: the loss curve across stops and resumes (`Progress`);
 - the run's outputs: each file it will write is absent or a regular file, before any work (`check_outputs`).
+
+An HF checkpoint folder on its own, before a run (headers, index, keys, shapes, finite values, architecture, no
+remote code: common.checkpoint.validate_hf_checkpoint), `DIR: ok` or one `error:` line and exit code 2:
+    python -m common.harness.checks validate CKPT_DIR [--arch Qwen3ForCausalLM]
 """
 from __future__ import annotations
 
@@ -12,13 +16,15 @@ import errno
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from common import cli
-from common.checkpoint import read_hf_config
-from common.errors import UserError, one_line
-from common.export import CheckInterrupted, model_logits, verify_export_subprocess
+from common.checkpoint import read_hf_config, validate_hf_checkpoint
+from common.errors import ArgumentParser, UserError, one_line
+from common.export import model_logits, verify_export_subprocess
+from common.harness.verifier import CheckInterrupted
 from common.results import atomic_write_text, not_a_file, refuse_non_file
 
 
@@ -269,3 +275,22 @@ def _free_bytes(path: str | os.PathLike) -> float:
 def explain_failure(e: BaseException, cfg) -> str | None:
     """cli.run_cli's `explain` for a training run: a full disk during a save (`out_of_space`), else None."""
     return out_of_space(e, getattr(cfg, "out_dir", None))
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(description="Check an HF checkpoint folder before loading it.")
+    p.add_argument("cmd", choices=["validate"])
+    p.add_argument("ckpt_dir", type=Path)
+    p.add_argument("--arch", default="Qwen3ForCausalLM")
+    args = p.parse_args(argv)
+    try:
+        validate_hf_checkpoint(args.ckpt_dir, (args.arch,))
+    except UserError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    print(f"{args.ckpt_dir}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

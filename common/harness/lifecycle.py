@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import cli, device, export, paths
+from common import cli, device, export
 from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import Progress, explain_failure, attach_load_check, check_outputs, compare_losses, \
     format_loss_comparison, read_reference_losses
@@ -141,10 +141,18 @@ def preflight(recipe: Recipe, cfg) -> dict:
     return found
 
 
+def _dataset_folder(dataset: str, dataset_path: str | None) -> str | None:
+    """The folder `--dataset`/`--dataset_path` name, unchecked (None for 'corpus', which is in the asset cache), as
+    common.paths.training_dataset reads it."""
+    if dataset == "corpus":
+        return None
+    return (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
+
+
 def main(recipe: Recipe, cfg) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={
         "--hf_checkpoint": getattr(cfg, "hf_checkpoint", None), "--hf_assets": getattr(cfg, "hf_assets", None),
-        "--compare_losses": cfg.compare_losses, "--dataset": paths.dataset_folder(cfg.dataset, cfg.dataset_path),
+        "--compare_losses": cfg.compare_losses, "--dataset": _dataset_folder(cfg.dataset, cfg.dataset_path),
         "--eval_dataset_path": cfg.eval_dataset_path},
     ).resolve()
     launcher.hold_out_dir(out_dir, cfg.node_rank)

@@ -5,26 +5,39 @@ On the CPU the run forks it before it has a device, a process group, other threa
 elsewhere the first check starts `python -m common.harness.verifier serve`. A check from another thread while
 none runs gets a process of its own (common.export.one_shot). Either way the verifier dies with the run, however
 that ends (the kernel's parent-death signal), and is killed when the run is interrupted or fails while waiting.
+A verifier killed while the run is stopping gives no verdict (CheckInterrupted).
 
     python -m common.harness.verifier serve   # a JSON request a line on stdin, a reply a line on stdout
+    python -m common.harness.verifier verify EXPORT_DIR --reference REF.safetensors --out check.json
+
+`verify` checks an export on its own, its inputs first: --reference a reference of the export's shape, --out a
+new file or a previous check's JSON.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
-from common import export
+from common import export, results
 from common.device import die_with_parent, fork_is_safe
-from common.errors import UserError, one_line
+from common.errors import ArgumentParser, UserError, one_line
+from common.export import STOP_SIGNALS
 
 _server: list = []  # the run's verifier (`serve`, or a forked child), while it lives
 _server_lock = threading.Lock()
+_stopping: list = []  # () -> whether the run has been told to stop (common/harness/stops.py), when installed
+
+
+class CheckInterrupted(KeyboardInterrupt):
+    """A check that ended without a verdict: its verifier was killed by a signal while the run was being stopped.
+    Neither a pass nor a fail: the run ends as interrupted, what was checked is left as it was (an export staged)."""
 
 
 def install(stopping=None) -> None:
@@ -32,16 +45,34 @@ def install(stopping=None) -> None:
     `stopping() -> bool`: whether the run has got a stop signal; a verifier killed meanwhile gives no verdict."""
     export.use_service(check)
     if stopping is not None:
-        export.when_stopping(stopping)
+        _stopping[:] = [stopping]
 
 
 def check(request: dict) -> tuple[int, str]:
+    """One check for common.export: (exit code, error line), or CheckInterrupted when it has no verdict."""
+    code, error = _check(request)
+    if (interrupted := no_verdict(code)) is not None:
+        raise interrupted
+    return code, error
+
+
+def _check(request: dict) -> tuple[int, str]:
     with _server_lock:
         if _server and _server[0].poll() is not None:
             _server.clear()
         if _server or threading.current_thread() is threading.main_thread():
             return _served(request)
     return export.one_shot(request)
+
+
+def no_verdict(code: int) -> CheckInterrupted | None:
+    """The verifier ended with `code` during a check: a CheckInterrupted when that was a signal's doing while the run
+    is stopping (or a stop signal's, which the verifier ignores: someone else sent it), else None (a verdict)."""
+    if code >= 0 or not (-code in STOP_SIGNALS or (_stopping and _stopping[0]())):
+        return None
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+    return CheckInterrupted(f"the checks' verifier ended by {name} during a check, while the run was stopping: no "
+                            "verdict")
 
 
 def start_verifier(device_type: str, wanted: bool = True, stopping=None) -> None:
@@ -100,14 +131,13 @@ class _ForkedVerifier:
 def _forked_serve(arm, requests: int, replies: int, log: int, parents: tuple[int, int]) -> None:
     """In the forked verifier: die with the run, keep none of its pipe ends, signal handlers, output or threads."""
     import gc
-    import signal
 
     import torch
 
     arm()
     for fd in parents:
         os.close(fd)
-    for sig in export.STOP_SIGNALS:  # the run's stop handlers are the run's; its stop is not this check's verdict:
+    for sig in STOP_SIGNALS:  # the run's stop handlers are the run's; its stop is not this check's verdict:
         signal.signal(sig, signal.SIG_IGN)  # the run ends or kills this verifier (and it dies with the run)
     os.dup2(log, 1)  # never the run's stdout or stderr (a pipe someone reads to its end)
     os.dup2(log, 2)
@@ -146,7 +176,7 @@ def _served(request: dict) -> tuple[int, str]:
         proc.wait()
         proc.log.seek(0)
         code = proc.returncode or 1
-        return code, export.last_line(proc.log.read()) if export.no_verdict(code) is None else ""
+        return code, export.last_line(proc.log.read()) if no_verdict(code) is None else ""
     reply = json.loads(reply)
     return reply["code"], reply.get("error", "")
 
@@ -170,7 +200,7 @@ def _serve(requests, replies) -> int:
     for line in requests:
         req = json.loads(line)
         try:
-            export.verify_to(Path(req["export_dir"]), Path(req["reference"]), Path(req["out"]), files=req["files"])
+            verify_to(Path(req["export_dir"]), Path(req["reference"]), Path(req["out"]), files=req["files"])
             reply = {"code": 0}
         except UserError as e:
             reply = {"code": 2, "error": one_line(str(e))}
@@ -182,17 +212,102 @@ def _serve(requests, replies) -> int:
     return 0
 
 
+def verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
+    """common.export.verify_to with its inputs checked: --out before the work (a bad one is named now, not after the
+    model has run), --reference before the weights are read."""
+    _check_out(out, export_dir, reference)
+    return export.verify_to(export_dir, reference, out, files, check_reference=_check_reference)
+
+
+REFERENCE_TENSORS = {"input_ids": ("I64", "I32"), "position_ids": ("I64", "I32"),
+                     "logits": ("F32", "F16", "BF16", "F64")}
+
+
+def _check_reference(reference: Path, config: dict) -> None:
+    """--reference of the verifier: a regular safetensors file holding input_ids and position_ids ([batch, tokens],
+    integers) and the trained model's logits ([batch, tokens, vocab_size], floats). Read from its header, before
+    anything is loaded; each way it can be wrong is one UserError naming it."""
+    from common.checkpoint import require_regular_file, safetensors_header
+
+    if not os.path.lexists(reference):
+        raise UserError(f"--reference {reference} does not exist")
+    require_regular_file(reference)
+    try:
+        header = safetensors_header(reference)
+    except UserError as e:
+        raise UserError(f"--reference is not a readable safetensors file: {e}") from None
+    missing = [k for k in REFERENCE_TENSORS if k not in header]
+    if missing:
+        raise UserError(f"--reference {reference} holds no {', '.join(missing)}: it is not an export check's "
+                        "reference (input_ids, position_ids, logits)")
+    shapes = {k: header[k]["shape"] for k in REFERENCE_TENSORS}
+    wrong = [f"{k}: {header[k]['dtype']}" for k, kinds in REFERENCE_TENSORS.items() if header[k]["dtype"] not in kinds]
+    vocab = config.get("vocab_size")
+    if (len(shapes["input_ids"]) != 2 or 0 in shapes["input_ids"] or shapes["position_ids"] != shapes["input_ids"]
+            or shapes["logits"][:2] != shapes["input_ids"] or len(shapes["logits"]) != 3
+            or (isinstance(vocab, int) and shapes["logits"][2] != vocab)):
+        wrong.append("shapes " + ", ".join(f"{k} {v}" for k, v in shapes.items())
+                     + f" (expected [batch, tokens] twice and [batch, tokens, {vocab}])")
+    if wrong:
+        raise UserError(f"--reference {reference} does not fit the export: {'; '.join(wrong)}")
+
+
+CHECK_KEYS = ("missing_keys", "unexpected_keys", "tied_lm_head", "max_abs_logit_diff")  # in every check's JSON
+CHECK_MAX = 16 << 20  # bytes: a check's JSON is a few KiB
+
+
+def is_check_json(path: Path) -> bool:
+    """Whether the regular file at `path` holds an export check's JSON (what `verify_to` writes)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(CHECK_MAX + 1)
+        check = json.loads(raw.decode("utf-8")) if len(raw) <= CHECK_MAX else None
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(check, dict) and all(k in check for k in CHECK_KEYS)
+
+
+def _check_out(out: Path, export_dir: Path, reference: Path) -> None:
+    """--out of the verifier: a new file, or a previous check's JSON it replaces; never --reference, nothing inside
+    the folder it checks, no other file (a user's weights, notes): each is a UserError naming it, the file kept."""
+    results.refuse_non_file(out, what="a file for the check's JSON", fix="give a file path")
+    where = Path(out).parent.resolve() / Path(out).name  # the name written (a link there is replaced, not followed)
+    if where == Path(reference).resolve() or Path(out).resolve() == Path(reference).resolve():
+        raise UserError(f"--out {out} is the --reference file: the check would replace it; give another path")
+    folder = Path(export_dir).resolve()
+    if folder in where.parents or folder in Path(out).resolve().parents or where == folder:
+        raise UserError(f"--out {out} lies inside {export_dir}, the folder it checks: the check would change it; "
+                        "give a path outside it")
+    if os.path.exists(out) and not is_check_json(Path(out)):
+        raise UserError(f"--out {out} is an existing file that is not an export check's JSON: it is left alone; give "
+                        "a new path, or a previous check's file")
+
+
 def _main(argv: list[str] | None = None) -> int:
     import gc
 
     gc.disable()  # the import of transformers takes about a fifth less CPU time; `serve` collects after each check
-    argv = sys.argv[1:] if argv is None else argv
-    if argv != ["serve"]:
-        print("error: usage: python -m common.harness.verifier serve", file=sys.stderr)
+    p = ArgumentParser(description="The export checks' verifier: a run's (serve), or one export's (verify).")
+    commands = p.add_subparsers(dest="cmd", required=True)
+    commands.add_parser("serve", help="a JSON request a line on stdin, a reply a line on stdout")
+    verify = commands.add_parser("verify", help="re-read an HF export and compare its logits with a reference")
+    verify.add_argument("export_dir", type=Path)
+    verify.add_argument("--reference", type=Path, required=True,
+                        help="safetensors file with input_ids, position_ids and the trained model's logits")
+    verify.add_argument("--out", type=Path, required=True, help="where to write the check as JSON")
+    verify.add_argument("--weights_only", action="store_true", help="a checkpoint, not an export: no tokenizer needed")
+    args = p.parse_args(argv)
+    if args.cmd == "serve":
+        replies = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
+        return _serve(sys.stdin, replies)
+    try:
+        check = verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only)
+    except UserError as e:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # anything else printed goes to stderr, never into the replies
-    return _serve(sys.stdin, replies)
+    print(json.dumps(check))
+    return 0
 
 
 if __name__ == "__main__":
