@@ -1,6 +1,7 @@
 """Shared helpers: run an example as a subprocess (the real CLI) and read its results.json."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -29,6 +30,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages (compat_check, hf_backend)
 
 
+# torchrun's workers in the tests are forked by this test process's pre-forked runner (tests/prefork.py) instead of
+# starting a fresh interpreter each: torchrun starts PYTHON_EXEC (the executable it documents for its workers), here
+# tests/torchrun_worker.py, which asks the runner at the socket for the worker and stands for it towards torchrun.
+_WORKERS = Path(tempfile.mkdtemp(prefix="qwen3-tests-"))
+WORKER_SOCKET = str(_WORKERS / "workers")
+WORKER_EXEC = _WORKERS / "python"
+WORKER_EXEC.write_text(f"#!{sys.executable} -S\n" + (ROOT / "tests" / "torchrun_worker.py").read_text())
+WORKER_EXEC.chmod(0o755)
+atexit.register(shutil.rmtree, _WORKERS, ignore_errors=True)
+
+
 def script_env() -> dict:
     # One torch thread per script process (as torchrun gives each worker): two test workers share the 2 cores
     # of CI, and a second thread per process only waits for a busy core.
@@ -38,7 +50,8 @@ def script_env() -> dict:
     # are). What they change: docs/testing.md.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ["OMP_NUM_THREADS"],
-               MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="17179869184")
+               MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="17179869184",
+               PYTHON_EXEC=str(WORKER_EXEC), QWEN3_TEST_WORKERS=WORKER_SOCKET, QWEN3_TEST_PYTHON=sys.executable)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
@@ -67,7 +80,8 @@ class _Prefork:
     def __init__(self, torchtitan: bool):
         self.lock = threading.Lock()
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "prefork.py"),
-                                      *(["--torchtitan"] if torchtitan else [])], cwd=ROOT, env=script_env(),
+                                      *(["--torchtitan", "--workers", WORKER_SOCKET] if torchtitan else [])],
+                                     cwd=ROOT, env=script_env(),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self.proc.stdout.readline()
         if not ready:

@@ -90,21 +90,24 @@ def _run_child(req: dict, proto_fds: tuple[int, int]) -> None:
 
     code = 1
     try:
-        os.setpgrp()  # its own process group: a timeout kills the command and everything it started
+        inherit = req.get("inherit")  # a torchrun worker: its session and stdio are set already
+        if not inherit:
+            os.setpgrp()  # its own process group: a timeout kills the command and everything it started
         for fd in proto_fds:
             os.close(fd)
-        for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+        for fd, path in () if inherit else ((1, req["stdout"]), (2, req["stderr"])):
             if fd == 2 and path == req["stdout"]:
                 os.dup2(1, 2)
                 continue
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
-        if req.get("op") == "start":  # SIGINT as in a terminal (the server may have inherited it ignored)
+        if req.get("op") == "start" or inherit:  # SIGINT as in a terminal (the server may have inherited it ignored)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        os.close(stdin)
+        if not inherit:
+            stdin = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(stdin, 0)
+            os.close(stdin)
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -162,16 +165,53 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def _worker_child(req: dict, fds: list[int], close: list[int]) -> None:
+    """In the forked child: become torchrun's worker `python -u ARGV...` (tests/torchrun_worker.py asked for it), with
+    the stand-in's stdin, stdout and stderr, in a session of its own as torchrun starts a worker, and its stand-in's
+    parent (torchrun) as the parent it sees. Never returns."""
+    for fd in close:
+        os.close(fd)
+    os.setsid()
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    ppid, me, real = req["ppid"], os.getpid(), os.getppid
+    # What the worker (not a process it forks) reads of its parent: common/device.py, the stop's grace line.
+    os.getppid = lambda: ppid if os.getpid() == me else real()
+    argv = [a for a in req["argv"] if a != "-u"]
+    _run_child({"argv": argv, "cwd": req["cwd"], "env": req["env"], "inherit": True}, ())
+
+
+# What must be the runner's own for a worker to be forked from it: anything else is imported, or read at start,
+# differently (a shadow module on the path, another thread count or allocator setting).
+SAME_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+            "PYTHONHASHSEED")
+
+
 def serve() -> None:
+    import select
+    import socket
+
     proto_in = os.dup(0)
     proto_out = os.dup(1)
     os.dup2(2, 1)  # anything printed here goes to stderr, never into the replies
-    _preload(torchtitan="--torchtitan" in sys.argv[1:])
-    reader = os.fdopen(proto_in, "r")
+    args = sys.argv[1:]
+    _preload(torchtitan="--torchtitan" in args)
+    listener = None
+    if "--workers" in args:  # torchrun's workers, asked for by tests/torchrun_worker.py
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = args[args.index("--workers") + 1]
+        if os.path.exists(path):  # a runner before this one, ended
+            os.unlink(path)
+        listener.bind(path)
+        listener.listen(64)
     writer = os.fdopen(proto_out, "w")
     writer.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     writer.flush()
     ended: dict[int, int] = {}  # pid -> wait status, of every command that has ended and not been asked about
+    workers: dict[int, socket.socket] = {}  # pid -> its stand-in's connection
+    pending: dict | None = None  # the request being answered: a run or a wait, until its command ends
+    buffered = b""
 
     def reap() -> None:
         while True:
@@ -181,39 +221,109 @@ def serve() -> None:
                 return
             if not pid:
                 return
-            ended[pid] = status
+            conn = workers.pop(pid, None)
+            if conn is None:
+                ended[pid] = status
+                continue
+            try:
+                conn.sendall(f"status {status}\n".encode())
+            except OSError:
+                pass
+            conn.close()
 
-    def wait(pid: int, timeout: float | None) -> dict:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            reap()
-            if pid in ended:
-                return {"rc": os.waitstatus_to_exitcode(ended.pop(pid)), "timed_out": False}
-            if deadline is not None and time.monotonic() > deadline:
-                return {"rc": None, "timed_out": True}
-            time.sleep(0.02)
+    def answer(reply: dict) -> None:
+        writer.write(json.dumps(reply) + "\n")
+        writer.flush()
 
-    for line in reader:
-        req = json.loads(line)
+    def settle() -> None:
+        nonlocal pending
+        if pending is None:
+            return
+        pid = pending["pid"]
+        if pid in ended:
+            reply = {"rc": os.waitstatus_to_exitcode(ended.pop(pid)), "timed_out": False}
+            if pending.get("killed"):
+                reply["timed_out"] = True
+        elif pending["deadline"] is not None and time.monotonic() > pending["deadline"]:
+            if pending["op"] == "wait":
+                reply = {"rc": None, "timed_out": True}
+            else:  # a run past its timeout: its process group killed, then waited for
+                _kill_group(pid)
+                pending.update(killed=True, deadline=None)
+                return
+        else:
+            return
+        pending = None
+        answer(reply)
+
+    def request(req: dict) -> None:
+        nonlocal pending
         op = req.get("op", "run")
         if op in ("run", "start"):
             pid = os.fork()
             if pid == 0:
-                _run_child(req, (proto_in, proto_out))
+                _run_child(req, (proto_in, proto_out, *([listener.fileno()] if listener else []),
+                                 *(c.fileno() for c in workers.values())))
             if op == "start":
-                reply = {"pid": pid}
+                answer({"pid": pid})
             else:
-                reply = wait(pid, req["timeout"])
-                if reply["timed_out"]:
-                    _kill_group(pid)
-                    reply = dict(wait(pid, None), timed_out=True)
+                pending = {"op": op, "pid": pid, "deadline": time.monotonic() + req["timeout"]}
         elif op == "wait":
-            reply = wait(req["pid"], req["timeout"])
+            timeout = req["timeout"]
+            pending = {"op": op, "pid": req["pid"], "deadline": None if timeout is None else time.monotonic() + timeout}
         else:  # poll
             reap()
-            reply = {"rc": os.waitstatus_to_exitcode(ended.pop(req["pid"])) if req["pid"] in ended else None}
-        writer.write(json.dumps(reply) + "\n")
-        writer.flush()
+            answer({"rc": os.waitstatus_to_exitcode(ended.pop(req["pid"])) if req["pid"] in ended else None})
+
+    def worker(conn: socket.socket) -> None:
+        msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+        while not msg.endswith(b"\n"):
+            more = conn.recv(1 << 20)
+            if not more:
+                break
+            msg += more
+        req = json.loads(msg)
+        if len(fds) != 3 or any(req["env"].get(k) != os.environ.get(k) for k in SAME_ENV):
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(b"exec\n")
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            _worker_child(req, fds, [proto_in, proto_out, listener.fileno(), conn.fileno(),
+                                     *(c.fileno() for c in workers.values())])
+        for fd in fds:
+            os.close(fd)
+        workers[pid] = conn
+        conn.sendall(f"pid {pid}\n".encode())
+
+    while True:
+        watched = [proto_in, *([listener] if listener else []), *workers.values()]
+        if pending is not None:  # one request at a time: the next waits until this one is answered
+            watched.remove(proto_in)
+        readable, _, _ = select.select(watched, [], [], 0.02)
+        for item in readable:
+            if item is proto_in:
+                chunk = os.read(proto_in, 1 << 20)
+                if not chunk:
+                    return
+                buffered += chunk
+                while b"\n" in buffered and pending is None:
+                    line, buffered = buffered.split(b"\n", 1)
+                    request(json.loads(line))
+            elif item is listener:
+                conn, _ = listener.accept()
+                worker(conn)
+            else:  # a stand-in's connection: it never writes, so this is its end (torchrun killed it): the worker too
+                pid = next((p for p, c in workers.items() if c is item), None)
+                if pid is not None and not item.recv(1):
+                    _kill_group(pid)
+        reap()
+        settle()
+        while b"\n" in buffered and pending is None:
+            line, buffered = buffered.split(b"\n", 1)
+            request(json.loads(line))
 
 
 if __name__ == "__main__":
