@@ -1,15 +1,13 @@
 """Dataclass -> command line, presets, and the one-line `error:` exit.
 
-The dataclass is the one place for defaults: the CLI is generated from its fields,
-with the same names; a preset is a named function returning a changed copy of the defaults,
-and flags given on the command line override the preset. Unknown flags, wrong types and
-unknown presets are errors with a one-line message.
+The dataclass is the one place for defaults: the CLI is generated from its fields, with the same names; a preset is a
+named function returning a changed copy of the defaults, and flags given on the command line override the preset.
+Unknown flags, wrong types and unknown presets are errors with a one-line message.
 
-Every int and float field declares the values it takes where it is declared, in its metadata
-(`field(default=10, metadata={"help": ..., **cli.bounds(1, 10**7)})`): `build_parser` refuses a
-numeric field without bounds (a TypeError: a flag cannot be added without them), and `parse_config`
-checks every numeric value once the preset and the flags are applied, one `error:` line naming the
-flag, the value and what it takes.
+Every int and float field declares the values it takes where it is declared, in its metadata (`field(default=10,
+metadata={"help": ..., **cli.bounds(1, 10**7)})`): `build_parser` refuses a numeric field without bounds (a TypeError:
+a flag cannot be added without them), and `parse_config` checks every numeric value once the preset and the flags are
+applied, one `error:` line naming the flag, the value and what it takes.
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ import importlib.util
 import os
 import platform
 import resource
-import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -26,46 +25,6 @@ from common.errors import UserError
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "neuron")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}
 GIB = 1 << 30
-
-
-def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None):
-    """A function that makes the process calling it get `sig` when its parent dies (Linux: prctl PR_SET_PDEATHSIG),
-    however the parent ends (kill -9 included), and `sig` at once if the parent (`parent_pid`; by default the
-    process that calls die_with_parent) is already gone. Pass it as Popen's preexec_fn, or call it first thing in a
-    worker with its parent's pid. prctl is looked up here, before any fork: the child only calls it. Elsewhere only
-    the parent check."""
-    parent = os.getpid() if parent_pid is None else parent_pid
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            pass
-
-    def arm() -> None:
-        if prctl is not None:
-            prctl(ctypes.c_int(1), ctypes.c_ulong(int(sig)), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sig)
-
-    return arm
-
-
-def fork_is_safe() -> bool:
-    """Whether this process may fork a child that runs on in Python: it has no other Python thread (one holding a
-    lock would leave it held in the child forever) and no process group. tqdm's monitor thread, which progress bars
-    start (`datasets` reading a folder among them) and which only redraws a stalled bar, is ended first and not
-    started again. The child still must not use the parent's OpenMP pool: one torch thread, before any op."""
-    import threading
-
-    if "tqdm.std" in sys.modules:
-        sys.modules["tqdm.std"].tqdm.monitor_interval = 0
-        for thread in threading.enumerate():
-            if isinstance(thread, sys.modules["tqdm._monitor"].TMonitor):
-                thread.exit()
-    return threading.active_count() == 1 and not (dist.is_available() and dist.is_initialized())
 
 
 @dataclass(frozen=True)
@@ -216,8 +175,6 @@ def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
 def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> DeviceInfo:
     """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to the device, and
     create the process group (torchtitan reuses it). Neuron settings first: the runtime reads them at start."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
-        die_with_parent(parent_pid=os.getppid())()
     device_type = resolve_device_type(requested)
     if device_type == "neuron":
         print(f"[neuron] {set_neuron_env(lnc, os.environ.get('TORCH_NEURONX_NEFF_CACHE_DIR'))}", flush=True)

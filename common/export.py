@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from common import results
 from common.checkpoint import TOKENIZER_FILES, checkpoint_tensors, read_hf_config, validate_hf_checkpoint
-from common.device import die_with_parent
 from common.errors import UserError, one_line
 
 
@@ -123,10 +121,9 @@ def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_p
 def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokenizer_dir: Path,
                      tied_expected: bool, tol: float, is_main: bool, pass_positions: bool = False) -> dict:
     """The end of a run with --export. Every rank: logits of a fixed sentence from the trained model
-    (`save_reference_logits`), then `trainer.close()`, which writes
-    torchtitan's last save (HF safetensors) to OUT_DIR/checkpoint/step-STEPS. Rank 0: config.json,
-    tokenizer and version stamp added and the folder moved to OUT_DIR/hf_export atomically
-    (`complete_export`), re-read by transformers in a fresh process, logits compared.
+    (`save_reference_logits`), then `trainer.close()`, which writes torchtitan's last save (HF safetensors) to
+    OUT_DIR/checkpoint/step-STEPS. Rank 0: config.json, tokenizer and version stamp added and the folder moved to
+    OUT_DIR/hf_export atomically (`complete_export`), re-read by transformers in a fresh process, logits compared.
     Returns the results entries (`export_dir`, `export_check`) on rank 0, {} on the others."""
     reference = Path(out_dir) / "export_reference.safetensors"
     save_reference_logits(trainer, tokenizer_dir, reference, is_main=is_main, pass_positions=pass_positions)
@@ -171,21 +168,22 @@ def stage_hf_assets(dest: Path, tokenizer_dir: Path, checkpoint_dir: Path | None
 
 def complete_export(step_dir: Path, export_dir: Path, hf_config: dict, tokenizer_dir: Path,
                     versions: dict, verify=None) -> Path | None:
-    """Turn torchtitan's last HF save (safetensors + index only) into a folder that
-    `from_pretrained` opens as is: add config.json and the tokenizer files, check it with
-    `verify(folder) -> bool` while it still has a hidden name, then move it into place with one
-    rename. A previous export is replaced only by a complete, verified one; an export that fails
-    `verify` goes to EXPORT_DIR.rejected and None is returned (a kill at any point leaves the
-    previous export or none). EXPORT_DIR, EXPORT_DIR.rejected and the staging folder .EXPORT_DIR.tmp
-    are replaced only when absent or a run's own (`owned`); anything else is a UserError naming it,
-    raised before anything moves (check_replaceable refuses it before training). A symlink of one of
-    those names is replaced itself, never what it points to (results.replace_dir)."""
+    """Turn torchtitan's last HF save (safetensors + index only) into a folder that `from_pretrained` opens as is: add
+    config.json and the tokenizer files, check it with `verify(folder) -> bool` while it still has a hidden name, then
+    move it into place with one rename. A previous export is replaced only by a complete, verified one; an export that
+    fails `verify` goes to EXPORT_DIR.rejected and None is returned (a kill at any point leaves the previous export or
+    none). EXPORT_DIR, EXPORT_DIR.rejected and the staging folder .EXPORT_DIR.tmp are replaced only when absent or a
+    run's own (`owned`); anything else is a UserError naming it, raised before anything moves (check_replaceable
+    refuses it before training). A symlink of one of those names is replaced itself, never what it points to
+    (results.replace_dir)."""
     if not step_dir.is_dir():
         raise RuntimeError(f"torchtitan wrote no HF export at {step_dir}")
     tmp = export_dir.with_name(f".{export_dir.name}.tmp")
     rejected = export_dir.with_name(f"{export_dir.name}.rejected")
-    for folder in (tmp, export_dir, rejected):
-        _refuse_foreign(folder, step_dir)
+    try:  # absent, a dangling link or a run's own (through a link too); anything else is named before anything moves
+        check_replaceable(export_dir.parent, (tmp.name, export_dir.name, rejected.name))
+    except UserError as e:
+        raise UserError(f"{e} (the new export stays in {step_dir})") from None
     (step_dir / MARKER).touch()  # marked before it moves: the staged folder is the run's own whenever a kill comes
     results.remove(tmp)
     shutil.move(str(step_dir), tmp)
@@ -218,7 +216,6 @@ def _fsync_tree(root: Path) -> None:
 
 
 _service: list = []  # a verifier serving every check of this run (common/harness/verifier.py), when installed
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # a run's stop signals
 
 
 def use_service(check) -> None:
@@ -229,9 +226,7 @@ def use_service(check) -> None:
 def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = True) -> dict:
     """Re-read the export with transformers in a process of its own (no state shared with the trainer,
     whose libraries may have patched transformers) and return the check as a dict. A folder the
-    verifier cannot read at all fails the check with the verifier's error. Each check starts
-    `python -m common.export REQUEST`, which dies with this process however that ends (the kernel's
-    parent-death signal); the harness serves a run's checks from one process instead (`use_service`)."""
+    verifier cannot read at all fails the check with the verifier's error (`one_shot`, or the harness's verifier)."""
     out_json = Path(reference).with_name(".export_check.json")
     request = {"export_dir": str(Path(export_dir).absolute()), "reference": str(Path(reference).absolute()),
                "out": str(out_json.absolute()), "files": files}
@@ -244,39 +239,17 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
     return check
 
 
-def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
-    """`python -m MODULE ARGS` of this repository, dying with this process (SIGKILL) and ignoring the run's stop
-    signals: a Ctrl-C or a SIGTERM to the process group stops the run, which then ends or kills it; it is never the
-    verdict of a check that the signal cut short."""
-    repo_root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    arm = die_with_parent()
-
-    def start() -> None:
-        arm()
-        for sig in STOP_SIGNALS:  # ignored across exec: Python keeps an ignored SIGINT ignored
-            signal.signal(sig, signal.SIG_IGN)
-
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True, preexec_fn=start, **popen)
-
-
-def last_line(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
-
-
 def one_shot(request: dict) -> tuple[int, str]:
-    """One check in a process of its own (`python -m common.export REQUEST`): (exit code, its error line)."""
-    proc = python_module("common.export", json.dumps(request), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        _, stderr = proc.communicate()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc.returncode, last_line(stderr) if proc.returncode else ""
+    """One check in a process of its own, `python -m common.export REQUEST` (not a rank of the run): (exit code, its
+    error line). The harness's verifier serves a run's checks instead (`use_service`), dying with the run."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = f"{Path(__file__).resolve().parent.parent}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run([sys.executable, "-m", "common.export", json.dumps(request)], env=env, capture_output=True,
+                          text=True)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()] or ["?"]
+    error = next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), lines[-1])
+    return proc.returncode, error if proc.returncode else ""
 
 
 def verify_export(export_dir: Path, reference: Path, files: bool = True, check_reference=None) -> dict:
@@ -349,14 +322,6 @@ def verify_to(export_dir: Path, reference: Path, out: Path, files: bool, check_r
     except OSError as e:
         raise UserError(f"--out {out} cannot be written: {e.strerror or e}") from None
     return check
-
-
-def _refuse_foreign(folder: Path, step_dir: Path) -> None:
-    """complete_export's rule for each folder it replaces: absent, a dangling link, or a run's own (`owned`, through
-    a link too); anything else is a UserError naming it, before anything moves."""
-    if os.path.lexists(folder) and not (folder.is_symlink() and not folder.exists()) and not owned(folder):
-        raise UserError(f"{folder} exists and was not made by these scripts: it is left alone (the new export stays in "
-                        f"{step_dir}); move it or choose another --out_dir")
 
 
 def _main(argv: list[str] | None = None) -> int:

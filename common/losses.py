@@ -98,9 +98,6 @@ class LossRecorder:
         original = mp.log
 
         def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-            if not math.isfinite(float(global_avg_loss)):  # every rank sees the same reduced loss
-                raise UserError(f"the loss at step {step} is {float(global_avg_loss)}: training diverged or its "
-                                "weights or data are broken; nothing after this step is trained")
             self.steps.append(int(step))
             self.losses.append(float(global_avg_loss))
             self.grad_norms.append(float(grad_norm))
@@ -111,9 +108,9 @@ class LossRecorder:
             return original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
         mp.log = log
-        # torchtitan checks the loss itself before it logs ("Loss is not finite (global_avg_loss=nan) at step N",
-        # a RuntimeError and a traceback on every rank): the same one line as above. Around train(), not
-        # train_step(): the load check's one-step wrapper puts the original train_step back after step 1.
+        # torchtitan checks the loss before it logs ("Loss is not finite (global_avg_loss=nan) at step N", a
+        # RuntimeError and a traceback on every rank): one line instead (every rank sees the same reduced loss).
+        # Around train(), not train_step(): the load check's one-step wrapper puts the original back after step 1.
         train = trainer.train
 
         def train_or_one_line(*args, **kwargs):

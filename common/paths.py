@@ -1,10 +1,9 @@
 """Where the offline assets prepared by `make setup` are, and the training scripts' dataset choice.
 
-The assets (a Qwen3 tokenizer, an English corpus, small HF models) are built by
-`python -m tools.prepare_assets prepare` (run by `make setup`) into CACHE_DIR, one folder each
-with a manifest.json listing every file's size and sha256. This module only finds them and
-checks them against their manifest; it never builds anything. On trn2 the presets read real Hub
-folders instead, and none of this is used.
+The assets (a Qwen3 tokenizer, an English corpus, small HF models) are built by `python -m tools.prepare_assets
+prepare` (run by `make setup`) into CACHE_DIR, one folder each with a manifest.json listing every file's size and
+sha256. This module only finds them and checks them against their manifest; it never builds anything. On trn2 the
+presets read real Hub folders instead, and none of this is used.
 """
 from __future__ import annotations
 

@@ -61,12 +61,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def replace_dir(tmp: str | os.PathLike, dest: str | os.PathLike) -> None:
-    """Move the finished folder `tmp` onto `dest` beside it. A folder cannot be renamed over a non-empty
-    one, so the old `dest` is renamed aside first and removed last: a kill leaves the old folder or the
-    new one (or, between the two renames, the old one under a hidden name), never a mix of the two.
-    A `dest` that is a symlink is replaced itself, never what it points to: the link is renamed aside and
-    unlinked. The aside name is new each time, so nothing left by an earlier run (a folder, a link) can
-    block the renames; such leftovers are removed first."""
+    """Move the finished folder `tmp` onto `dest` beside it. A folder cannot be renamed over a non-empty one, so the
+    old `dest` is renamed aside first and removed last: a kill leaves the old folder or the new one (or, between the
+    two renames, the old one under a hidden name), never a mix of the two. A `dest` that is a symlink is replaced
+    itself, never what it points to: the link is renamed aside and unlinked. The aside name is new each time, so
+    nothing left by an earlier run (a folder, a link) can block the renames; such leftovers are removed first."""
     tmp, dest = Path(tmp), Path(dest)
     aside = re.compile(rf"\.{re.escape(dest.name)}\.old(\.[0-9a-f]{{12}})?\.tmp")  # the names used here, no other
     for stale in dest.parent.glob(f".{glob.escape(dest.name)}.old*.tmp"):  # an earlier run's, cut short

@@ -24,12 +24,11 @@ ATTN_BACKENDS = ("sdpa", "flex")
 class SDPADocumentAttention(VarlenAttention):
     """Causal attention with packed-document masking through `scaled_dot_product_attention`.
 
-    Why: torchtitan 0.3.0 language models accept only FlexAttention (no CPU backward, needs
-    Triton/inductor) or varlen attention (a CUDA kernel), and its plain SDPA class cannot mask
-    documents. Subclassing the varlen config makes the trainer hand us the per-document
-    boundaries it computes from `positions`; the mask is materialised once per forward
-    (B x L x L booleans) and reused by every layer.
-    Remove when torchtitan ships a document-masked SDPA backend for language models."""
+    Why: torchtitan 0.3.0 language models accept only FlexAttention (no CPU backward, needs Triton/inductor) or varlen
+    attention (a CUDA kernel), and its plain SDPA class cannot mask documents. Subclassing the varlen config makes the
+    trainer hand us the per-document boundaries it computes from `positions`; the mask is materialised once per
+    forward (B x L x L booleans) and reused by every layer. Remove when torchtitan ships a document-masked SDPA
+    backend for language models."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(VarlenAttention.Config):

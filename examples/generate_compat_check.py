@@ -1,8 +1,12 @@
 # Copy with this file the core (it checks models and writes their rows):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
-#   common/checkpoint.py
-#   examples/compat_check/ (the whole folder: rows, sizing, judge, measure, processes, training, compile_audit, and
-#   for the subcommands: subcommands, lookup, page, rankings)
+#   common/checkpoint.py common/processes.py
+#   examples/compat_check/__init__.py examples/compat_check/rows.py examples/compat_check/sizing.py
+#   examples/compat_check/judge.py examples/compat_check/measure.py examples/compat_check/processes.py
+#   examples/compat_check/training.py examples/compat_check/compile_audit.py
+# and, for the subcommands `lookup` and `rankings`:
+#   examples/compat_check/subcommands.py examples/compat_check/lookup.py examples/compat_check/page.py
+#   examples/compat_check/rankings.py
 # and, for the Neuron stack's preflight before a Trainium run, from the harness:
 #   common/harness/__init__.py common/harness/preflight.py
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
@@ -77,7 +81,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import cli, device, paths  # noqa: E402
+from common import cli, device, paths, processes  # noqa: E402
 from common.errors import UserError, harness_missing, one_line  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 from compat_check import compile_audit, judge as judging, measure, processes, rows, sizing, training  # noqa: E402
@@ -478,7 +482,7 @@ def worker(rank: int, job: dict, results) -> None:
     """One rank of a model's run (spawned, or forked on the CPU). Reports ("ok", measurements) or ("error",
     traceback). It dies with the check, however the check ends, and leaves Ctrl-C to the check (which stops every
     rank)."""
-    device.die_with_parent(parent_pid=job["parent_pid"])()
+    processes.die_with_parent(parent_pid=job["parent_pid"])()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a forked rank's: the check's own stop handlers are the check's
         signal.signal(sig, signal.SIG_DFL)

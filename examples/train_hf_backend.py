@@ -4,7 +4,7 @@
 #   examples/hf_backend/ (the whole folder: __init__.py, fixes.py)
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
-#   common/harness/ (the whole folder)
+#   common/processes.py common/harness/ (the whole folder)
 """Train the model transformers' `AutoModelForCausalLM` builds, with torchtitan's Transformers
 modeling backend: public weights in, HF safetensors out.
 

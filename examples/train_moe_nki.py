@@ -4,7 +4,7 @@
 #   common/kernels/ (the whole folder: the RoPE and grouped-expert ops, their NKI branches, registry entries)
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
-#   common/harness/ (the whole folder)
+#   common/processes.py common/harness/ (the whole folder)
 """Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
 
 The third path of the AWS guide: Qwen3-30B-A3B cut to 4 layers and 64 experts (top_k 4) so

@@ -3,7 +3,7 @@
 #   common/checkpoint.py common/losses.py common/export.py common/torchtitan_fixes.py common/recipe.py
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
-#   common/harness/ (the whole folder)
+#   common/processes.py common/harness/ (the whole folder)
 """Train torchtitan's own Qwen3, chosen through `config.model_spec`, and export HF safetensors.
 
 The second path of the AWS guide: start from torchtitan's `qwen3_32b` builder (torchtitan

@@ -82,6 +82,13 @@ def _import_all(torchtitan: bool) -> None:
             importlib.import_module(name)
 
 
+def _set_name(name: str) -> None:
+    """The command's name as ps and /proc show it (comm: 15 bytes), instead of the runner's."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 def _run_child(req: dict, proto_fds: tuple[int, int]) -> None:
     """In the forked child: become `python ARGV...` and exit as it would. Never returns."""
     import atexit
@@ -112,6 +119,7 @@ def _run_child(req: dict, proto_fds: tuple[int, int]) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         argv = req["argv"]
+        _set_name(("w:" if inherit else "") + (argv[1] if argv[0] == "-m" else os.path.basename(argv[0])))
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = os.getcwd()

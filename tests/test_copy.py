@@ -20,7 +20,6 @@ import pytest
 
 from conftest import ROOT, read_results, run_python, script_env
 from test_layout import header_files
-from tools.closure import HARNESS
 
 # The shortest run of each example that still reaches its run-time paths with the harness: the stop-and-resume
 # record and the pilot report (every training example), the load check of an HF start (hf), the override registry's
@@ -48,7 +47,7 @@ def test_every_example_is_run_from_a_copy():
 
 
 def copy_example(name: str, dest, core_only: bool = False):
-    files = [f for f in header_files(ROOT / "examples" / name) if not (core_only and HARNESS in f.parents)]
+    files = header_files(ROOT / "examples" / name, core_only=core_only)
     for f in [ROOT / "examples" / name, *files]:
         target = dest / f.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -12,11 +12,12 @@ from tools.closure import closure
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
-def header_files(example) -> set:
-    """The files the '# Copy with this file' comment block names; 'folder/ (...)' stands for its .py files."""
+def header_files(example, core_only: bool = False) -> set:
+    """The files the '# Copy with this file' comment block names; 'folder/ (...)' stands for its .py files.
+    `core_only`: its first list, the core (up to the line '# and ...' that names what the guards add)."""
     lines = []
     for line in example.read_text().splitlines():
-        if not line.startswith("#"):
+        if not line.startswith("#") or (core_only and lines and line.startswith("# and")):
             break
         lines.append(line)
     assert lines and lines[0].startswith("# Copy with this file"), f"{example.name} has no copy header"
@@ -37,6 +38,9 @@ def test_header_lists_exactly_what_the_example_imports(name):
     rel = lambda files: sorted(str(f.relative_to(ROOT)) for f in files)  # noqa: E731
     assert rel(imported - listed) == [], "imported but not in the header"
     assert rel(listed - imported) == [], "in the header but not imported"
+    core, listed = set(closure(example, core_only=True)), header_files(example, core_only=True)
+    assert rel(core - listed) == [], "the core alone imports it, but the header's core list lacks it"
+    assert rel(listed - core) == [], "in the header's core list, but only the guards import it"
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

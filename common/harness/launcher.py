@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from common.device import GIB, die_with_parent
+from common.device import GIB
 from common.errors import UserError, one_line
+from common.processes import die_with_parent
 from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
 
 

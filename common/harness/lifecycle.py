@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from common.harness.checks import Progress, explain_failure, attach_load_check, 
     format_loss_comparison, read_reference_losses
 from common.harness.evaluation import EVAL_LOSSES, EvalRecorder, apply_eval_settings, eval_dataset
 from common.harness.preflight import require_stack, wants_neuron
+from common.processes import die_with_parent
 from common.recipe import Hooks, Recipe, inputs, train
 
 
@@ -150,6 +152,8 @@ def _dataset_folder(dataset: str, dataset_path: str | None) -> str | None:
 
 
 def main(recipe: Recipe, cfg) -> dict:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
+        die_with_parent(parent_pid=os.getppid())()
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={
         "--hf_checkpoint": getattr(cfg, "hf_checkpoint", None), "--hf_assets": getattr(cfg, "hf_assets", None),
         "--compare_losses": cfg.compare_losses, "--dataset": _dataset_folder(cfg.dataset, cfg.dataset_path),

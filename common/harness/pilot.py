@@ -27,7 +27,7 @@ import statistics
 import time
 
 from common.device import GIB
-from common.export import STOP_SIGNALS
+from common.harness.stops import STOP_SIGNALS
 # bfloat16 FLOP/s of one physical NeuronCore-v3 (torchtitan's figure in get_peak_flops). A logical core is --lnc of
 # them: torchtitan 0.3.0 multiplies by 2 whatever the LNC is, which halves the MFU of an LNC=1 run.
 TRN2_CORE_PEAK = 79e12
@@ -402,7 +402,7 @@ def _plan_in_a_child(plan, device_type: str, route) -> float | None:
     import select
     import signal
 
-    from common.device import die_with_parent, fork_is_safe
+    from common.processes import die_with_parent, fork_is_safe
 
     if not fork_is_safe():
         return None

@@ -28,8 +28,9 @@ from datetime import datetime
 from pathlib import Path
 
 from common.errors import UserError
-from common.export import STOP_SIGNALS  # SIGTERM, SIGINT, SIGUSR1, SIGHUP: one tuple for the run and its checks
 from common.results import atomic_write_text
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # one tuple for the run and its checks
 
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped at a step boundary with a checkpoint; run the same command again
 SELF_LAUNCHED = "QWEN3_RECIPES_SELF_LAUNCHED"  # set by the launcher for its workers: where a stop is reported

@@ -3,7 +3,7 @@ end): torch and transformers are imported once, each folder is read anew, one ch
 
 On the CPU the run forks it before it has a device, a process group, other threads or a model (`start_verifier`);
 elsewhere the first check starts `python -m common.harness.verifier serve`. A check from another thread while
-none runs gets a process of its own (common.export.one_shot). Either way the verifier dies with the run, however
+none runs gets a process of its own (`_one_shot`). Either way the verifier dies with the run, however
 that ends (the kernel's parent-death signal), and is killed when the run is interrupted or fails while waiting.
 A verifier killed while the run is stopping gives no verdict (CheckInterrupted).
 
@@ -26,9 +26,9 @@ import threading
 from pathlib import Path
 
 from common import export, results
-from common.device import die_with_parent, fork_is_safe
 from common.errors import ArgumentParser, UserError, one_line
-from common.export import STOP_SIGNALS
+from common.harness.stops import STOP_SIGNALS
+from common.processes import die_with_parent, fork_is_safe
 
 _server: list = []  # the run's verifier (`serve`, or a forked child), while it lives
 _server_lock = threading.Lock()
@@ -62,7 +62,7 @@ def _check(request: dict) -> tuple[int, str]:
             _server.clear()
         if _server or threading.current_thread() is threading.main_thread():
             return _served(request)
-    return export.one_shot(request)
+    return _one_shot(request)
 
 
 def no_verdict(code: int) -> CheckInterrupted | None:
@@ -155,7 +155,7 @@ def _close_at_exit() -> None:
 def _served(request: dict) -> tuple[int, str]:
     if not _server:
         log = tempfile.TemporaryFile("w+")  # its output, read if it ends during a check
-        _server.append(export.python_module("common.harness.verifier", "serve", stdin=subprocess.PIPE,
+        _server.append(python_module("common.harness.verifier", "serve", stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=log))
         _server[0].log = log
         _close_at_exit()
@@ -176,9 +176,45 @@ def _served(request: dict) -> tuple[int, str]:
         proc.wait()
         proc.log.seek(0)
         code = proc.returncode or 1
-        return code, export.last_line(proc.log.read()) if no_verdict(code) is None else ""
+        return code, last_line(proc.log.read()) if no_verdict(code) is None else ""
     reply = json.loads(reply)
     return reply["code"], reply.get("error", "")
+
+
+def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
+    """`python -m MODULE ARGS` of this repository, dying with this process (SIGKILL) and ignoring the run's stop
+    signals: a Ctrl-C or a SIGTERM to the process group stops the run, which then ends or kills it; it is never the
+    verdict of a check that the signal cut short."""
+    repo_root = Path(__file__).resolve().parent.parent.parent
+    env = dict(os.environ, PYTHONPATH=f"{repo_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    arm = die_with_parent()
+
+    def start() -> None:
+        arm()
+        for sig in STOP_SIGNALS:  # ignored across exec: Python keeps an ignored SIGINT ignored
+            signal.signal(sig, signal.SIG_IGN)
+
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True, preexec_fn=start, **popen)
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
+
+
+def _one_shot(request: dict) -> tuple[int, str]:
+    """One check in a process of its own (`python -m common.export REQUEST`) that dies with the run and ignores its
+    stop signals: (exit code, its error line)."""
+    proc = python_module("common.export", json.dumps(request), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.returncode, last_line(stderr) if proc.returncode else ""
 
 
 def _close_server() -> None:

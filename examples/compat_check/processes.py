@@ -103,7 +103,7 @@ def exit_interrupted(e: Interrupted, what: str = CHECK_STOPPED):
 def run_limited(cmd: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) whose timeout kills the whole tree
     (raises subprocess.TimeoutExpired after that). The subprocess dies with this process (die_with_parent)."""
-    from common.device import die_with_parent
+    from common.processes import die_with_parent
 
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           preexec_fn=die_with_parent(), **kwargs) as proc:
@@ -127,12 +127,12 @@ def run_ranks(target, job: dict, cores: int, timeout_s: float) -> dict:
 
     import torch.multiprocessing as mp
 
-    from common import device
+    from common import device, processes
 
     # Neuron: the runtime must not be forked; CUDA neither. On the CPU the ranks are forked where that is safe
-    # (device.fork_is_safe), each with the stack already imported; a forked rank computes on one thread (an OpenMP
+    # (processes.fork_is_safe), each with the stack already imported; a forked rank computes on one thread (an OpenMP
     # pool this process has used is not in it).
-    fork = job["device"] == "cpu" and device.fork_is_safe()
+    fork = job["device"] == "cpu" and processes.fork_is_safe()
     ctx = mp.get_context("fork" if fork else "spawn")
     results = ctx.Queue()
     job = dict(job, port=device._free_port(), parent_pid=os.getpid(), forked=fork)
