@@ -81,8 +81,9 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import cli, device, paths, processes  # noqa: E402
+from common import cli, device, paths  # noqa: E402
 from common.errors import UserError, harness_missing, one_line  # noqa: E402
+from common.processes import die_with_parent  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 from compat_check import compile_audit, judge as judging, measure, processes, rows, sizing, training  # noqa: E402
 
@@ -482,7 +483,7 @@ def worker(rank: int, job: dict, results) -> None:
     """One rank of a model's run (spawned, or forked on the CPU). Reports ("ok", measurements) or ("error",
     traceback). It dies with the check, however the check ends, and leaves Ctrl-C to the check (which stops every
     rank)."""
-    processes.die_with_parent(parent_pid=job["parent_pid"])()
+    die_with_parent(parent_pid=job["parent_pid"])()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a forked rank's: the check's own stop handlers are the check's
         signal.signal(sig, signal.SIG_DFL)

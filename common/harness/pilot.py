@@ -393,7 +393,7 @@ PLAN_TIMEOUT_S = 300
 
 
 def _plan_in_a_child(plan, device_type: str, route) -> float | None:
-    """None where a fork is not safe (device.fork_is_safe: another Python thread, holding a lock at the fork, would
+    """None where a fork is not safe (processes.fork_is_safe: another Python thread, holding a lock at the fork, would
     leave the child waiting on it forever); and None, the child killed, if it has not answered in
     PLAN_TIMEOUT_S. The child plans on one torch thread (the parent's OpenMP threads are not in it). It dies with
     this process, however this process ends (a SIGKILL too: it holds a copy of the out_dir lock's descriptor, and

@@ -80,7 +80,7 @@ def start_verifier(device_type: str, wanted: bool = True, stopping=None) -> None
     process group, other threads or a model (the Transformers backend patches transformers' classes when it builds
     one): it starts with the stack imported (4-5 CPU-seconds less than `serve`) and computes on one thread (the
     parent's OpenMP pool is not in it). Elsewhere (a Neuron runtime must not be forked; an accelerator run's
-    verifier keeps a fresh process's threads), and where a fork is not safe (device.fork_is_safe), the first check
+    verifier keeps a fresh process's threads), and where a fork is not safe (processes.fork_is_safe), the first check
     starts `python -m common.harness.verifier serve`. Either verifier ignores the run's stop signals (a Ctrl-C or
     SIGTERM to the process group stops the run, not its check); `stopping`: as `install`'s."""
     install(stopping)
