@@ -3,7 +3,8 @@ torchtitan, which picks its device type once, at import. `neuron_installed()` is
 availability check (find_spec only: launchers and parents decide with it and never start the runtime): without
 torch-neuronx, `--device neuron` is an error and `--device auto` picks cuda or cpu. `neuron_runtime()` is the one
 way to torch.neuron, and only in order: the Neuron environment first (the runtime reads it when it starts), then,
-in a launched worker, its process group (the runtime must not start before init_process_group).
+in a launched worker, its process group (the runtime must not start before init_process_group). torch is imported
+where it is used: a command that needs no device (the compatibility lookup) starts without it.
 """
 from __future__ import annotations
 
@@ -16,9 +17,6 @@ import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-
-import torch
-import torch.distributed as dist
 
 from common.errors import UserError
 
@@ -50,6 +48,8 @@ _neuron_env_set = False  # set_neuron_env() ran in this process
 
 
 def _check_neuron_order() -> None:
+    import torch.distributed as dist
+
     if not _neuron_env_set:
         raise RuntimeError("torch.neuron used before the Neuron environment was set (NEURON_LOGICAL_NC_CONFIG, "
                            "the NEFF cache): common.device.setup() sets it first")
@@ -61,6 +61,7 @@ def _check_neuron_order() -> None:
 def neuron_runtime():
     """torch.neuron, checked to come after the Neuron environment and, in a worker, after its process group."""
     _check_neuron_order()
+    import torch
     import torch_neuronx  # noqa: F401  registers the "neuron" device (PrivateUse1, renamed)
 
     return torch.neuron
@@ -75,6 +76,8 @@ def neuron_available() -> bool:
 
 def resolve_device_type(requested: str) -> str:
     """`auto` prefers neuron, then cuda, then cpu; an explicit choice must be available."""
+    import torch
+
     if requested not in DEVICE_CHOICES:
         raise UserError(f"unknown device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}")
     if requested == "auto":
@@ -124,6 +127,8 @@ def _cpu_device_module() -> SimpleNamespace:
 
 def peak_memory_bytes(device_type: str) -> int:
     """Peak device memory of this process. CPU has no device memory: the peak resident set size."""
+    import torch
+
     if device_type == "cuda":
         return int(torch.cuda.max_memory_allocated())
     if device_type == "neuron":
@@ -154,6 +159,8 @@ def route_torchtitan_device(device_type: str) -> None:
             "torchtitan was imported before common.device.setup(); call setup() first so that "
             f"torchtitan runs on {device_type!r} rather than {tt_utils.device_type!r}"
         )
+    import torch
+
     if device_type == "neuron":
         import torch_neuronx  # noqa: F401  registers torch.neuron; the module object is handed over, nothing called
     tt_utils.device_type = device_type
@@ -175,6 +182,9 @@ def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
 def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> DeviceInfo:
     """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to the device, and
     create the process group (torchtitan reuses it). Neuron settings first: the runtime reads them at start."""
+    import torch
+    import torch.distributed as dist
+
     device_type = resolve_device_type(requested)
     if device_type == "neuron":
         print(f"[neuron] {set_neuron_env(lnc, os.environ.get('TORCH_NEURONX_NEFF_CACHE_DIR'))}", flush=True)
@@ -206,5 +216,7 @@ def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> Dev
 
 
 def teardown() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -8,8 +8,6 @@ import os
 import signal
 import sys
 
-import torch.distributed as dist
-
 
 def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None):
     """A function that makes the process calling it get `sig` when its parent dies (Linux: prctl PR_SET_PDEATHSIG),
@@ -42,6 +40,8 @@ def fork_is_safe() -> bool:
     start (`datasets` reading a folder among them) and which only redraws a stalled bar, is ended first and not
     started again. The child still must not use the parent's OpenMP pool: one torch thread, before any op."""
     import threading
+
+    import torch.distributed as dist
 
     if "tqdm.std" in sys.modules:
         sys.modules["tqdm.std"].tqdm.monitor_interval = 0
