@@ -18,7 +18,7 @@ import pytest
 
 from compat_check import processes, rows
 from tools import prepare_assets as assets
-from conftest import ROOT, example_command, kill_tree, read_results, run_example, script_env
+from conftest import ROOT, example_command, kill_tree, read_results, run_example, script_env, start_python
 
 SCRIPT = "generate_compat_check.py"
 
@@ -108,12 +108,11 @@ def test_concurrent_checks_into_one_out_dir_keep_every_row_and_model(tmp_path):
     models (each merged in under its lock)."""
     out = tmp_path / "out"
     runs = {p: _text_only_folders(tmp_path / "models", p, 12) for p in ("a", "b")}
-    procs = [subprocess.Popen(example_command(SCRIPT, "--task", "image-text-to-text", "--models", ",".join(specs),
-                                              "--out_dir", str(out)),
-                              cwd=ROOT, env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for specs in runs.values()]
-    errors = [p.communicate(timeout=600)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], errors
+    procs = [start_python(example_command(SCRIPT, "--task", "image-text-to-text", "--models", ",".join(specs),
+                                          "--out_dir", str(out)), tmp_path / f"log_{name}")
+             for name, specs in runs.items()]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert codes == [0, 0], [(tmp_path / f"log_{name}").read_text()[-3000:] for name in runs]
     everything = sorted(runs["a"] + runs["b"])
     df = rows.read_table(_only_file(out))
     assert sorted(df["model_id"]) == everything and set(df["result"]) == {"EXCLUDED"}
@@ -137,7 +136,7 @@ def test_ranks_forked_after_the_checks_own_threads_ran_still_finish(tmp_path, pr
 
 
 # --------------------------------------------------------------------------- signals to a sharded check
-def _family_once_sharded(proc: subprocess.Popen, deadline: float) -> list:
+def _family_once_sharded(proc, deadline: float) -> list:
     """Every process below the check, once both ranks of its sharded run are at work: each holds a TCP connection
     (its process group, made inside the rank's function, after its first line). On the CPU the ranks are forked from
     the check (its command line), not spawned."""
@@ -189,21 +188,18 @@ def test_sigterm_ends_every_process_of_a_sharded_check(tmp_path, model_assets):
     path (processes.stop_on_signals), with exit 129 and 130."""
     sig = signal.SIGTERM
     out = tmp_path / "out"
-    with open(tmp_path / "stderr", "w+") as stderr:
-        proc = subprocess.Popen(example_command(SCRIPT, *SHARDED, "--out_dir", str(out)), cwd=ROOT, env=script_env(),
-                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
-        family = []
-        try:
-            family = _family_once_sharded(proc, time.monotonic() + 300)
-            proc.send_signal(sig)
-            proc.wait(timeout=120)
-        finally:
-            kill_tree(proc)
-        left = _wait_gone(family)
-        for p in left:  # before the fix: the orphaned ranks, no longer below the check
-            p.kill()
-        stderr.seek(0)
-        err = stderr.read()
+    proc = start_python(example_command(SCRIPT, *SHARDED, "--out_dir", str(out)), tmp_path / "log")  # its own group
+    family = []
+    try:
+        family = _family_once_sharded(proc, time.monotonic() + 300)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        kill_tree(proc)
+    left = _wait_gone(family)
+    for p in left:  # before the fix: the orphaned ranks, no longer below the check
+        p.kill()
+    err = (tmp_path / "log").read_text()
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert [line.split(":")[:2] for line in err.splitlines() if line.startswith("error:")] == [
@@ -215,9 +211,7 @@ def test_sigterm_ends_every_process_of_a_sharded_check(tmp_path, model_assets):
 def test_ranks_die_with_a_sigkilled_check(tmp_path, model_assets):
     """SIGKILL to the check alone (no handler can run): its ranks die with it (PR_SET_PDEATHSIG), and with them any
     resource tracker, instead of generating on for a minute and more."""
-    proc = subprocess.Popen(example_command(SCRIPT, *SHARDED, "--out_dir", str(tmp_path / "out")), cwd=ROOT,
-                            env=script_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = start_python(example_command(SCRIPT, *SHARDED, "--out_dir", str(tmp_path / "out")), tmp_path / "log")
     family = []
     try:
         family = _family_once_sharded(proc, time.monotonic() + 300)

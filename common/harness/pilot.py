@@ -57,8 +57,10 @@ def flops_per_token(shape: dict, seq_len: int) -> int:
     return int(6 * active + 12 * layers * heads * head_dim * seq_len)
 
 
-def measured_cpu_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of the best of `repeats` n x n matmuls on this process's threads, in `dtype`."""
+def measured_cpu_peak(dtype: str, n: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` n x n matmuls on this process's threads, in `dtype`. 512 reaches the same peak
+    as 1024 at an eighth of the work (2-core machine, one thread: float32 92.6 and 93.9 GFLOP/s; bfloat16, which such
+    a CPU emulates, 1.3 and 1.0 GFLOP/s, and 1.3 CPU-seconds instead of 13 before a bfloat16 run's step 1)."""
     import torch
 
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -82,7 +84,7 @@ def peak_flops(device_type: str, dtype: str, peak_tflops: float | None, lnc: int
     import torch
 
     if device_type == "cpu":
-        return {"value": measured_cpu_peak(dtype), "source": f"measured: best of 5 {dtype} 1024x1024 matmuls on "
+        return {"value": measured_cpu_peak(dtype), "source": f"measured: best of 5 {dtype} 512x512 matmuls on "
                                                              f"{torch.get_num_threads()} thread(s) of this process"}
     from torchtitan.tools import utils
 
