@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, ClassVar, Literal
 
 from common import checkpoint, cli, device, export, paths
-from common.errors import UserError, harness_missing
+from common.errors import UserError
 from common.losses import LossRecorder, finish_run
 from common.results import versions
 
@@ -211,13 +211,6 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dic
 
 CORE_ONLY = ("[guards] off: common/harness/ was not copied with common/, so this run has no preflight, out_dir lock, "
              "resume record, stop signals, self-launch, dry run, pilot report or held-out eval: it trains and exports")
-
-
-def without_harness(missing: ModuleNotFoundError):
-    """An example's run where importing the harness failed: the core's (`run_core`) when common/harness/ itself is
-    missing, a copy with the core alone; any other missing module is raised as it is."""
-    harness_missing(missing)
-    return run_core
 
 
 def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:

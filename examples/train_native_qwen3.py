@@ -42,8 +42,8 @@ if __name__ == "__main__":  # torchtitan trains with Python's cyclic collector o
     gc.disable()  # off from here, the imports of torch, torchtitan and transformers take about a fifth less CPU time
 
 from common import checkpoint, paths  # noqa: E402
-from common.errors import UserError  # noqa: E402
-from common.recipe import Recipe, TrainConfig, apply_settings, without_harness  # noqa: E402
+from common.errors import UserError, harness_missing  # noqa: E402
+from common.recipe import Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
 
 
 @dataclass
@@ -136,5 +136,6 @@ if __name__ == "__main__":
     try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
         from common.harness.lifecycle import run
     except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
-        run = without_harness(missing)
+        harness_missing(missing)  # any other missing module is raised as it is
+        run = run_core
     sys.exit(run(RECIPE))
