@@ -492,6 +492,22 @@ def test_lookup_reads_only_what_a_view_needs(tmp_path):
     assert max(one_row, page_mb) - start_up < 250, (start_up, one_row, page_mb)
 
 
+def test_lookup_and_rankings_start_without_torch(tmp_path):
+    """Reading Parquet rows needs no device: with a `torch` on the path that fails on import, `lookup` (terminal and
+    page) and `rankings --help` still run (torch's import alone was 2 CPU-seconds and 850 MB of a lookup's 2.5 s)."""
+    shadow = tmp_path / "shadow" / "torch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('torch imported by a command that needs no device')\n")
+    pq.write_table(pa.table({"model_id": ["org/a"], "result": ["PASS"], "tp": [1]}), tmp_path / "rows.parquet")
+    env = dict(script_env(), PYTHONPATH=str(tmp_path / "shadow"))
+    for args in (["lookup", str(tmp_path / "rows.parquet")], ["lookup", str(tmp_path / "rows.parquet"), "--html",
+                 str(tmp_path / "p.html")], ["rankings", "--help"]):
+        proc = subprocess.run(example_command(SCRIPT, *args), cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, (args, proc.stderr[-2000:])
+    assert "org/a" in (tmp_path / "p.html").read_text()
+
+
 def test_lookup_reads_a_spark_folder_once_and_names_duplicate_columns(tmp_path, capsys):
     """A Spark-style `x.parquet/` folder (part files, _SUCCESS, a _temporary/ attempt, .crc files) counts its
     committed part files once, whether the folder or its parent is named, or both; a file that names a column twice
