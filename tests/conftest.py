@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages 
 # torchrun's workers in the tests are forked by this test process's pre-forked runner (tests/prefork.py) instead of
 # starting a fresh interpreter each: torchrun starts PYTHON_EXEC (the executable it documents for its workers), here
 # tests/torchrun_worker.py, which asks the runner at the socket for the worker and stands for it towards torchrun.
-_WORKERS = Path(tempfile.mkdtemp(prefix="qwen3-tests-"))
+_WORKERS = Path(tempfile.mkdtemp(prefix="qwen3-tests-", dir="/tmp" if os.path.isdir("/tmp") else None))  # a socket
+# path has at most 107 bytes: /tmp rather than a long TMPDIR
 WORKER_SOCKET = str(_WORKERS / "workers")
 WORKER_EXEC = _WORKERS / "python"
 WORKER_EXEC.write_text(f"#!{sys.executable} -S\n" + (ROOT / "tests" / "torchrun_worker.py").read_text())
