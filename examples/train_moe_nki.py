@@ -24,7 +24,7 @@ the real 151,936-token vocabulary and Qwen3 tokenizer, offline English):
     python examples/train_moe_nki.py --stock --out_dir runs/moe_stock              # torchtitan's own MoE and RoPE
 
 One trn2.48xlarge (64 logical NeuronCores at LNC=2):
-    torchrun --nproc_per_node 64 examples/train_moe_nki.py --preset qwen3_30b_a3b_reduced \
+    python examples/train_moe_nki.py --preset qwen3_30b_a3b_reduced --nproc_per_node 64 \
         --dataset_path /path/to/torchtitan/tests/assets/c4_test
 
 Routing and the HF export: torchtitan's load-balancing bias (`expert_bias`) steers routing but is

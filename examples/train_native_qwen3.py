@@ -18,7 +18,7 @@ real Qwen3 tokenizer and offline English text, all prepared by `make setup`):
     python examples/train_native_qwen3.py --nproc_per_node 2 --out_dir runs/native2    # same, self-launched
 
 One trn2.48xlarge (64 logical NeuronCores at LNC=2, one process each):
-    torchrun --nproc_per_node 64 examples/train_native_qwen3.py --preset qwen3_4b \
+    python examples/train_native_qwen3.py --preset qwen3_4b --nproc_per_node 64 \
         --dataset_path /path/to/torchtitan/tests/assets/c4_test
 Several nodes: the same command on each, with --nnodes N --node_rank R --master_addr NODE0 (or torchrun's own)
 
