@@ -19,6 +19,7 @@ from conftest import ROOT
 
 SCRIPT = re.compile(r"examples/(train_\w+)\.py")
 VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
+ASSIGN = re.compile(r"^\s*([A-Z][A-Z0-9_]*)=(.*)$")  # NAME=value, a shell variable set on the page
 KNOWN = {"NODE_RANK": "1", "HEAD_NODE": "10.0.0.1", "HOME": "/home/ubuntu"}  # what a reader puts there
 
 
@@ -48,23 +49,23 @@ def _commands() -> list[tuple[str, str, list[str]]]:
     for name, text in _sources():
         shell_vars = dict(KNOWN)
         for line in _logical_lines(text):
-            if m := re.match(r"^\s*([A-Z][A-Z0-9_]*)=(.*)$", line):
-                value = shlex.split(VAR.sub(lambda v: _expand(v, shell_vars, name, line), m.group(2)), comments=True)
-                shell_vars[m.group(1)] = " ".join(value) if value else ""
+            if assigned := ASSIGN.match(line):  # its value unquoted and expanded, as the shell keeps it
+                value = VAR.sub(lambda v: _expand(v, shell_vars, name, line), assigned.group(2))
+                shell_vars[assigned.group(1)] = " ".join(shlex.split(value, comments=True))
             spans = re.findall(r"`([^`]*)`", line) if "`" in line else [line]
             for span in spans:
                 if not SCRIPT.search(span):
                     continue
+                if assigned := ASSIGN.match(span):  # RUN="python examples/...": the command is the value
+                    span = shell_vars[assigned.group(1)]
                 span = VAR.sub(lambda v: _expand(v, shell_vars, name, span), span)
-                if not re.search(r"\b(python|torchrun)\b", span[:(m := SCRIPT.search(span)).start()]):
+                script = SCRIPT.search(span)
+                if not re.search(r"\b(python|torchrun)\b", span[:script.start()]):
                     continue  # the script named in prose
-                if assigned := re.match(r"^\s*[A-Z][A-Z0-9_]*=(.*)$", span):  # RUN="python examples/..."
-                    span = shlex.split(assigned.group(1), comments=True)[0]
-                words = shlex.split(span, comments=True)
-                words = [w for w in words if w != "..."]
+                words = [w for w in shlex.split(span, comments=True) if w != "..."]
                 for stop in ("&", "&&", ";", "|"):
                     words = words[:words.index(stop)] if stop in words else words
-                found.append((name, m.group(1), words))
+                found.append((name, script.group(1), words))
     return found
 
 
