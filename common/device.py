@@ -119,6 +119,7 @@ def _cpu_device_module() -> SimpleNamespace:
     return SimpleNamespace(
         is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0, set_device=nothing,
         synchronize=nothing, empty_cache=nothing, reset_peak_memory_stats=nothing,
+        max_memory_allocated=lambda device=None: peak_memory_bytes("cpu"),
         get_device_name=lambda device=None: name,
         get_device_properties=lambda device=None: SimpleNamespace(total_memory=total, name=name),
         memory_stats=lambda device=None: dict.fromkeys(("active_bytes.all.peak", "reserved_bytes.all.peak"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,49 +81,26 @@ def _export_failure(check: dict) -> str:
 
 @dataclass
 class LossRecorder:
-    """Records what torchtitan's MetricsProcessor logs each step (loss, grad norm, tokens seen,
-    wall time), so results.json holds numbers, never scraped log lines."""
+    """What torchtitan's MetricsProcessor logs each step (loss, grad norm, tokens seen, wall time; common/trainer.py's
+    RecordingMetrics adds them), so results.json holds numbers, never scraped log lines."""
 
     steps: list[int] = field(default_factory=list)  # starts after the resumed step when resuming
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     tokens_seen: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
-    on_step: list = field(default_factory=list)  # (step, loss) -> None, after each step is recorded
 
+    def start(self) -> None:
+        """Training starts now (`times[0]`)."""
+        self.times[:] = [time.perf_counter()]
 
-    def attach(self, trainer) -> None:
-        mp = trainer.metrics_processor
-        original = mp.log
-
-        def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-            self.steps.append(int(step))
-            self.losses.append(float(global_avg_loss))
-            self.grad_norms.append(float(grad_norm))
-            self.tokens_seen.append(int((extra_metrics or {}).get("n_tokens_seen", 0)))
-            self.times.append(time.perf_counter())
-            for hook in self.on_step:
-                hook(int(step), float(global_avg_loss))
-            return original(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
-
-        mp.log = log
-        # torchtitan checks the loss before it logs ("Loss is not finite (global_avg_loss=nan) at step N", a
-        # RuntimeError and a traceback on every rank): one line instead (every rank sees the same reduced loss).
-        # Around train(), not train_step(): the load check's one-step wrapper puts the original back after step 1.
-        train = trainer.train
-
-        def train_or_one_line(*args, **kwargs):
-            try:
-                return train(*args, **kwargs)
-            except RuntimeError as e:
-                found = re.search(r"Loss is not finite \(global_avg_loss=([^)]*)\) at step (\d+)", str(e))
-                if found is None:
-                    raise
-                raise UserError(f"the loss at step {found[2]} is {found[1]}: training diverged or its weights or data "
-                                "are broken; nothing after this step is trained") from None
-
-        trainer.train = train_or_one_line
-        self.times.append(time.perf_counter())  # t0: training starts after attach
+    def add(self, step: int, loss: float, grad_norm: float, tokens_seen: int) -> None:
+        """One logged step: its numbers, and when it ended."""
+        self.steps.append(step)
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm)
+        self.tokens_seen.append(tokens_seen)
+        self.times.append(time.perf_counter())
 
     def history(self) -> dict:
         """Steps and losses of this process's run (the harness adds the steps before a resume)."""

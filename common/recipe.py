@@ -9,7 +9,6 @@ copy of an example with the core alone, `run_core` trains and exports.
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Callable, ClassVar, Literal
 
 from common import checkpoint, cli, device, export, paths
 from common.errors import UserError
-from common.losses import LossRecorder, finish_run
+from common.losses import finish_run
 from common.results import versions
 
 
@@ -134,23 +133,26 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: dict) -> list[str]:
 
 
 class Hooks:
-    """Where the harness joins a run (common/harness/lifecycle.py); this base adds nothing."""
+    """Where the harness joins a run (common/harness/lifecycle.py); this base adds nothing: the recipe's trainer
+    with its losses recorded (common/trainer.py)."""
 
     def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
         """After the recipe's Trainer.Config, before the build: settings, files; notes for the log."""
         return []
 
-    def attach(self, trainer, tc, dev, shape: dict, rec: LossRecorder) -> None:
-        """After the build, before step 1."""
+    def build(self, tc, shape: dict):
+        """The trainer: the recipe's trainer class (the one `tc.build()` makes), as common/trainer.py extends it."""
+        from common.trainer import as_trainer_config, recipe_trainer
 
-    def history(self, rec: LossRecorder) -> dict:
+        return as_trainer_config(recipe_trainer(type(tc)), tc).build()
+
+    def history(self, trainer) -> dict:
         """The loss curve results.json and loss.png show: this process's steps."""
-        return rec.history()
+        return trainer.metrics_processor.record.history()
 
-    def results(self, rec: LossRecorder, dev, shape: dict, out_dir: Path) -> dict:
+    def results(self, trainer, dev, shape: dict, out_dir: Path) -> dict:
         """After training: results entries; a `stopped` entry that is not None means the run stopped early."""
         return {}
-
 
 
 def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dict, guards: Hooks) -> dict:
@@ -170,18 +172,15 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dic
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
-    gc.freeze()  # what the imports made stays for good: torchtitan's first collection looks only at the run's objects
-    trainer = tc.build()
-    extra = recipe.after_build(cfg, trainer, tc, found, log) if recipe.after_build else {}
-    rec = LossRecorder()
-    rec.attach(trainer)
     shape = recipe.model_config(cfg, tc, found)
-    guards.attach(trainer, tc, dev, shape, rec)
+    trainer = guards.build(tc, shape)
+    extra = recipe.after_build(cfg, trainer, tc, found, log) if recipe.after_build else {}
     t0 = time.perf_counter()
     trainer.train()  # loads the initial HF weights (or resumes), then trains
     train_s = time.perf_counter() - t0
-    history = guards.history(rec)
-    guarded = guards.results(rec, dev, shape, out_dir)
+    rec = trainer.metrics_processor.record
+    history = guards.history(trainer)
+    guarded = guards.results(trainer, dev, shape, out_dir)
     if recipe.after_train:
         extra.update(recipe.after_train(cfg, trainer, found))
     results = {

@@ -37,7 +37,6 @@ transformers saves tied models) and logits within 1e-4. results.json: `init`, `f
 """
 from __future__ import annotations
 
-import gc
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -45,8 +44,6 @@ from pathlib import Path
 from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
-if __name__ == "__main__":  # torchtitan trains with Python's cyclic collector off (it collects every gc_freq steps);
-    gc.disable()  # off from here, the imports of torch, torchtitan and transformers take about a fifth less CPU time
 
 from common import checkpoint, cli, paths  # noqa: E402
 from common.errors import UserError, harness_missing  # noqa: E402

@@ -40,15 +40,12 @@ With --stock --expert_dtype bfloat16 on both sides, the first 3 losses agree wit
 """
 from __future__ import annotations
 
-import gc
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
-if __name__ == "__main__":  # torchtitan trains with Python's cyclic collector off (it collects every gc_freq steps);
-    gc.disable()  # off from here, the imports of torch, torchtitan and transformers take about a fifth less CPU time
 
 from common import checkpoint, cli, device, paths  # noqa: E402
 from common.errors import UserError, harness_missing  # noqa: E402

@@ -31,15 +31,12 @@ unexpected keys and max_abs_logit_diff below 1e-5; loss.png plots the losses.
 """
 from __future__ import annotations
 
-import gc
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
-if __name__ == "__main__":  # torchtitan trains with Python's cyclic collector off (it collects every gc_freq steps);
-    gc.disable()  # off from here, the imports of torch, torchtitan and transformers take about a fifth less CPU time
 
 from common import checkpoint, paths  # noqa: E402
 from common.errors import UserError, harness_missing  # noqa: E402

@@ -2,8 +2,9 @@
 torchtitan checkpoint of that step and exit code 75, and the same command resumes it with the losses of a run that
 never stopped. Signals go to the scripts' own launcher and its torchrun together (a host's shutdown), to one worker
 only, to a torchrun of the user's, and to one node's launcher of a run over two nodes; a SIGKILL of the launcher
-leaves no worker training. Where torchrun itself gets the signal, the stop save is made to take 31 s (the
-TEST_DELAYS hook: a sleep before torchtitan's save, as a large model's save on a shared file system takes), past
+leaves no worker training. Where torchrun itself gets the signal, the stop save is made to take 31 s
+(tests/slow_native_qwen3.py, the same recipe with a checkpoint manager that sleeps before torchtitan's save, as a
+large model's save on a shared file system takes), past
 torchrun's default 30 s before it kills its workers. No process outlives any of these runs. One-process stops
 (--time_limit, a second signal, a signal during an evaluation) and the refusal of a rerun that is not the same run:
 tests/test_stop_one_process.py."""
@@ -15,7 +16,7 @@ import socket
 import psutil
 import pytest
 
-from common.harness.stops import EXIT_STOPPED, STOP_GRACE_S, TEST_DELAYS
+from common.harness.stops import EXIT_STOPPED, STOP_GRACE_S
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_example
 from stop_helpers import (SCRIPT, STEPS, TWO_RANKS, close, finish, no_process_outlives, start, wait_for_step,
                           workers)
@@ -27,7 +28,12 @@ def uninterrupted(shared_run) -> dict:
     return shared_run("native_2_ranks_8_steps")[1]
 
 
-SLOW_SAVE = "stop_save=31"  # a stop save that outlasts torchrun's default 30 s between its SIGTERM and SIGKILL
+SLOW_SAVE_S = "31"  # a stop save that outlasts torchrun's default 30 s between its SIGTERM and SIGKILL
+
+
+def slow_command(cmd: list[str]) -> list[str]:
+    """`cmd` (an example_command of the native script) with tests/slow_native_qwen3.py in the script's place."""
+    return [str(ROOT / "tests" / "slow_native_qwen3.py") if a.endswith(SCRIPT) else a for a in cmd]
 
 
 def _stop(cmd: list[str], out, log, after: int, target: str, slow_save=None) -> tuple[dict, int, str]:
@@ -37,10 +43,11 @@ def _stop(cmd: list[str], out, log, after: int, target: str, slow_save=None) -> 
     agreement), and check the stop: one step for every rank, a whole checkpoint of it, no process left. (stopped,
     exit code, output)."""
     if slow_save is not None:
-        slow_save.setenv(TEST_DELAYS, SLOW_SAVE)  # read when the command starts: for this command only
+        slow_save.setenv("SLOW_STOP_SAVE_S", SLOW_SAVE_S)  # read when the command starts: for this command only
+        cmd = slow_command(cmd)
     proc = start(cmd, log)
     if slow_save is not None:
-        slow_save.delenv(TEST_DELAYS)
+        slow_save.delenv("SLOW_STOP_SAVE_S")
     wait_for_step(proc, out, after)
     ranks = workers(proc)
     assert len(ranks) == 2, ranks

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.harness.resume import whole_checkpoints
-from common.harness.stops import DEADLINE, EXIT_STOPPED, TEST_DELAYS
+from common.harness.stops import DEADLINE, EXIT_STOPPED
 from conftest import assert_clean_error, example_command, read_results, run_example
 from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 
@@ -47,7 +47,7 @@ def test_time_limit_and_a_signal_during_an_evaluation_stop_at_once_and_the_held_
     1. --time_limit 0.2 (12 s) with no margin, --eval_steps 100000 (hours of held-out batches): the budget counts
        the evaluation, so the run stops after step 1 without evaluating it (at the step, or at the first held-out
        batch), within the budget plus the stop save and exit, exit 75.
-    2. Resumed without the limit, 3 held-out batches, each made to last 1.5 s more (the TEST_DELAYS hook): step 2 is
+    2. Resumed without the limit, 3 held-out batches, each made to last 1.5 s more (tests/slow_native_qwen3.py): step 2 is
        evaluated; SIGTERM once the evaluation of step 4 has begun ends it at the next batch, saves step 4, exit 75.
     3. Resumed again: steps 5 and 6, step 6 evaluated. results.json's eval_losses holds steps 2 and 6, the one of
        step 2 as the second run had it (kept in eval_losses.jsonl), and the training losses are those of a run
@@ -66,9 +66,11 @@ def test_time_limit_and_a_signal_during_an_evaluation_stop_at_once_and_the_held_
     assert "run the same command again" in proc.stdout
     assert took < 12 + 60, took  # an evaluation of 100000 batches takes hours
 
-    monkeypatch.setenv(TEST_DELAYS, "eval_batch=1.5")
-    second = start(example_command(SCRIPT, *run, "--eval_steps", "3"), tmp_path / "log2")
-    monkeypatch.delenv(TEST_DELAYS)
+    monkeypatch.setenv("SLOW_EVAL_BATCH_S", "1.5")
+    slow = [str(Path(__file__).with_name("slow_native_qwen3.py")) if a.endswith(SCRIPT) else a
+            for a in example_command(SCRIPT, *run, "--eval_steps", "3")]
+    second = start(slow, tmp_path / "log2")
+    monkeypatch.delenv("SLOW_EVAL_BATCH_S")
     wait_for_step(second, out, 4)
     deadline = time.monotonic() + 120
     while _held_out_batches_started(tmp_path / "log2") < 2:  # step 2's, then step 4's

@@ -1,9 +1,9 @@
 """The checks a guarded training run makes beyond the core's export check:
 
 - the load check: an HF checkpoint a run starts from is compared, settings and logits against transformers,
-  with what torchtitan built and loaded (attach_load_check), before step 1;
+  with what torchtitan built and loaded (check_settings, logit_check), before step 1;
 - the loss comparison with reference losses (`--compare_losses`, golden losses) over the whole curve;
-- losses.jsonl: the loss curve across stops and resumes (`Progress`);
+- losses.jsonl: the loss curve across stops and resumes (`keep_rows_before`, `whole_history`);
 - the run's outputs: each file it will write is absent or a regular file, before any work (`check_outputs`).
 
 An HF checkpoint folder on its own, before a run (headers, index, keys, shapes, finite values, architecture, no
@@ -53,28 +53,15 @@ def _settings_differences(built_config, ckpt_dir) -> dict:
     return {k: [ours[k], theirs[k]] for k in COMPARED_SETTINGS if ours[k] != theirs[k]}
 
 
-def attach_load_check(trainer, ckpt_dir, tokenizer_dir, *, built_config, dtype: str, is_main: bool,
-                      pass_positions: bool = False) -> dict:
-    """Check that the model torchtitan builds is the checkpoint: its settings (`built_config`, a config.json dict
-    or a transformers config) against the folder's config.json now, before anything loads (a wrong head_dim or
-    theta is named here, not in the loader); then, right before the first step of a fresh run (a resumed run
-    holds trained weights), its logits against transformers' `from_pretrained` of the folder (float32, in a fresh
-    process: the Transformers backend patches transformers' classes). Catches weights not loaded and config
-    values read wrong or replaced by defaults. Returns the dict the logit check's result is written into; a
-    failure is one UserError on every rank."""
+def check_settings(built_config, ckpt_dir) -> None:
+    """The load check's first half, right after the build and before anything loads: the settings of the model
+    torchtitan built (`built_config`, a config.json dict or a transformers config) against the folder's config.json
+    (a wrong head_dim or theta is named here, not in the loader). The second half, `logit_check`, runs right before
+    the first step of a fresh run (a resumed run holds trained weights). Catches weights not loaded and config values
+    read wrong or replaced by defaults. A failure is one UserError on every rank."""
     differing = _settings_differences(built_config, ckpt_dir)
     if differing:
         _fail(ckpt_dir, [f"{k}: trained model {a}, config.json {b}" for k, (a, b) in differing.items()])
-    original, result = trainer.train_step, {}
-
-    def first_step(*args, **kw):
-        trainer.train_step = original
-        if trainer.step == 1:
-            result.update(_logit_check(trainer, ckpt_dir, tokenizer_dir, dtype, is_main, pass_positions))
-        return original(*args, **kw)
-
-    trainer.train_step = first_step
-    return result
 
 
 def _fail(ckpt_dir, named: list[str]):
@@ -82,7 +69,9 @@ def _fail(ckpt_dir, named: list[str]):
                     + "; ".join(named) + "); pass --no-load_check to train anyway")
 
 
-def _logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool) -> dict:
+def logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool) -> dict:
+    """The built and loaded model's logits against transformers' `from_pretrained` of the folder (float32, in a fresh
+    process: the Transformers backend patches transformers' classes), before step 1; the check's result."""
     import torch
     from safetensors.torch import save_file
 
@@ -166,28 +155,18 @@ def format_loss_comparison(c: dict) -> str:
     return "\n".join(rows)
 
 
-class Progress:
-    """OUT_DIR/losses.jsonl on rank 0: a line a step, kept across stops and resumes, so that results.json and
-    loss.png hold the whole loss curve of a resumed run."""
+def keep_rows_before(path: Path, step: int) -> None:
+    """A losses.jsonl (or eval_losses.jsonl) at a run's first step: only the earlier steps of the run it resumes are
+    kept (a fresh run starts the file anew)."""
+    kept = [r for r in read_progress(path) if r["step"] < step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
-    def __init__(self, path: Path):
-        self.path, self.first = Path(path), True
 
-    def append(self, step: int, loss: float) -> None:
-        """Append one line; on a run's first step keep only the earlier steps of the run it resumes (a fresh run
-        starts the file anew). The one writer that appends instead of writing atomically: a step's line must not
-        cost a rewrite."""
-        if self.first:
-            self.first = False
-            kept = [r for r in read_progress(self.path) if r["step"] < step]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        with open(self.path, "a") as f:  # a kill can cut the last line; read_progress skips it
-            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
-
-    def history(self, rec) -> dict:
-        """Steps and losses of the whole run, resumed parts included (`rec`'s own where the file has none)."""
-        rows = read_progress(self.path) or [{"step": s, "loss": v} for s, v in zip(rec.steps, rec.losses)]
-        return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows]}
+def whole_history(path: Path, rec) -> dict:
+    """Steps and losses of the whole run from its losses.jsonl, resumed parts included (`rec`'s, a LossRecorder,
+    where the file has none)."""
+    rows = read_progress(path) or [{"step": s, "loss": v} for s, v in zip(rec.steps, rec.losses)]
+    return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows]}
 
 
 def read_progress(path: Path) -> list[dict]:

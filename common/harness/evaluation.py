@@ -5,7 +5,7 @@ and at every step divisible by `freq`), `steps` (batches per validation; -1: the
 `HuggingFaceTextDataLoader.Config`: `dataset`, one of torchtitan's registered datasets, and `dataset_path`).
 Each validation builds that dataloader anew, so every validation reads the same first K batches, with the
 training run's `seq_len` and `local_batch_size` on each data-parallel rank, and hands the token-weighted mean
-loss to `MetricsProcessor.log_validation` (recorded by `EvalRecorder` below).
+loss to `MetricsProcessor.log_validation` (recorded by common/harness/trainer.py's GuardedMetrics).
 
 The held-out data is text the training stream never holds:
 - the offline corpus (`--dataset corpus`) and any folder of JSON lines with a validation split (a file named
@@ -29,15 +29,11 @@ OUT_DIR/eval_losses.jsonl, kept across stops and resumes as losses.jsonl is.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import paths
 from common.errors import UserError
-from common.harness.stops import StopNow, hook_delay
-from common.results import atomic_write_text
 
 # torchtitan's datasets are looked up by name in its DATASETS registry; this one reads a local folder's
 # validation split, as its c4_test reads the train split.
@@ -123,89 +119,37 @@ def apply_eval_settings(tc, every: int, steps: int, dataset: tuple[str, str] | N
     return f"held-out loss at step 1 and every {every} steps, {steps} batches of {what}"
 
 
-@dataclass
-class EvalRecorder:
-    """Records the held-out loss torchtitan's Validator hands its MetricsProcessor (`log_validation`, after each
-    validated step), as common.losses.LossRecorder does for training: the validator's own token-weighted mean
-    over its batches, reduced over the ranks, never recomputed here. With `path` (rank 0: OUT_DIR/eval_losses.jsonl)
-    each loss is also appended there, and on this process's first step the file keeps only the earlier steps of the
-    run it resumes, so `rows` holds the held-out losses of the whole run.
+class HeldOutGate:
+    """The gate before each held-out batch of an evaluation (GuardedValidator, common/harness/trainer.py): whether
+    every rank has one (False ends the evaluation there, as the end of torchtitan's data does) and, with the run's
+    stop control (`stop`), whether to stop (StopNow on every rank). The first evaluation that runs out says how many
+    batches the held-out data holds; later ones read that many.
 
-    It gives the validator one pass over the held-out data with a gate before each batch (see the module
-    docstring), and joins it to the stop control (`stop`): a stop agreed at a step skips its evaluation, one
-    during an evaluation ends it at the next batch (nothing is recorded for it) and saves that step.
-
-    It also re-shards the model after each validation. FSDP2 re-shards parameters in the backward pass; the
-    validator's forward runs without one, so the model would leave it with its parameters unsharded: one
+    The validator also re-shards the model after each evaluation. FSDP2 re-shards parameters in the backward pass;
+    the validator's forward runs without one, so the model would leave it with its parameters unsharded: one
     all-gathered copy per FSDP group. Tied embeddings (one sharded parameter held by the embedding's and the
     lm_head's groups) are then two equal tensors, and hf_backend/fixes.py's tie check after the last step fails
     (measured with the Transformers backend on CPU: `is` false after each validation, true again after the next
     training step). Re-sharding returns the model to the state a training step leaves it in."""
 
-    steps: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    path: Path | None = None
-    pass_batches: int | None = None  # batches a rank of one pass over the held-out data, once an evaluation ran out
-    first_step: int | None = None  # this process's first training step
-    _batches: int = 0
+    def __init__(self, asked: int):
+        self.asked = asked  # --eval_steps
+        self.stop = None
+        self.pass_batches: int | None = None  # batches a rank of one pass over the held-out data, once known
+        self.batches = 0  # read in the current evaluation
 
-    def attach(self, trainer, stop=None) -> "EvalRecorder":
-        mp = trainer.metrics_processor
-        original = mp.log_validation
+    def start(self) -> None:
+        self.batches = 0
+        if self.stop is not None:
+            self.stop.eval_started()
 
-        def log_validation(loss, step, extra_metrics=None):
-            self._append(int(step), float(loss))
-            return original(loss=loss, step=step, extra_metrics=extra_metrics)
-
-        mp.log_validation = log_validation
-        if self.path is not None:
-            train_step = trainer.train_step
-
-            def first_train_step(*args, **kw):  # once: the file keeps the steps before this process's first
-                if self.first_step is None:
-                    self.first_step = trainer.step
-                    kept = [r for r in _read_rows(self.path) if r["step"] < self.first_step]
-                    atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-                return train_step(*args, **kw)
-
-            trainer.train_step = first_train_step
-        validator = getattr(trainer, "validator", None)  # set only when the config enables it
-        if validator is not None:
-            validate, asked = validator.validate, validator.config.steps
-            if hasattr(validator, "dl_config"):
-                validator.dl_config = HeldOutPass(validator.dl_config, lambda done, have: self._gate(done, have,
-                                                                                                   asked, stop))
-
-            def validate_guarded(model_parts, step):
-                if stop is not None and stop.skips_eval(step):
-                    return  # a stop was agreed at this step: no evaluation after its save
-                self._batches, interrupted = 0, False
-                try:
-                    validate(model_parts, step)
-                except StopNow:
-                    interrupted = True
-                    for model in model_parts:  # what torchtitan's validate does at its end
-                        model.train()
-                finally:
-                    reshard(model_parts)
-                if stop is not None:
-                    stop.eval_ended(step, interrupted=interrupted, batches=self._batches)
-
-            validator.validate = validate_guarded
-        return self
-
-    def _gate(self, done: int, have: bool, asked: int, stop) -> bool:
-        """Before held-out batch `done` + 1: whether every rank has it (False ends the evaluation there, as the end
-        of torchtitan's data does); a stop raises StopNow on every rank."""
-        if delay := hook_delay("eval_batch"):
-            import time
-
-            time.sleep(delay)
+    def __call__(self, done: int, have: bool) -> bool:
+        asked = self.asked
         planned = asked if asked > 0 else self.pass_batches or done + 1  # the batches this evaluation will read
         planned = min(planned, self.pass_batches or planned)
-        every = stop.eval_batch(done, planned, have) if stop is not None else _every_rank_has(have)
+        every = self.stop.eval_batch(done, planned, have) if self.stop is not None else _every_rank_has(have)
         if every:
-            self._batches = done + 1
+            self.batches = done + 1
             return True
         if done == 0:
             raise UserError("--eval_every: the held-out data holds no batch of --local_batch_size sequences of "
@@ -217,19 +161,14 @@ class EvalRecorder:
                       f"({done} batches, not --eval_steps {asked})", flush=True)
         return False
 
-    def _append(self, step: int, loss: float) -> None:
-        self.steps.append(step)
-        self.losses.append(loss)
-        if self.path is not None and self.first_step is not None:
-            with open(self.path, "a") as f:  # a kill can cut the last line; _read_rows skips it
-                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
 
-    def rows(self) -> list[dict]:
-        """results.json's `eval_losses`: [{"step": s, "loss": x}, ...], empty when no validation ran; on rank 0
-        those of the whole run, resumed parts included."""
-        if self.path is not None and self.first_step is not None:
-            return _read_rows(self.path)
-        return [{"step": s, "loss": x} for s, x in zip(self.steps, self.losses)]
+def eval_rows(metrics, path: Path | None) -> list[dict]:
+    """results.json's `eval_losses`: [{"step": s, "loss": x}, ...], empty when no validation ran; on rank 0 (`path`:
+    OUT_DIR/eval_losses.jsonl) those of the whole run, resumed parts included; elsewhere this process's
+    (`metrics`: the run's GuardedMetrics)."""
+    if path is not None and metrics.first_step is not None:
+        return _read_rows(path)
+    return [{"step": s, "loss": x} for s, x in zip(metrics.eval_steps, metrics.eval_losses)]
 
 
 class HeldOutPass:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -17,9 +18,9 @@ from pathlib import Path
 
 from common import cli, device, export
 from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
-from common.harness.checks import Progress, explain_failure, attach_load_check, check_outputs, compare_losses, \
-    format_loss_comparison, read_reference_losses
-from common.harness.evaluation import EVAL_LOSSES, EvalRecorder, apply_eval_settings, eval_dataset
+from common.harness.checks import explain_failure, check_outputs, check_settings, compare_losses, \
+    format_loss_comparison, logit_check, read_reference_losses, whole_history
+from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, eval_dataset, eval_rows
 from common.harness.preflight import require_stack, wants_neuron
 from common.processes import die_with_parent
 from common.recipe import Hooks, Recipe, inputs, train
@@ -120,10 +121,11 @@ def guarded(recipe: Recipe) -> Recipe:
     return dataclasses.replace(recipe, config=config, presets={k: with_guards(v) for k, v in recipe.presets.items()})
 
 
-def run(recipe: Recipe, argv: list[str] | None = None) -> int:
-    """The example's one call: parse its flags and the guards', run it with the guards; the exit code."""
+def run(recipe: Recipe, argv: list[str] | None = None, hooks: type | None = None) -> int:
+    """The example's one call: parse its flags and the guards', run it with the guards; the exit code. `hooks`: a
+    GuardHooks subclass (a test's, with slowed components), GuardHooks itself by default."""
     recipe = guarded(recipe)
-    return cli.run_cli(lambda cfg: main(recipe, cfg), recipe.config, recipe.presets, recipe.doc,
+    return cli.run_cli(lambda cfg: main(recipe, cfg, hooks or GuardHooks), recipe.config, recipe.presets, recipe.doc,
                        recipe.default_preset, argv, explain=explain_failure)
 
 
@@ -151,7 +153,7 @@ def _dataset_folder(dataset: str, dataset_path: str | None) -> str | None:
     return (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
 
 
-def main(recipe: Recipe, cfg) -> dict:
+def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={
@@ -186,7 +188,7 @@ def main(recipe: Recipe, cfg) -> dict:
             lambda: dry_run(recipe, cfg, out_dir, ranks=world_size)["total_bytes"], dev_type, key=found["record"])
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
-        results = train(recipe, cfg, dev, out_dir, found, GuardHooks(recipe, cfg, found, stop))
+        results = train(recipe, cfg, dev, out_dir, found, (hooks or GuardHooks)(recipe, cfg, found, stop))
     finally:
         device.teardown()
     if results.get("stopped") and dev.is_main:
@@ -196,14 +198,15 @@ def main(recipe: Recipe, cfg) -> dict:
 
 
 class GuardHooks(Hooks):
-    """The guards inside a run: the resume record, checkpoint interval, metrics and validator settings; the stop
-    control, the load check, the held-out losses, losses.jsonl and MFU in torchtitan's trainer; the pilot report
-    and the loss comparison in results.json."""
+    """The guards inside a run: the settings and components they put in the recipe's Trainer.Config (the resume
+    record, checkpoint interval, data shards, metrics, validator, profiler), the trainer they build
+    (common/harness/trainer.py's GuardedTrainer, which calls `check_settings`, `check_logits` and the stop control
+    at their points in the loop), and the pilot report and loss comparison in results.json."""
 
     def __init__(self, recipe: Recipe, cfg, found: dict, stop: stops.StopControl):
         self.recipe, self.cfg, self.found, self.stop = recipe, cfg, found, stop
-        self.evals, self.load_check, self.progress = EvalRecorder(), None, None
-        self.profile, self.compile_cache, self.started = None, None, time.time()
+        self.load_check, self.profile, self.compile_cache, self.started = None, None, None, time.time()
+        self.losses_path = self.eval_path = None
 
     def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
         cfg = self.cfg
@@ -218,45 +221,75 @@ class GuardHooks(Hooks):
             pilot.compile_cache_folder(dev.device_type, compiled=tc.compile.enable), dev.device_type)
         if dev.is_main:
             resume.write_record(out_dir, found["record"])
-            self.progress = Progress(out_dir / "losses.jsonl")
-            self.evals.path = out_dir / EVAL_LOSSES
+            self.losses_path, self.eval_path = out_dir / "losses.jsonl", out_dir / EVAL_LOSSES
         note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"), cfg.eval_dataset_path)  # the validator
+        self.dev = dev
         return notes + ([note] if note else [])
 
-    def attach(self, trainer, tc, dev, shape: dict, rec) -> None:
-        cfg, found = self.cfg, self.found
-        if found.get("initial_hf") and cfg.load_check:  # the loaded weights against transformers, before step 1
-            self.load_check = attach_load_check(
-                trainer, found["initial_hf"], found["tokenizer_dir"], dtype=cfg.dtype, is_main=dev.is_main,
-                built_config=self.recipe.model_config(cfg, tc, found, trainer=trainer),
-                pass_positions=self.recipe.pass_positions)
-        if self.progress is not None:
-            rec.on_step.append(self.progress.append)
-        self.evals.attach(trainer, self.stop)  # the validator's held-out losses (--eval_every), stopped with the run
-        self.stop.attach(trainer, dev.device, export=cfg.export)
-        self.reshard.attach(trainer)
+    def components(self) -> dict:
+        """The guards' trainer factory and component classes (common/harness/trainer.py)."""
+        from common.harness import trainer
+
+        return {"trainer": trainer.guarded_trainer, "metrics": trainer.GuardedMetrics,
+                "checkpoint": trainer.GuardedCheckpointer, "validator": trainer.GuardedValidator}
+
+    def build(self, tc, shape: dict):
+        """The recipe's trainer class with the guards, its components the guards' subclasses (the same settings)."""
+        from common.trainer import as_trainer_config, same_fields
+
+        made = self.components()
+        GuardedMetrics, GuardedCheckpointer, GuardedValidator = made["metrics"], made["checkpoint"], made["validator"]
+
+        cfg, dev = self.cfg, self.dev
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
-        pilot.use_in_torchtitan(trainer, pilot.flops_per_token(shape, cfg.seq_len), self.peak)
-        self.compile_cache.start()  # the compile cache's entries before step 1, and once step 1 has ended
-        rec.on_step.append(self.compile_cache.first_step)
+        peak = self.peak["value"]
+        metrics = same_fields(
+            GuardedMetrics.Config, tc.metrics, flops_per_token=pilot.flops_per_token(shape, cfg.seq_len),
+            peak_flops=peak if isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0 else 0.0,
+            losses_path=str(self.losses_path) if self.losses_path else None,
+            eval_losses_path=str(self.eval_path) if self.eval_path else None)
+        trainer_class = made["trainer"](type(tc))
+        config = as_trainer_config(trainer_class, tc, metrics=metrics)
+        config.checkpoint = same_fields(GuardedCheckpointer.Config, tc.checkpoint, last_save=cfg.export,
+                                        is_main=dev.is_main)
+        if config.validator.enable:
+            config.validator = same_fields(GuardedValidator.Config, tc.validator)
+        return config.build(guards=self)
 
-    def history(self, rec) -> dict:
-        return self.progress.history(rec) if self.progress is not None else rec.history()
+    # ---- called by GuardedTrainer, at their points in the loop ---------------------------------------------------
+    def check_settings(self, trainer) -> None:
+        """Right after the build: the built model's settings against the HF folder the run starts from."""
+        cfg, found = self.cfg, self.found
+        if found.get("initial_hf") and cfg.load_check:
+            check_settings(self.recipe.model_config(cfg, trainer.config, found, trainer=trainer), found["initial_hf"])
 
-    def results(self, rec, dev, shape: dict, out_dir: Path) -> dict:
-        cfg = self.cfg
-        memory = pilot.peak_memory(dev.device_type, dev.device)  # a collective: every rank's traces are written
+    def check_logits(self, trainer) -> None:
+        """Before step 1 of a fresh run: the loaded weights' logits against transformers' load of the HF folder."""
+        cfg, found = self.cfg, self.found
+        if found.get("initial_hf") and cfg.load_check:
+            self.load_check = logit_check(trainer, found["initial_hf"], found["tokenizer_dir"], dtype=cfg.dtype,
+                                          is_main=self.dev.is_main, pass_positions=self.recipe.pass_positions)
+
+    # ---- after training ----------------------------------------------------------------------------------------
+    def history(self, trainer) -> dict:
+        rec = trainer.metrics_processor.record
+        return whole_history(self.losses_path, rec) if self.losses_path is not None else rec.history()
+
+    def results(self, trainer, dev, shape: dict, out_dir: Path) -> dict:
+        cfg, mp = self.cfg, trainer.metrics_processor
+        rec = mp.record
+        memory = pilot.peak_memory(dev.device_type, dev.device, mp.peak_bytes)  # a collective
         profile = pilot.profile_traces(out_dir, every=self.profile["every"], steps=rec.steps, since=self.started,
                                        activities=self.profile["activities"]) if self.profile else None
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
                               memory=memory, planned_gib=self.found.get("planned_gib"),
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
                               profile=profile)
-        out = {"load_check": self.load_check or None, "eval_losses": self.evals.rows(),
+        out = {"load_check": self.load_check or None, "eval_losses": eval_rows(mp, self.eval_path),
                "stopped": self.stop.stopped(out_dir), **report}
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run
         if cfg.compare_losses:  # over the whole curve, steps before a resume included
-            history = self.history(rec)
+            history = self.history(trainer)
             out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
                                                     steps=history["steps"])
         if dev.is_main:

@@ -10,9 +10,9 @@ memory against the plan, and cost. Written into results.json by the three traini
   logical core); on CUDA torchtitan's table; on CPU a matmul measured in this process, in the run's dtype. An MFU
   above 1, or a peak that is not a positive number, is no measurement: `mfu` is null and `mfu_note` says why (a
   warning line names the peak and its source). torchtitan's own step lines and TensorBoard get the same two
-  numbers (`use_in_torchtitan`), and show no MFU for a step where it would be above 1.
-- `memory`: each rank's peak (the device allocator, read after the device has finished its queued work; on CPU the
-  process's peak resident set size) beside the dry run's estimate for the same configuration (`planned_gib`). A
+  numbers (common/harness/trainer.py's GuardedMetrics), and show no MFU for a step where it would be above 1.
+- `memory`: each rank's peak over its steps (the device allocator's peak of each step, read before torchtitan resets
+  it; on CPU the process's peak resident set size) beside the dry run's estimate for the same configuration (`planned_gib`). A
   profiled run's peak holds the profiler's own buffers: `comparable` is false and there is no ratio.
 - `timing.compile_cache`: whether step 1 found the compile cache cold or warm (`compile_cache`).
 - `profile`: with --profile, torchtitan's profiler (torch.profiler) traces the chosen steps into OUT_DIR/profile_traces
@@ -127,7 +127,8 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
     """torchtitan's own profiler settings on the Trainer.Config: a torch.profiler trace (Chrome trace format,
     gzipped) of every `every`-th step into OUT_DIR/profile_traces/iteration_N/rankR_trace.json.gz, the steps
     before each traced one its warm-up (3, as torchtitan's default, or fewer at a shorter interval); each trace is
-    written when its step ends. On Neuron the Neuron activity is added (`with_neuron_activity`).
+    written when its step ends. On Neuron the Neuron activity is added (common/harness/trainer.py's
+    NeuronActivityProfiler).
     {"every", "activities", "note"}: the interval, what is traced, a note for the log."""
     every = profile_every(steps, profile_freq)
     tc.profiler.enable_profiling = True
@@ -140,48 +141,14 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
         from common.device import neuron_available
 
         if neuron_available():
-            tc.profiler = with_neuron_activity(tc.profiler)
+            from common.harness.trainer import NeuronActivityProfiler
+            from common.trainer import same_fields
+
+            tc.profiler = same_fields(NeuronActivityProfiler.Config, tc.profiler)
             activities = "CPU and Neuron (PrivateUse1)"
     note = (f"profiling: torch.profiler ({activities}) traces step {every}" + (" and its multiples" if every < steps
             else "") + f" into OUT_DIR/{PROFILE_FOLDER}")
     return {"every": every, "activities": activities, "note": note}
-
-
-def with_neuron_activity(config):
-    """The same profiler settings, for a profiler that also asks torch.profiler for the Neuron activity.
-
-    Why: torchtitan 0.3.0's Profiler asks torch.profiler for the CPU activity, and CUDA's or XPU's where one is
-    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer) passes
-    ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile (the Neuron runtime and device
-    activity, which its NeuronConfig tunes; none is passed here, so torch-neuronx's defaults apply). Unconfirmed on
-    a trn2 host from here: whether torch-neuronx 2.33's defaults capture device activity without a NeuronConfig,
-    and whether torchtitan-neuron's profiler already asks for the activity (then it is not added again: torch
-    refuses an activity named twice). Remove when torchtitan asks for the PrivateUse1 activity itself."""
-    from dataclasses import dataclass, fields
-
-    import torch
-    from torchtitan.tools.profiler import Profiler
-
-    class NeuronActivityProfiler(Profiler):
-        @dataclass(kw_only=True, slots=True)
-        class Config(Profiler.Config):
-            pass
-
-        def build_torch_profiler(self, **kwargs):
-            profile = torch.profiler.profile  # torchtitan's call, for this one build, gets the Neuron activity too
-
-            def with_neuron(*args, activities, **rest):
-                neuron = torch.profiler.ProfilerActivity.PrivateUse1
-                activities = list(activities) + ([] if neuron in activities else [neuron])
-                return profile(*args, activities=activities, **rest)
-
-            torch.profiler.profile = with_neuron
-            try:
-                return super().build_torch_profiler(**kwargs)
-            finally:
-                torch.profiler.profile = profile
-
-    return NeuronActivityProfiler.Config(**{f.name: getattr(config, f.name) for f in fields(config)})
 
 
 def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activities: str) -> dict:
@@ -246,7 +213,7 @@ def count_entries(folder) -> int:
 
 class CompileCacheWatch:
     """Counts the compile cache's entries before step 1 (`start`) and when step 1 has ended (`first_step`, a
-    LossRecorder on_step hook): new entries mean step 1 compiled, a cold cache; none, a warm one. `result()` is
+    when step 1 has ended): new entries mean step 1 compiled, a cold cache; none, a warm one. `result()` is
     timing.compile_cache: {"kind", "dir", "entries_before", "entries_after", "state"}, the state "cold", "warm",
     or "none" where nothing is compiled (CPU or CUDA without torch.compile: eager mode)."""
 
@@ -258,7 +225,7 @@ class CompileCacheWatch:
         if self.where is not None:
             self.before = count_entries(self.where["dir"])
 
-    def first_step(self, step: int, loss: float) -> None:
+    def first_step(self) -> None:
         if self.where is not None and self.after is None:
             self.after = count_entries(self.where["dir"])
 
@@ -269,31 +236,6 @@ class CompileCacheWatch:
         state = ("unknown" if self.before is None or self.after is None
                  else "cold" if self.after > self.before else "warm")
         return {**self.where, "entries_before": self.before, "entries_after": self.after, "state": state}
-
-
-def use_in_torchtitan(trainer, flops: int, peak: dict) -> None:
-    """torchtitan's own step lines and TensorBoard: the same FLOPs per token and peak as results.json. A step whose
-    MFU would be above 1 (or any step, with a peak that is not a positive number) shows none: its step line says
-    "mfu: N/A" and TensorBoard gets no mfu(%) point, through the switch torchtitan itself uses to leave MFU out
-    (`has_quantization`, for quantized training), set for that step's log call alone. The MFU is judged from the
-    same counters torchtitan reads a moment later (tokens since its last log, the time since then), so a step it
-    would show at a hair under 100% may be left out too, never one above."""
-    mp = trainer.metrics_processor
-    mp.num_flops_per_token = flops
-    mp.gpu_peak_flops = peak["value"]
-    value, original, left_out = peak["value"], mp.log, mp.has_quantization
-    possible = isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-    def log(step, *args, **kwargs):
-        elapsed = (time.perf_counter() - mp.time_last_log) * mp.parallel_dims.non_data_parallel_size
-        tps = mp.ntokens_since_last_log / elapsed if elapsed > 0 else math.inf
-        mp.has_quantization = left_out or not possible or flops * tps > value
-        try:
-            return original(step, *args, **kwargs)
-        finally:
-            mp.has_quantization = left_out
-
-    mp.log = log
 
 
 def checked_mfu(flops: int, tokens_per_s: float, peak: dict, world_size: int) -> tuple[float | None, str | None]:
@@ -328,24 +270,19 @@ def timing(rec, world_size: int) -> dict:
             "tokens_per_step": per_step}
 
 
-def peak_memory(device_type: str, device) -> dict:
-    """Every rank's peak memory in GiB (gathered to all ranks), and what measured it. On Neuron the device's queued
-    work is finished first (torch.neuron.synchronize()): its allocator runs asynchronously, and AWS's memory guide
-    reads its statistics after a synchronize."""
+def peak_memory(device_type: str, device, peak_bytes: int) -> dict:
+    """Every rank's peak memory in GiB (gathered to all ranks), and what measured it: `peak_bytes`, this rank's
+    heaviest step (common/harness/trainer.py's GuardedMetrics reads each step's peak before torchtitan resets it)."""
     import torch
     import torch.distributed as dist
 
-    from common.device import neuron_available, neuron_runtime, peak_memory_bytes
-
-    if device_type == "neuron" and neuron_available():
-        neuron_runtime().synchronize()
-    mine = torch.tensor([float(peak_memory_bytes(device_type))], device=device)
+    mine = torch.tensor([float(peak_bytes)], device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather(every, mine)
     by = {"cuda": "torch.cuda.max_memory_allocated", "neuron": "torch.neuron.max_memory_allocated"}.get(
         device_type, "the process's peak resident set size (ru_maxrss): Python, libraries and tensors")
-    return {"peak_gib": [round(float(t.item()) / GIB, 4) for t in every], "measured_by": by}
+    return {"peak_gib": [round(float(t.item()) / GIB, 4) for t in every], "measured_by": by + ", the heaviest step"}
 
 
 def _plan_cache(key: dict) -> "Path":

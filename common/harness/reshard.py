@@ -147,9 +147,13 @@ def _make_loader_class():
             self.hosted = sorted({v for v, _ in self.mine})  # the shards this rank reads
             self.loaders = {v: config.shards.build(dp_world_size=shards, dp_rank=v, local_batch_size=local_batch_size,
                                                    **kwargs) for v in self.hosted}
-            self.step_of = None  # () -> the trainer's step, for the debug trace (set by Reshard.attach)
+            self.step_of = None  # () -> the trainer's step, for the debug trace (`follow`)
             debug = os.environ.get(DEBUG_ENV)
             self.trace = Path(debug) / f"data-w{ranks}-r{dp_rank}.jsonl" if debug else None
+
+        def follow(self, step_of) -> None:
+            """`step_of() -> int`: the trainer's step, for the debug trace (GuardedTrainer)."""
+            self.step_of = step_of
 
         def __iter__(self):
             iters = {v: iter(loader) for v, loader in self.loaders.items()}
@@ -215,24 +219,6 @@ class Reshard:
             out["why"] = self.plan.why
         return out
 
-    def attach(self, trainer) -> None:
-        """After the build: the trace's step numbers; with the debug folder, the state a resume starts from."""
-        loader = trainer.dataloader
-        if hasattr(loader, "step_of"):
-            loader.step_of = lambda: trainer.step
-        folder = os.environ.get(DEBUG_ENV)
-        if not folder:
-            return
-        load = trainer.checkpointer.load
-
-        def load_and_dump(*args, **kw):  # the state as loaded: before anything of the first step runs
-            loaded = load(*args, **kw)
-            if loaded and trainer.step:
-                dump_state(trainer, Path(folder) / f"resumed-step{trainer.step}-w{self.world_size}.pt", self.is_main)
-            return loaded
-
-        trainer.checkpointer.load = load_and_dump
-
     def results(self, rec, stopped: dict | None) -> dict:
         """results.json's `segments` (the whole run's, this part closed) and `data_shards`."""
         if self.is_main:
@@ -270,16 +256,15 @@ def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
     return guard, notes
 
 
-def dump_state(trainer, path: Path, is_main: bool) -> None:
-    """The whole training state (model, optimizer, LR schedule, step) as full tensors in one torch.save file, written
-    by rank 0; every rank takes part in gathering the sharded tensors."""
+def dump_state(states: dict, path: Path, is_main: bool) -> None:
+    """The whole training state (model, optimizer, LR schedule, step; `states`: the checkpoint manager's) as full
+    tensors in one torch.save file, written by rank 0; every rank takes part in gathering the sharded tensors."""
     import torch
     from torch.distributed.tensor import DTensor
 
     def full(x):
         return x.full_tensor() if isinstance(x, DTensor) else x
 
-    states = trainer.checkpointer.states
     out = {}
     for name in ("model", "optimizer", "lr_scheduler", "train_state"):
         if name in states:

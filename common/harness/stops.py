@@ -41,21 +41,6 @@ TIME_LIMIT = 1000  # the stop flag's value for --time_limit (a signal's is its n
 # second signal still ends the run at once.
 STOP_GRACE_S = 1800
 TORCHRUN_DEFAULT_GRACE_S = 30  # torch.distributed.run without --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-# A test hook, never set by a user: "stop_save=31,eval_batch=2" makes each stop save sleep 31 s before torchtitan's
-# save (a slow disk, as a large model's save on a shared file system) and each held-out batch take 2 s more (a long
-# evaluation), at no CPU cost. tests/test_stop.py and tests/test_stop_one_process.py set it.
-TEST_DELAYS = "QWEN3_RECIPES_TEST_DELAYS"
-
-
-def hook_delay(what: str) -> float:
-    """Seconds of the TEST_DELAYS hook for `what` (0 without it)."""
-    for item in os.environ.get(TEST_DELAYS, "").split(","):
-        name, _, seconds = item.partition("=")
-        if name.strip() == what:
-            return float(seconds)
-    return 0.0
-
-
 class StopNow(Exception):
     """Raised on every rank at the same held-out batch when the ranks agreed to stop during an evaluation."""
 
@@ -129,7 +114,8 @@ def under_a_users_torchrun() -> bool:
 
 
 class StopControl:
-    """Stop signals and the time limit, decided together at each step boundary and each held-out batch (`attach`)."""
+    """Stop signals and the time limit, decided together at each step's end (`step_ended`) and before each held-out
+batch (`eval_batch`), in the run's GuardedTrainer (common/harness/trainer.py)."""
 
     DUPLICATE_S = 1.0  # a launcher forwarding the signal this process already got is the same signal
 
@@ -145,7 +131,7 @@ class StopControl:
         self.batch_s = 0.0  # the pace of the last evaluation: seconds a held-out batch
         self._last = time.monotonic()  # when the last step's work (its save, its evaluation) ended
         self._eval_start = 0.0
-        self.device = None
+        self.device = None  # the trainer's (`follow`)
         self.trainer = None
 
     def install(self) -> None:
@@ -211,61 +197,38 @@ class StopControl:
             self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
         return code, not lacking
 
-    def attach(self, trainer, device, *, export: bool) -> None:
-        """Wrap the trainer's checkpoint save, which torchtitan calls after every step (before that step's
-        evaluation): there the ranks agree on a stop, and a stop saves this step through torchtitan's own save and
-        ends the loop. The held-out evaluation joins through `skips_eval`, `eval_batch` and `eval_ended`
-        (common/harness/evaluation.py)."""
-        ckpt, save = trainer.checkpointer, trainer.checkpointer.save
-        self.device, self.trainer, self._save = device, trainer, save
+    def follow(self, trainer) -> None:
+        """The run's trainer (common/harness/trainer.py): its device for the agreement, its validator and steps."""
+        self.device, self.trainer = trainer.device, trainer
         self._last = time.monotonic()
 
-        def save_or_stop(curr_step: int, last_step: bool = False) -> bool:
-            now = time.monotonic()
-            self.step_s, self._last = max(self.step_s, now - self._last), now
-            if last_step:  # the run ends here anyway: its last save is the HF export (none without --export)
-                return save(curr_step, last_step=True) if export else False
-            code, _ = self.agree(ahead_s=self.eval_s if self._eval_due(curr_step) else 0.0)
-            if not code:
-                saved = save(curr_step, last_step=False)
-                if saved:
-                    self.save_s.append(time.monotonic() - now)
-                    self.saved_at = curr_step
-                self._last = time.monotonic()
-                return saved
-            self._stop_at(curr_step)
-            return True
+    def step_ended(self, step: int) -> None:
+        """At the end of each training step (before torchtitan's save and evaluation): the ranks agree on a stop,
+        counting the evaluation due at this step. A stop makes this step the one saved and ends the loop
+        (GuardedTrainer); after the last step nothing is left to stop: the run finishes."""
+        now = time.monotonic()
+        self.step_s, self._last = max(self.step_s, now - self._last), now
+        if step >= self.trainer.config.training.steps:
+            return
+        code, _ = self.agree(ahead_s=self.eval_s if self._eval_due(step) else 0.0)
+        if code:
+            self.stopped_at = step
 
-        self._ckpt = ckpt
-        ckpt.save = save_or_stop
+    def saved(self, step: int, seconds: float) -> None:
+        """A resumable save of `step` took `seconds` (GuardedCheckpointer): the room a stop save needs."""
+        self.save_s.append(seconds)
+        self.saved_at = step
+        self._last = time.monotonic()
 
     def _eval_due(self, step: int) -> bool:
         validator = getattr(self.trainer, "validator", None)
         return bool(self.trainer.config.validator.enable and validator is not None
                     and validator.should_validate(step))
 
-    def _stop_at(self, step: int) -> None:
-        """Save `step` (unless its own --checkpoint_every save already did) and end the training loop."""
-        if self.saved_at != step:
-            if delay := hook_delay("stop_save"):
-                time.sleep(delay)
-            interval, self._ckpt.interval = self._ckpt.interval, step  # a save step: torchtitan's own save
-            try:
-                self._save(step, last_step=False)
-            finally:
-                self._ckpt.interval = interval
-            self.saved_at = step
-        self.stopped_at = step
-        self.trainer.should_continue_training = lambda: False
-
     # ---- the held-out evaluation (common/harness/evaluation.py) ------------------------------------------------
 
-    def skips_eval(self, step: int) -> bool:
-        """A stop agreed at this step's save: its evaluation does not run."""
-        skip = self.stopped_at == step
-        if not skip:
-            self._eval_start = time.monotonic()
-        return skip
+    def eval_started(self) -> None:
+        self._eval_start = time.monotonic()
 
     def eval_batch(self, done: int, planned: int, have: bool) -> bool:
         """Before held-out batch `done` + 1 of `planned`: the ranks agree whether to stop (a signal, or the rest of
@@ -286,11 +249,11 @@ class StopControl:
             self.batch_s = (now - self._eval_start) / batches
         if not interrupted:
             self.eval_s = max(self.eval_s, now - self._eval_start)
-        if interrupted and step < self.trainer.config.training.steps:
+        if interrupted and step < self.trainer.config.training.steps:  # GuardedTrainer saves it, then ends
             if self.is_main:
                 print(f"[stop] {self.reason}: the evaluation of step {step} ended after {batches} held-out "
                       f"batches; saving step {step}", flush=True)
-            self._stop_at(step)
+            self.stopped_at = step
         self._last = time.monotonic()
 
     def stopped(self, out_dir: Path) -> dict | None:

@@ -1,0 +1,305 @@
+"""The guards inside a training run, as torchtitan's own extensions join its trainer: a `Trainer` subclass with its
+`Config` (`guarded_trainer`, over the recipe's own trainer class: torchtitan's `Trainer`, or the Transformers
+backend's `HFTransformerTrainer`) and components built from their own `Config`, set in the trainer's config by
+common/harness/lifecycle.py:
+
+- `GuardedMetrics` (the metrics processor): each step's loss into losses.jsonl, the device's memory peak of each
+  step read before torchtitan resets it, the run's FLOPs per token and peak in torchtitan's MFU, the held-out
+  losses into eval_losses.jsonl;
+- `GuardedCheckpointer` (the checkpoint manager): the stop save of the step the ranks stopped at, each save timed,
+  the last step's save only with --export, the state a resume starts from (the reshard debug switch);
+- `GuardedValidator` (the validator): no evaluation after a stop, a stop between held-out batches, one pass over the
+  held-out data;
+- `NeuronActivityProfiler` (the profiler, on Trainium): the Neuron activity in the traces.
+
+`GuardedTrainer` reads in the order the loop runs: the load check before step 1, the step (ending in the metrics'
+log), the stop agreement at the step's end, then torchtitan's save and evaluation, and whether to go on.
+
+Import only after `common.device.setup()` (torchtitan binds its device at import time).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.validate import Validator
+from torchtitan.tools import utils as tt_utils
+from torchtitan.tools.profiler import Profiler
+
+from common.harness.evaluation import HeldOutGate, HeldOutPass, reshard
+from common.harness.stops import StopNow
+from common.trainer import RecordingMetrics, recipe_trainer
+
+
+class GuardedMetrics(RecordingMetrics):
+    """torchtitan's metrics processor with the guards' records (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RecordingMetrics.Config):
+        flops_per_token: int = -1  # from the model's config.json (pilot.flops_per_token); -1: torchtitan's own
+        peak_flops: float = -1.0  # one device's (pilot.peak_flops; 0: none known, no MFU); -1: torchtitan's table
+        losses_path: str | None = None  # OUT_DIR/losses.jsonl on rank 0
+        eval_losses_path: str | None = None  # OUT_DIR/eval_losses.jsonl on rank 0
+
+    def __init__(self, config: Config, **kwargs):
+        self._no_mfu = False
+        super().__init__(config, **kwargs)
+        if config.peak_flops >= 0:
+            self.gpu_peak_flops = config.peak_flops
+        self.peak_bytes = 0  # the heaviest logged step's device memory peak
+        self.eval_steps: list[int] = []
+        self.eval_losses: list[float] = []
+        self.first_step: int | None = None
+
+    # torchtitan's Trainer sets `num_flops_per_token` from its own count after the build: the run's own count (the
+    # same model's config.json, counted as results.json counts it) is what its step lines and TensorBoard show.
+    @property
+    def num_flops_per_token(self) -> int:
+        return self.config.flops_per_token if self.config.flops_per_token > 0 else self._torchtitan_flops
+
+    @num_flops_per_token.setter
+    def num_flops_per_token(self, value: int) -> None:
+        self._torchtitan_flops = value
+
+    # torchtitan leaves MFU out of a step's line and TensorBoard when `has_quantization` is set (its MFU is against
+    # the bfloat16 peak); a step whose MFU would be above 1, or any step with a peak that is not a positive number,
+    # is no measurement either, and is left out the same way.
+    @property
+    def has_quantization(self) -> bool:
+        return self._quantized or self._no_mfu
+
+    @has_quantization.setter
+    def has_quantization(self, value: bool) -> None:
+        self._quantized = value
+
+    def start_at(self, step: int) -> None:
+        """This process's first step: losses.jsonl and eval_losses.jsonl keep the steps of the run it resumes
+        before it (a fresh run starts them anew)."""
+        from common.harness.checks import keep_rows_before
+
+        self.first_step = step
+        for path in (self.config.losses_path, self.config.eval_losses_path):
+            if path:
+                keep_rows_before(Path(path), step)
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        self.peak_bytes = max(self.peak_bytes, step_peak_bytes())  # before torchtitan resets the peak
+        elapsed = (time.perf_counter() - self.time_last_log) * self.parallel_dims.non_data_parallel_size
+        tps = self.ntokens_since_last_log / elapsed if elapsed > 0 else math.inf
+        peak = self.gpu_peak_flops
+        possible = isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0
+        self._no_mfu = not possible or self.num_flops_per_token * tps > peak
+        if self.config.losses_path:
+            append_row(Path(self.config.losses_path), int(step), float(global_avg_loss))
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        self.eval_steps.append(int(step))
+        self.eval_losses.append(float(loss))
+        if self.config.eval_losses_path:
+            append_row(Path(self.config.eval_losses_path), int(step), float(loss))
+        super().log_validation(loss=loss, step=step, extra_metrics=extra_metrics)
+
+
+def step_peak_bytes() -> int:
+    """The device's peak memory since torchtitan last reset it (after the previous logged step), read from the
+    device module torchtitan itself reads (torch.cuda, torch.neuron, the CPU's common.device shim). On Neuron the
+    device's queued work is finished first: its allocator runs asynchronously, and AWS's memory guide reads its
+    statistics after a synchronize."""
+    if tt_utils.device_type == "neuron":
+        tt_utils.device_module.synchronize()
+    return int(tt_utils.device_module.max_memory_allocated())
+
+
+def append_row(path: Path, step: int, loss: float) -> None:
+    """One {"step", "loss"} line. The one writer that appends instead of writing atomically: a step's line must not
+    cost a rewrite (a kill can cut the last line; common.harness.checks.read_progress skips it)."""
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+
+
+class GuardedCheckpointer(CheckpointManager):
+    """torchtitan's checkpoint manager, saving the step a stop ends at (common/harness/stops.py) through its own
+    save, timing each save for --time_limit, and writing the last step's HF save only with --export."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        last_save: bool = True  # the last step's save (the HF export's weights); False with --no-export
+        is_main: bool = False
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        self.guard_config = config
+        self.stop = None
+        self.saved_at: int | None = None  # the step of this process's last resumable save
+
+    def follow(self, stop) -> None:
+        """The run's stop control: a stop agreed at a step makes that step a save step."""
+        self.stop = stop
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        if last_step:
+            return self.guard_config.last_save and super()._should_save(curr_step, last_step)
+        if self.saved_at == curr_step:
+            return False  # its --checkpoint_every save was the stop's too
+        if self.stop is not None and self.stop.stopped_at == curr_step:
+            return True
+        return super()._should_save(curr_step, last_step)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        t0 = time.monotonic()
+        saved = super()._save(curr_step, last_step)
+        if saved and not last_step:
+            self.saved_at = curr_step
+            if self.stop is not None:
+                self.stop.saved(curr_step, time.monotonic() - t0)
+        return saved
+
+    def _load(self, step: int = -1) -> bool:
+        from common.harness import reshard
+
+        loaded = super()._load(step)
+        folder = os.environ.get(reshard.DEBUG_ENV)
+        resumed = self.states["train_state"].step if "train_state" in self.states else 0
+        if folder and loaded and resumed:  # the state as loaded: before anything of the first step runs
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            reshard.dump_state(self.states, Path(folder) / f"resumed-step{resumed}-w{world}.pt",
+                               self.guard_config.is_main)
+        return loaded
+
+
+class GuardedValidator(Validator):
+    """torchtitan's validator: one pass over the held-out data at most, a gate before each batch where the ranks
+    agree whether every rank has one and whether to stop (common/harness/evaluation.py), no evaluation at a step a
+    stop was agreed at, and the model re-sharded after each evaluation."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Validator.Config):
+        pass
+
+    gate_class = HeldOutGate
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        self.gate = self.gate_class(asked=config.steps)
+        self.dl_config = HeldOutPass(self.dl_config, self.gate)
+
+    def follow(self, stop) -> None:
+        self.gate.stop = stop
+
+    def should_validate(self, step: int) -> bool:
+        stop = self.gate.stop
+        return not (stop is not None and stop.stopped_at == step) and super().should_validate(step)
+
+    def validate(self, model_parts, step: int) -> None:
+        stop, interrupted = self.gate.stop, False
+        self.gate.start()
+        try:
+            super().validate(model_parts, step)
+        except StopNow:
+            interrupted = True
+            for model in model_parts:  # what torchtitan's validate does at its end
+                model.train()
+        finally:
+            reshard(model_parts)
+        if stop is not None:
+            stop.eval_ended(step, interrupted=interrupted, batches=self.gate.batches)
+
+
+class NeuronActivityProfiler(Profiler):
+    """torchtitan's profiler, asking torch.profiler for the Neuron activity too.
+
+    Why: torchtitan 0.3.0's Profiler asks torch.profiler for the CPU activity, and CUDA's or XPU's where one is
+    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer) passes
+    ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile. Unconfirmed on a trn2 host from
+    here: whether torch-neuronx's defaults capture device activity without a NeuronConfig. Remove when torchtitan
+    asks for the PrivateUse1 activity itself."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Profiler.Config):
+        pass
+
+    def build_torch_profiler(self, *, global_step: int, base_folder: str, leaf_folder: str):
+        """torchtitan's schedule, trace folder and names (tools/profiler.py), with the Neuron activity."""
+        from torchtitan.tools.profiler import PROFILE_FILE, PROFILE_ITER_DIR
+
+        cfg = self._config
+        if not cfg.enable_profiling:
+            return None
+        trace_dir, rank = os.path.join(base_folder, cfg.save_traces_folder), torch.distributed.get_rank()
+
+        def trace_handler(prof):
+            folder = os.path.join(trace_dir, PROFILE_ITER_DIR.format(step=prof.step_num), leaf_folder)
+            os.makedirs(folder, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(folder, PROFILE_FILE.format(rank=rank)))
+
+        os.makedirs(trace_dir, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.PrivateUse1]
+        wait = cfg.profile_freq - (cfg.profiler_active + cfg.profiler_warmup)
+        profiler = torch.profiler.profile(
+            activities=activities, on_trace_ready=trace_handler, record_shapes=True,
+            schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active))
+        profiler.__enter__()
+        profiler.step_num = global_step
+        return profiler
+
+
+def guarded_trainer(config_class: type) -> type:
+    """The trainer a recipe's Trainer.Config class builds (common.trainer.recipe_trainer) with the guards. Built with
+    `config.build(guards=...)`: the run's common.harness.lifecycle.GuardHooks (its stop control, load check and
+    compile-cache watch)."""
+    core = recipe_trainer(config_class)
+    base = config_class._owner
+
+    class GuardedTrainer(core):
+        @dataclass(kw_only=True, slots=True)
+        class Config(core.Config):
+            pass
+
+        def __init__(self, config: Config, *, guards):
+            super().__init__(config)
+            self.guards = guards
+            self.first_step: int | None = None
+            guards.stop.follow(self)
+            self.checkpointer.follow(guards.stop)
+            if config.validator.enable:
+                self.validator.follow(guards.stop)
+            if hasattr(self.dataloader, "follow"):  # the reshard guard's loader: the step, for its debug trace
+                self.dataloader.follow(lambda: self.step)
+            guards.check_settings(self)  # the built model's settings against the HF folder's, before it loads
+
+        def train(self):
+            self.guards.compile_cache.start()  # the compile cache's entries before step 1
+            return super().train()
+
+        def train_step(self, data_iterator):
+            first = self.first_step is None
+            if first:  # this process's first step: step 1, or the one after the resumed step
+                self.first_step = self.step
+                self.metrics_processor.start_at(self.step)
+                if self.step == 1:
+                    self.guards.check_logits(self)  # the loaded weights against transformers' load of them
+            super().train_step(data_iterator)  # ends in the metrics' log: loss, memory peak, MFU
+            if first:
+                self.guards.compile_cache.first_step()
+            # The step's end: the ranks agree whether to stop; a stop makes this step a save step (torchtitan's save
+            # comes next) and skips its evaluation.
+            self.guards.stop.step_ended(self.step)
+
+        def should_continue_training(self) -> bool:
+            stop = self.guards.stop
+            if stop.stopped_at is not None:
+                if self.checkpointer.saved_at != stop.stopped_at:  # a stop during the evaluation after the save
+                    self.checkpointer.save(stop.stopped_at)
+                return False
+            return super().should_continue_training()
+
+    GuardedTrainer.__name__ = GuardedTrainer.__qualname__ = f"Guarded{base.__name__}"
+    return GuardedTrainer

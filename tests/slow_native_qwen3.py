@@ -1,0 +1,67 @@
+"""examples/train_native_qwen3.py with slowed guard components, for the stop tests: the same recipe, flags and run
+(common.harness.lifecycle.run), launched the way users launch it (python, the scripts' own launch, torchrun), with
+a checkpoint manager whose stop save sleeps SLOW_STOP_SAVE_S seconds before torchtitan's save (a large model's save
+on a shared file system, at no CPU cost) and a validator whose held-out batches take SLOW_EVAL_BATCH_S seconds more
+(a long evaluation). Both are read from this test script's environment, which torchrun passes on to the workers.
+
+    SLOW_STOP_SAVE_S=31 python tests/slow_native_qwen3.py --nproc_per_node 2 --steps 8 --out_dir OUT
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.harness import lifecycle  # noqa: E402
+
+STOP_SAVE_S = float(os.environ.get("SLOW_STOP_SAVE_S", "0"))
+EVAL_BATCH_S = float(os.environ.get("SLOW_EVAL_BATCH_S", "0"))
+
+
+class SlowHooks(lifecycle.GuardHooks):
+    def components(self) -> dict:
+        made = super().components()
+        checkpoint, validator = made["checkpoint"], made["validator"]
+
+        class SlowCheckpointer(checkpoint):
+            @dataclass(kw_only=True, slots=True)
+            class Config(checkpoint.Config):
+                pass
+
+            def _save(self, curr_step: int, last_step: bool = False) -> bool:
+                if self.stop is not None and self.stop.stopped_at == curr_step:
+                    time.sleep(STOP_SAVE_S)
+                return super()._save(curr_step, last_step)
+
+        class SlowGate(validator.gate_class):
+            def __call__(self, done: int, have: bool) -> bool:
+                time.sleep(EVAL_BATCH_S)
+                return super().__call__(done, have)
+
+        class SlowValidator(validator):
+            @dataclass(kw_only=True, slots=True)
+            class Config(validator.Config):
+                pass
+
+            gate_class = SlowGate
+
+        return {**made, "checkpoint": SlowCheckpointer, "validator": SlowValidator}
+
+
+def recipe():
+    path = ROOT / "examples" / "train_native_qwen3.py"
+    spec = importlib.util.spec_from_file_location("train_native_qwen3", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module.RECIPE
+
+
+if __name__ == "__main__":
+    sys.exit(lifecycle.run(recipe(), hooks=SlowHooks))
