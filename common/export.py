@@ -94,16 +94,15 @@ def model_logits(trainer, tokenizer_dir, *, pass_positions: bool = False):
     import torch
     from tokenizers import Tokenizer
 
+    from common.torchtitan_fixes import full_logits
+
     ids = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).encode(REFERENCE_TEXT).ids
     tokens = torch.tensor([ids], device=trainer.device)
     positions = torch.arange(len(ids), device=trainer.device)[None]
     model = trainer.model_parts[0]
-    skip = model._skip_lm_head
-    model._skip_lm_head = False  # the chunked loss normally applies lm_head itself
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), full_logits(model):  # the chunked loss normally applies lm_head itself
         logits = model(tokens, positions=positions) if pass_positions else model(tokens)
-    model._skip_lm_head = skip
     model.train()
     return tokens.cpu(), positions.cpu(), logits.detach().float().cpu().contiguous()
 

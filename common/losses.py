@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,20 @@ def _export_failure(check: dict) -> str:
     if not check.get("max_abs_logit_diff", 0.0) <= check.get("tolerance", math.inf):
         parts.append(f"max abs logit diff {check['max_abs_logit_diff']:.3g} > tolerance {check['tolerance']:g}")
     return "; ".join(parts) or "see export_check.json"
+
+
+NOT_FINITE = re.compile(r"Loss is not finite \(global_avg_loss=([^)]*)\) at step (\d+)")
+
+
+def not_finite(e: RuntimeError) -> UserError | None:
+    """torchtitan checks the loss before it logs ("Loss is not finite (global_avg_loss=nan) at step N", a RuntimeError
+    and a traceback on every rank): the one line to raise instead (every rank sees the same loss); None for any other
+    error."""
+    found = NOT_FINITE.search(str(e))
+    if found is None:
+        return None
+    return UserError(f"the loss at step {found[2]} is {found[1]}: training diverged or its weights or data are "
+                     "broken; nothing after this step is trained")
 
 
 @dataclass

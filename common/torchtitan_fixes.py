@@ -6,6 +6,7 @@ Each workaround is a named function that says why it exists and when it can go.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -121,6 +122,21 @@ def apply_trainer_settings(cfg: Trainer.Config, dev: DeviceInfo, *, seed: int) -
     cfg.debug.deterministic = dev.device_type == "cpu"  # reproducible losses on CPU
     cfg.metrics.log_freq = 1  # one line and one recorded loss per step
     return notes
+
+
+@contextlib.contextmanager
+def full_logits(model):
+    """Workaround: the model's forward returns logits inside this block. torchtitan 0.3.0's Trainer sets the
+    decoder's `_skip_lm_head` (an attribute, not a forward argument: pipeline parallelism's backward cannot take a bool
+    input) so that its chunked loss applies the output projection itself; the forward then returns hidden states. The
+    load and export checks compare logits, so the attribute is off for their one forward and set back after. Remove
+    when torchtitan's decoder takes the choice as a forward argument."""
+    skip = model._skip_lm_head
+    model._skip_lm_head = False
+    try:
+        yield model
+    finally:
+        model._skip_lm_head = skip
 
 
 def sdpa_document_attention(cfg: FlexAttention.Config) -> SDPADocumentAttention.Config:

@@ -11,13 +11,11 @@ Import only after `common.device.setup()` (torchtitan binds its device at import
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 
 from torchtitan.components.metrics import MetricsProcessor
 
-from common.errors import UserError
-from common.losses import LossRecorder
+from common.losses import LossRecorder, not_finite
 
 
 class RecordingMetrics(MetricsProcessor):
@@ -37,9 +35,6 @@ class RecordingMetrics(MetricsProcessor):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
 
-NOT_FINITE = re.compile(r"Loss is not finite \(global_avg_loss=([^)]*)\) at step (\d+)")
-
-
 def recipe_trainer(config_class: type) -> type:
     """The trainer a recipe's Trainer.Config class builds (`config_class._owner`: torchtitan's Trainer, or the
     Transformers backend's HFTransformerTrainer for its TransformersBackendConfig) as the core runs it: its Config
@@ -57,13 +52,9 @@ def recipe_trainer(config_class: type) -> type:
             try:
                 return super().train()
             except RuntimeError as e:
-                # torchtitan checks the loss before it logs ("Loss is not finite (global_avg_loss=nan) at step N", a
-                # RuntimeError and a traceback on every rank): one line instead (every rank sees the same loss)
-                found = NOT_FINITE.search(str(e))
-                if found is None:
+                if (line := not_finite(e)) is None:
                     raise
-                raise UserError(f"the loss at step {found[2]} is {found[1]}: training diverged or its weights or data "
-                                "are broken; nothing after this step is trained") from None
+                raise line from None
 
     RecipeTrainer.__name__ = RecipeTrainer.__qualname__ = f"Recipe{base.__name__}"
     return RecipeTrainer

@@ -4,11 +4,13 @@ stated peak, memory against the dry run's plan, cost; the dry run's projection o
 tests/test_eval.py)."""
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 
 import pytest
 
-from conftest import assert_clean_error, read_results, run_example
+from conftest import ROOT, assert_clean_error, read_results, run_example, script_env
 
 PILOT = ("timing", "flops_per_token", "mfu", "peak_flops_per_device", "memory", "cost")
 
@@ -245,19 +247,17 @@ def test_trn2_peak_is_79_tflops_per_neuroncore_times_the_lnc():
 
 def test_memory_is_read_after_the_neuron_device_finished_its_work():
     """AWS's memory guide: the Neuron allocator is asynchronous, read its statistics after torch.neuron.synchronize().
-    Read from the source (no Neuron runtime here): peak_memory synchronizes through common.device.neuron_runtime(),
-    behind neuron_available(), before it reads the peak."""
+    Read from the source (no Neuron runtime here): each step's peak (common/harness/trainer.py's step_peak_bytes)
+    synchronizes the device module on Neuron before it reads the peak."""
     import ast
-    import inspect
 
-    from common.harness import pilot
-
-    body = ast.parse(inspect.getsource(pilot.peak_memory))
-    calls = [ast.unparse(n.func) for n in ast.walk(body) if isinstance(n, ast.Call)]
-    assert "neuron_runtime().synchronize" in calls and "neuron_available" in calls
-    sync = next(n for n in ast.walk(body) if isinstance(n, ast.If) and "neuron_available" in ast.unparse(n.test))
-    read = next(n for n in ast.walk(body) if isinstance(n, ast.Call) and ast.unparse(n.func) == "peak_memory_bytes")
-    assert sync.lineno < read.lineno
+    tree = ast.parse((ROOT / "common" / "harness" / "trainer.py").read_text())
+    body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "step_peak_bytes")
+    calls = [(n.lineno, ast.unparse(n.func)) for n in ast.walk(body) if isinstance(n, ast.Call)]
+    sync = next(line for line, call in calls if call.endswith("device_module.synchronize"))
+    read = next(line for line, call in calls if call.endswith("device_module.max_memory_allocated"))
+    guard = next(n for n in ast.walk(body) if isinstance(n, ast.If))
+    assert "neuron" in ast.unparse(guard.test) and sync < read
 
 
 def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeypatch, profiled_run):
@@ -312,9 +312,10 @@ import torch
 from common import device
 dev = device.setup("cpu")
 from torchtitan.tools.profiler import Profiler
-from common.harness import pilot
+from common.harness.trainer import NeuronActivityProfiler
+from common.trainer import same_fields
 config = Profiler.Config(enable_profiling=True, save_traces_folder="t", profile_freq=2, profiler_warmup=1)
-neuron = pilot.with_neuron_activity(config)
+neuron = same_fields(NeuronActivityProfiler.Config, config)  # as pilot.apply_profile_settings sets it on Neuron
 assert isinstance(neuron, Profiler.Config) and type(neuron) is not Profiler.Config
 assert all(getattr(neuron, k) == getattr(config, k) for k in ("save_traces_folder", "profile_freq", "profiler_warmup"))
 folder = tempfile.mkdtemp()
@@ -342,3 +343,18 @@ def test_the_neuron_profiler_asks_for_the_neuron_activity(tmp_path):
     proc = run_python([sys.executable, str(script)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("['CPU', 'PrivateUse1'] "), proc.stdout
+
+
+def test_the_reported_device_peak_is_the_heaviest_step_not_the_last(tmp_path):
+    """torchtitan's MetricsProcessor resets the device's peak memory after every logged step, so a peak read once
+    after training is the last window's. With a fixture memory reader in place of the project's CPU shim
+    (tests/memory_fixture_native.py: the peak resets as a device allocator's does, step 2 of 4 allocates 7 GiB and
+    the others 1 GiB), results.json's memory.peak_gib is the heaviest step's 7 GiB."""
+    env = {**script_env(), "MEMORY_FIXTURE_GIB": "1,7,1,1"}
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_fixture_native.py"), "--steps", "4",
+                           "--no-export", "--out_dir", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    memory = json.loads((out / "results.json").read_text())["memory"]
+    assert memory["peak_gib"] == [7.0], memory

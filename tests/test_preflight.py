@@ -420,3 +420,40 @@ def test_a_torchtitan_without_model_spec_names_the_form_it_takes_and_the_pin(tmp
     for row in rows:
         assert "Trainer.Config(model=...)" in row and "torchtitan 0.3.0" in row and "release-2.33" in row, row
     assert line.count("Trainer.Config(model=...)") == 1 and "torchtitan-neuron release-2.33" in line, line
+
+
+def test_a_torchtitan_whose_overridden_trainer_method_was_renamed_is_named(tmp_path):
+    """The guards subclass torchtitan's Trainer and components and override their methods (common/harness/trainer.py):
+    a torchtitan whose Trainer renamed `train_step` (or whose checkpoint manager's `_should_save` lost `last_step`)
+    is an error row naming the method, before any launch, not a guard that silently stops being called."""
+    shadow = _shadow_torchtitan(tmp_path, "def derive(*a, **k): pass\ndef apply_overrides(*a, **k): pass\n")
+    files = {
+        "torchtitan/trainer.py": """
+            class Trainer:
+                class Config:
+                    pass
+
+                def __init__(self, config): pass
+                def train(self): pass
+                def step(self, data_iterator): pass  # train_step renamed
+                def should_continue_training(self): return False
+            """,
+        "torchtitan/components/__init__.py": "",
+        "torchtitan/components/checkpoint.py": """
+            class CheckpointManager:
+                def save(self, curr_step, last_step=False): pass
+                def _should_save(self, curr_step): pass  # last_step gone
+                def _save(self, curr_step, last_step=False): pass
+                def _load(self, step=-1): pass
+            """,
+    }
+    for rel, text in files.items():
+        (shadow / rel).parent.mkdir(parents=True, exist_ok=True)
+        (shadow / rel).write_text(textwrap.dedent(text))
+    proc = _preflight("--target", "cpu", shadow=shadow)
+    rows = {r.split()[0]: r for r in proc.stdout.splitlines() if r.startswith("torchtitan.")}
+    assert "missing Trainer.train_step" in rows["torchtitan.trainer:Trainer.train_step"], rows
+    assert " ERROR " in rows["torchtitan.trainer:Trainer.train_step"]
+    assert "does not take last_step" in rows["torchtitan.components.checkpoint:CheckpointManager._should_save"]
+    assert rows["torchtitan.trainer:Trainer.should_continue_training"].split()[-4] == "ok", rows
+    assert proc.returncode == 2 and "Trainer.train_step" in _error_line(proc)

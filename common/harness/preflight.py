@@ -57,9 +57,26 @@ torchtitan.config:override | target fqns exact description @ native hf moe rope
 torchtitan.config:derive apply_overrides @ native hf moe rope
 torchtitan.config.override:OverrideConfig | imports @ native hf moe rope
 torchtitan.trainer:Trainer.Config @ native hf moe
+torchtitan.trainer:Trainer.__init__ | config @ native hf moe
+torchtitan.trainer:Trainer.train @ native hf moe
+torchtitan.trainer:Trainer.train_step | data_iterator @ native hf moe
+torchtitan.trainer:Trainer.should_continue_training @ native hf moe
+torchtitan.experiments.transformers_modeling_backend.configs:TransformersBackendConfig @ hf
+torchtitan.components.metrics:MetricsProcessor.__init__ | config parallel_dims @ native hf moe
+torchtitan.components.metrics:MetricsProcessor.log | step global_avg_loss global_max_loss grad_norm extra_metrics
+    @ native hf moe
+torchtitan.components.checkpoint:CheckpointManager.save | curr_step last_step @ native hf moe
+torchtitan.components.checkpoint:CheckpointManager._should_save | curr_step last_step @ native hf moe
+torchtitan.components.checkpoint:CheckpointManager._save | curr_step last_step @ native hf moe
+torchtitan.components.checkpoint:CheckpointManager._load | step @ native hf moe
+torchtitan.components.validate:Validator.__init__ | config @ native hf moe
+torchtitan.components.validate:Validator.validate | model_parts step @ native hf moe
+torchtitan.components.validate:Validator.should_validate | step @ native hf moe
+torchtitan.tools.profiler:Profiler.build_torch_profiler | global_step base_folder leaf_folder @ native hf moe
+torchtitan.tools.profiler:PROFILE_FILE PROFILE_ITER_DIR @ native hf moe
 torchtitan.hf_datasets:DatasetConfig | path loader sample_processor @ native hf moe
 torchtitan.hf_datasets.text_datasets:DATASETS _process_c4_text @ native hf moe
-torchtitan.components.metrics:MetricsProcessor.log_validation | loss step @ native hf moe
+torchtitan.components.metrics:MetricsProcessor.log_validation | loss step extra_metrics @ native hf moe
 torchtitan.components.optimizer:default_adamw | lr @ native hf moe
 torchtitan.distributed:ParallelDims @ native hf moe
 torchtitan.distributed.activation_checkpoint:FullAC @ native hf moe
