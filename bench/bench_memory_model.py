@@ -367,7 +367,7 @@ def measure_one(example, ecfg, dev, run_dir: Path, steps: int) -> dict:
     found = lifecycle.preflight(example.RECIPE, ecfg)
     tc, _notes = example.RECIPE.trainer_config(ecfg, dev, run_dir, found)
     if dev.is_main:
-        export.stage_hf_assets(Path(tc.hf_assets_path), found["tokenizer_dir"], Path(ecfg.hf_checkpoint).resolve())
+        export.stage_hf_assets(Path(tc.hf_assets_path), found.tokenizer_dir, Path(ecfg.hf_checkpoint).resolve())
     torch.distributed.barrier()
     trainer = tc.build()
     model = trainer.model_parts[0]

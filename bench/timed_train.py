@@ -12,8 +12,8 @@ with examples/ on sys.path as it is there).
 runs: tyro parses the config, `config.build()`, `trainer.train()`, `trainer.close()`, process group
 torn down), handed the very Trainer.Config the example builds for the same flags. That config comes
 from the examples' documented steps, the ones each example's docstring walks through: its `Config`
-and `PRESETS` (the command line parsed into a config), `preflight(cfg)` (inputs checked and found)
-and `build_trainer_config(cfg, dev, out_dir, found)` (the Trainer.Config). Nothing private to an
+and `PRESETS` (the command line parsed into a config), `inputs(recipe, cfg)` (inputs checked and found)
+and its recipe's `trainer_config(cfg, dev, out_dir, found)` (the Trainer.Config). Nothing private to an
 example is used. torchtitan gets it through `--module __main__ --config prepared_config` (its
 ConfigManager imports a config function by module and name, and this module is `__main__`). Only
 what torchtitan cannot do on a CPU by itself is added, each item being what the example does too:
@@ -120,7 +120,7 @@ def run_stock(example, args: list[str]) -> None:
     # save nothing at the end without --export; torchtitan's own loop would write a last save: off, as before.
     tc.checkpoint.enable = bool(getattr(cfg, "export", False) or getattr(cfg, "checkpoint_every", 0))
     # The example stages its tokenizer into OUT_DIR/hf_assets; torchtitan reads the source folder.
-    tc.hf_assets_path = str(found.get("hf_folder") or found["tokenizer_dir"])
+    tc.hf_assets_path = str(found.hf_folder or found.tokenizer_dir)
     _PREPARED["config"] = tc
     from torchtitan import train as titan_train
 

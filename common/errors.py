@@ -27,10 +27,3 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {one_line(message)} (see --help)\n")
-
-
-def harness_missing(missing: ModuleNotFoundError) -> None:
-    """Where an example's import from common/harness/ failed: a copy with the core alone, when the harness folder
-    itself is what is missing; any other missing module is raised as it is."""
-    if missing.name != "common.harness":
-        raise missing

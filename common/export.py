@@ -118,12 +118,14 @@ def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_p
 
 
 def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokenizer_dir: Path,
-                     tied_expected: bool, tol: float, is_main: bool, pass_positions: bool = False) -> dict:
+                     tied_expected: bool, tol: float, is_main: bool, pass_positions: bool = False,
+                     check_process=None) -> dict:
     """The end of a run with --export. Every rank: logits of a fixed sentence from the trained model
     (`save_reference_logits`), then `trainer.close()`, which writes torchtitan's last save (HF safetensors) to
     OUT_DIR/checkpoint/step-STEPS. Rank 0: config.json, tokenizer and version stamp added and the folder moved to
     OUT_DIR/hf_export atomically (`complete_export`), re-read by transformers in a fresh process, logits compared.
-    Returns the results entries (`export_dir`, `export_check`) on rank 0, {} on the others."""
+    Returns the results entries (`export_dir`, `export_check`) on rank 0, {} on the others. `check_process`: what
+    runs the check's process (verify_export_subprocess's `check`)."""
     reference = Path(out_dir) / "export_reference.safetensors"
     save_reference_logits(trainer, tokenizer_dir, reference, is_main=is_main, pass_positions=pass_positions)
     trainer.close()
@@ -132,7 +134,7 @@ def export_and_check(trainer, *, out_dir: Path, steps: int, hf_cfg: dict, tokeni
     check = {}
 
     def verify(staged: Path) -> bool:
-        check.update(verify_export_subprocess(staged, reference))
+        check.update(verify_export_subprocess(staged, reference, check=check_process))
         check["passed"] = export_check_passed(check, tied_expected=tied_expected, tol=tol)
         check["tolerance"] = tol
         return check["passed"]
@@ -214,22 +216,15 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-_service: list = []  # a verifier serving every check of this run (common/harness/verifier.py), when installed
-
-
-def use_service(check) -> None:
-    """Send every check to `check(request) -> (code, error)` from now on, instead of a process per check."""
-    _service[:] = [check]
-
-
-def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = True) -> dict:
+def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = True, check=None) -> dict:
     """Re-read the export with transformers in a process of its own (no state shared with the trainer,
     whose libraries may have patched transformers) and return the check as a dict. A folder the
-    verifier cannot read at all fails the check with the verifier's error (`one_shot`, or the harness's verifier)."""
+    verifier cannot read at all fails the check with the verifier's error. `check(request) -> (code, error)` runs
+    that process (`one_shot`; the harness's Verifier, which dies with the run)."""
     out_json = Path(reference).with_name(".export_check.json")
     request = {"export_dir": str(Path(export_dir).absolute()), "reference": str(Path(reference).absolute()),
                "out": str(out_json.absolute()), "files": files}
-    code, error = (_service[0] if _service else one_shot)(request)
+    code, error = (check or one_shot)(request)
     if code != 0:
         return {"missing_keys": [], "unexpected_keys": [], "tied_lm_head": None,
                 "max_abs_logit_diff": float("nan"), "error": f"the export cannot be read back: {error}"}
@@ -240,7 +235,7 @@ def verify_export_subprocess(export_dir: Path, reference: Path, files: bool = Tr
 
 def one_shot(request: dict) -> tuple[int, str]:
     """One check in a process of its own, `python -m common.export REQUEST` (not a rank of the run): (exit code, its
-    error line). The harness's verifier serves a run's checks instead (`use_service`), dying with the run."""
+    error line). The harness's Verifier (common/harness/verifier.py) also dies with the run."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = f"{Path(__file__).resolve().parent.parent}{os.pathsep}{env.get('PYTHONPATH', '')}"
@@ -326,9 +321,6 @@ def verify_to(export_dir: Path, reference: Path, out: Path, files: bool, check_r
 def _main(argv: list[str] | None = None) -> int:
     """`one_shot`'s process: one check, its request (JSON: export_dir, reference, out, files) the one argument;
     exit 2 and an `error:` line for a folder it refuses."""
-    import gc
-
-    gc.disable()  # the import of transformers takes about a fifth less CPU time
     request = json.loads((sys.argv[1:] if argv is None else argv)[0])
     try:
         verify_to(Path(request["export_dir"]), Path(request["reference"]), Path(request["out"]), request["files"])

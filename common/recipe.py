@@ -5,7 +5,8 @@ An example script is a recipe: its presets, its model choice and its torchtitan 
 and trained, the HF export written and re-read by transformers, results.json and loss.png. The guards a
 paid run wants around that (preflight, the out_dir lock, resume and stop signals, the self-launcher, the
 dry run, the pilot report, held-out eval: common/harness/) plug in through `Hooks`; without them, as in a
-copy of an example with the core alone, `run_core` trains and exports.
+copy of an example with the core alone, `run_core` trains and exports. An example's entry chooses between the two
+(`common.harness_module`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from common import checkpoint, cli, device, export, paths
 from common.errors import UserError
@@ -63,52 +64,75 @@ class TrainConfig:
             self.export_tolerance = self.EXPORT_TOLERANCE[self.dtype]
 
 
-@dataclass(frozen=True)
+@dataclass
+class Inputs:
+    """What a run's inputs are, found by the checks before anything is built (`check_inputs`)."""
+    tokenizer_dir: Path | None = None  # the folder holding tokenizer.json
+    hf_folder: Path | None = None  # an HF folder whose config.json torchtitan reads
+    initial_hf: Path | None = None  # an HF folder whose weights the run starts from
+    shape: dict | None = None  # the model's config.json, where known before the build
+    dataset: tuple[str, str | None] | None = None  # torchtitan's dataset name and path (None: a dry run reads none)
+
+
 class Recipe:
-    """What an example declares; common/harness/ and `run_core` run it.
+    """An example's recipe: its flags and presets, its model and its torchtitan Trainer.Config. An example subclasses
+    it; `run_core` (or common/harness/lifecycle.py, with the guards) runs it. Methods without a body here must be
+    given; the others add to a run and may be left as they are."""
 
-    `check_inputs(cfg) -> found` checks the recipe's own inputs before anything is built and returns what it
-    found: `tokenizer_dir`, `hf_folder` (an HF folder whose config.json torchtitan reads, or None),
-    `initial_hf` (an HF folder whose weights the run starts from, or None) and `shape` (the model's
-    config.json as a dict, where known before the build). `trainer_config(cfg, dev, out_dir, found)` is the
-    recipe: a torchtitan Trainer.Config and notes for the log. `model_config(cfg, tc, found, trainer=None,
-    dtype=None)` is the model's config.json: as built (with `trainer`: the load check compares it with the
-    HF folder's), for the export (with `dtype`), or for sizing. The optional hooks add results entries
-    (`after_build`, `after_train`) and, for --dry_run, what the model is (`dry_run_inputs`, `describe`)."""
-    name: str
-    config: type
-    presets: dict
-    doc: str
-    check_inputs: Callable
-    trainer_config: Callable
-    model_config: Callable
-    stack: str = "native"  # the preflight's set of symbols for this path (common/harness/preflight.py)
-    stack_options: Callable | None = None  # (cfg) -> the preflight's keyword arguments for this run
-    pass_positions: bool = False  # the model takes position_ids (the Transformers backend)
-    after_build: Callable | None = None  # (cfg, trainer, tc, found, log) -> results entries
-    after_train: Callable | None = None  # (cfg, trainer, found) -> results entries
-    dry_run_inputs: Callable | None = None  # (cfg, out_dir) -> found, for a build on the meta device
-    describe: Callable | None = None  # (cfg, shape) -> (label, published parameter count or None)
-    default_preset: str = "tiny"
+    name: ClassVar[str]  # the script's file name
+    config: ClassVar[type]  # its Config: a TrainConfig subclass, whose fields are its flags
+    presets: ClassVar[dict]  # preset name -> a function returning a Config
+    doc: ClassVar[str]  # the script's docstring: its --help
+    default_preset: ClassVar[str] = "tiny"
+    pass_positions: ClassVar[bool] = False  # the model's forward takes position_ids (the Transformers backend)
+
+    def check_inputs(self, cfg) -> Inputs:
+        """The recipe's own inputs, checked before anything is built (one UserError for a bad one)."""
+        raise NotImplementedError
+
+    def trainer_config(self, cfg, dev, out_dir: Path, found: Inputs) -> tuple[Any, list[str]]:
+        """The recipe: a torchtitan Trainer.Config for these flags on this device, and notes for the log."""
+        raise NotImplementedError
+
+    def model_shape(self, cfg, tc, found: Inputs) -> dict:
+        """The config.json of the model `tc` configures: what it sizes and counts (FLOPs, memory)."""
+        raise NotImplementedError
+
+    def export_config(self, cfg, tc, found: Inputs, dtype: str) -> dict:
+        """The config.json the HF export carries, its weights in `dtype`."""
+        raise NotImplementedError
+
+    def built_config(self, cfg, trainer, found: Inputs) -> Any:
+        """The config of the model as built (a config.json dict or a transformers config): the load check compares
+        it with the HF folder's."""
+        return self.model_shape(cfg, trainer.config, found)
+
+    def after_build(self, cfg, trainer, tc, found: Inputs, log) -> dict:
+        """After the build, before step 1: results entries."""
+        return {}
+
+    def after_train(self, cfg, trainer, found: Inputs) -> dict:
+        """After the last step: results entries."""
+        return {}
 
 
-def inputs(recipe: Recipe, cfg) -> dict:
+def inputs(recipe: Recipe, cfg) -> Inputs:
     """The checks every run makes before it builds anything: the recipe's own, the attention backend, the
     data and the sequence length against the model's positions."""
     found = recipe.check_inputs(cfg)
     device_type = device.resolve_device_type(cfg.device)
     if getattr(cfg, "attn_backend", "sdpa") == "flex" and device_type != "cuda":
         raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")
-    found["dataset"] = paths.training_dataset(cfg.dataset, cfg.dataset_path)
-    if found.get("shape"):
-        positions = checkpoint.config_value(found["shape"], "max_position_embeddings", int,
-                                           found.get("hf_folder") or "the model's config.json")
+    found.dataset = paths.training_dataset(cfg.dataset, cfg.dataset_path)
+    if found.shape:
+        positions = checkpoint.config_value(found.shape, "max_position_embeddings", int,
+                                           found.hf_folder or "the model's config.json")
         if cfg.seq_len > positions:
             raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {positions} positions")
     return found
 
 
-def apply_settings(tc, cfg, dev, out_dir: Path, found: dict) -> list[str]:
+def apply_settings(tc, cfg, dev, out_dir: Path, found: Inputs) -> list[str]:
     """What every recipe sets in its torchtitan Trainer.Config from the flags: where files go (the tokenizer and
     config.json are staged into OUT_DIR/hf_assets before the build), the data, batch, sequence length and dtype,
     AdamW and its warm-up, the checkpointer (the initial HF weights in, resumable saves, the last save as HF
@@ -119,8 +143,8 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: dict) -> list[str]:
 
     tc.hf_assets_path = str(out_dir / "hf_assets")
     tc.dump_folder = str(out_dir)
-    if "dataset" in found:  # a dry run reads no data
-        tc.dataloader.dataset, tc.dataloader.dataset_path = found["dataset"]
+    if found.dataset is not None:  # a dry run reads no data
+        tc.dataloader.dataset, tc.dataloader.dataset_path = found.dataset
     tc.training.steps = cfg.steps
     tc.training.local_batch_size = cfg.local_batch_size
     tc.training.global_batch_size = cfg.global_batch_size
@@ -128,7 +152,7 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: dict) -> list[str]:
     tc.training.mixed_precision_param = cfg.dtype
     tc.optimizer = default_adamw(lr=cfg.lr)
     tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
-    export.apply_checkpoint_settings(tc, steps=cfg.steps, initial_hf=found.get("initial_hf"), dtype=cfg.dtype)
+    export.apply_checkpoint_settings(tc, steps=cfg.steps, initial_hf=found.initial_hf, dtype=cfg.dtype)
     return torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
 
 
@@ -136,7 +160,7 @@ class Hooks:
     """Where the harness joins a run (common/harness/lifecycle.py); this base adds nothing: the recipe's trainer
     with its losses recorded (common/trainer.py)."""
 
-    def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
+    def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
         """After the recipe's Trainer.Config, before the build: settings, files; notes for the log."""
         return []
 
@@ -145,6 +169,10 @@ class Hooks:
         from common.trainer import as_trainer_config, recipe_trainer
 
         return as_trainer_config(recipe_trainer(type(tc)), tc).build()
+
+    def check_process(self):
+        """What runs a check's process (common.export.verify_export_subprocess's `check`; None: `one_shot`)."""
+        return None
 
     def history(self, trainer) -> dict:
         """The loss curve results.json and loss.png show: this process's steps."""
@@ -155,7 +183,7 @@ class Hooks:
         return {}
 
 
-def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dict, guards: Hooks) -> dict:
+def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inputs, guards: Hooks) -> dict:
     """Build the recipe's trainer, train, export and check: results.json's entries (rank 0 writes it)."""
     from torchtitan.tools.logging import init_logger
 
@@ -166,23 +194,22 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dic
     tc, notes = recipe.trainer_config(cfg, dev, out_dir, found)
     notes += guards.configure(tc, dev, out_dir, found)
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
-        export.stage_hf_assets(Path(tc.hf_assets_path), found["tokenizer_dir"], found.get("hf_folder"))
+        export.stage_hf_assets(Path(tc.hf_assets_path), found.tokenizer_dir, found.hf_folder)
     import torch
 
     torch.distributed.barrier()
     log(f"[device] {dev.device_type} x{dev.world_size} ({dev.backend}); " + "; ".join(notes))
 
-    shape = recipe.model_config(cfg, tc, found)
+    shape = recipe.model_shape(cfg, tc, found)
     trainer = guards.build(tc, shape)
-    extra = recipe.after_build(cfg, trainer, tc, found, log) if recipe.after_build else {}
+    extra = recipe.after_build(cfg, trainer, tc, found, log)
     t0 = time.perf_counter()
     trainer.train()  # loads the initial HF weights (or resumes), then trains
     train_s = time.perf_counter() - t0
     rec = trainer.metrics_processor.record
     history = guards.history(trainer)
     guarded = guards.results(trainer, dev, shape, out_dir)
-    if recipe.after_train:
-        extra.update(recipe.after_train(cfg, trainer, found))
+    extra.update(recipe.after_train(cfg, trainer, found))
     results = {
         "script": recipe.name, "config": cfg, "versions": versions(), "device": dev.device_type,
         "world_size": dev.world_size, "steps": rec.steps,
@@ -193,11 +220,11 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: dic
     }
     stopped = guarded.get("stopped")
     if cfg.export and not stopped:
-        hf_cfg = recipe.model_config(cfg, tc, found, dtype=tc.checkpoint.export_dtype)
+        hf_cfg = recipe.export_config(cfg, tc, found, dtype=tc.checkpoint.export_dtype)
         results.update(export.export_and_check(
-            trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg, tokenizer_dir=found["tokenizer_dir"],
+            trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg, tokenizer_dir=found.tokenizer_dir,
             tied_expected=bool(hf_cfg.get("tie_word_embeddings", False)), tol=cfg.export_tolerance,
-            is_main=dev.is_main, pass_positions=recipe.pass_positions))
+            is_main=dev.is_main, pass_positions=recipe.pass_positions, check_process=guards.check_process()))
     else:
         trainer.close()
     path = finish_run(results, history, out_dir=out_dir, title=f"{Path(recipe.name).stem} ({cfg.preset})",

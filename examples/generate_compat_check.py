@@ -66,7 +66,6 @@ Qwen3-VL 34 graphs (its vision tower split by 27 graph breaks), no recompile; 2-
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -81,17 +80,15 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import cli, device, paths  # noqa: E402
-from common.errors import UserError, harness_missing, one_line  # noqa: E402
+from common import cli, device, harness_module, paths  # noqa: E402
+from common.errors import UserError, one_line  # noqa: E402
 from common.processes import die_with_parent  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 from compat_check import compile_audit, judge as judging, measure, processes, rows, sizing, training  # noqa: E402
 
-try:  # the installed stack's check before a Trainium run (common/harness/preflight.py)
-    from common.harness import preflight
-except ModuleNotFoundError as missing:  # copied with the core alone: no stack check before the models load
-    harness_missing(missing)
-    preflight = None
+# The installed stack's check before a Trainium run, where common/harness/ was copied (None with the core alone:
+# no stack check before the models load).
+preflight = harness_module("preflight")
 
 TASK_HELP = ("auto: image-text-to-text for a vision-language model, text-generation otherwise; "
              "train: a few steps of the HF-backend training recipe per model")
@@ -522,7 +519,6 @@ def model_inputs(job: dict):
 
 
 def generate_on_device(job: dict) -> dict:
-    gc.disable()  # until the model is loaded: the imports of transformers and the model's code take a fifth less CPU
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
@@ -548,8 +544,6 @@ def generate_on_device(job: dict) -> dict:
     if job["runner"] == "single":
         model.to(dev.device)
     tok, inputs = model_inputs(job)
-    gc.freeze()  # what the load made stays for good; the collector runs again for generation and compilation
-    gc.enable()
     load_s = time.perf_counter() - start
     # transformers' own flag for "static cache and torch.compile work": where it is False, dynamic cache, eager.
     static = bool(getattr(model, "_can_compile_fullgraph", False)) and job["cache"] != "dynamic"

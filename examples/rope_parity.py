@@ -58,15 +58,13 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, paths  # noqa: E402
-from common.errors import UserError, harness_missing  # noqa: E402
+from common import checkpoint, cli, device, harness_module, paths  # noqa: E402
+from common.errors import UserError  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 
-try:  # the installed stack's check before a Trainium run (common/harness/preflight.py)
-    from common.harness import preflight
-except ModuleNotFoundError as missing:  # copied with the core alone: no stack check before the kernel runs
-    harness_missing(missing)
-    preflight = None
+# The installed stack's check before a Trainium run, where common/harness/ was copied (None with the core alone:
+# no stack check before the kernel runs).
+preflight = harness_module("preflight")
 
 
 FP32_TOL = 1e-6

@@ -38,9 +38,9 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, paths  # noqa: E402
-from common.errors import UserError, harness_missing  # noqa: E402
-from common.recipe import Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
+from common import checkpoint, harness_module, paths  # noqa: E402
+from common.errors import UserError  # noqa: E402
+from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
 
 
 @dataclass
@@ -72,67 +72,65 @@ HF_MODEL_ID = {"qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507"}  # what to download in
 PUBLISHED_PARAMS = {"4B": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 
 
-def check_inputs(cfg: Config) -> dict:
-    """The tokenizer, the HF checkpoint to start from, and the model's shape where a config.json gives it."""
-    hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-    found = {"tokenizer_dir": checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint)}
-    if cfg.hf_checkpoint:
-        found["shape"] = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
-        found["hf_folder"] = found["initial_hf"] = Path(cfg.hf_checkpoint).resolve()
-    elif cfg.flavor == "tiny":  # a torchtitan flavor has no config.json here: --dry_run sizes it
-        found["shape"] = checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3"))
-    return found
+class NativeQwen3(Recipe):
+    """torchtitan's own Qwen3 on its qwen3_32b builder, the model chosen through `model_spec`."""
+    name, config, presets, doc = "train_native_qwen3.py", Config, PRESETS, __doc__
+    stack = "native"  # the preflight's set of torchtitan symbols (common/harness/preflight.py)
+
+    def check_inputs(self, cfg: Config) -> Inputs:
+        """The tokenizer, the HF checkpoint to start from, and the model's shape where a config.json gives it."""
+        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+        found = Inputs(tokenizer_dir=checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint))
+        if cfg.hf_checkpoint:
+            found.shape = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
+            found.hf_folder = found.initial_hf = Path(cfg.hf_checkpoint).resolve()
+        elif cfg.flavor == "tiny":  # a torchtitan flavor has no config.json here: --dry_run sizes it
+            found.shape = checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3"))
+        return found
+
+    def trainer_config(self, cfg: Config, dev, out_dir: Path, found: Inputs):
+        """The AWS guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
+        # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
+        from torchtitan.models.qwen3 import model_registry
+        from torchtitan.models.qwen3.config_registry import qwen3_32b
+        from torchtitan.models.common.config_utils import decoder_vocab_size
+        from common import torchtitan_fixes
+
+        tc = qwen3_32b()
+        if cfg.hf_checkpoint or cfg.flavor == "tiny":  # the shape comes from a config.json (tiny: the set-up's
+            where = cfg.hf_checkpoint or paths.asset_dir("tiny_qwen3")  # tiny Qwen3, whose weights are not loaded)
+            shape = found.shape or checkpoint.read_hf_config(where)
+            tc.model_spec = checkpoint.qwen3_spec_from_hf(shape, where=where)
+        else:
+            try:
+                tc.model_spec = model_registry(cfg.flavor)
+            except KeyError:
+                raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
+        tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
+        notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
+        if changed := torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend):
+            notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
+        return tc, notes
+
+    def model_shape(self, cfg: Config, tc, found: Inputs) -> dict:
+        """The config.json of the model torchtitan builds."""
+        return checkpoint.hf_config_from_qwen3(tc.model_spec.model)
+
+    def export_config(self, cfg: Config, tc, found: Inputs, dtype: str) -> dict:
+        return checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=dtype)
+
+    def describe(self, cfg: Config, shape: dict) -> tuple[str, float | None]:
+        """--dry_run's label, and the published size it must match."""
+        return f"{cfg.preset} (Qwen3 {cfg.flavor})", None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor)
+
+    def dry_run_inputs(self, cfg: Config, out_dir: Path) -> Inputs:
+        if cfg.hf_checkpoint:
+            return Inputs(shape=checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE))
+        return Inputs()
 
 
-def build_trainer_config(cfg: Config, dev, out_dir: Path, found: dict):
-    """The AWS guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
-    # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
-    from torchtitan.models.qwen3 import model_registry
-    from torchtitan.models.qwen3.config_registry import qwen3_32b
-    from torchtitan.models.common.config_utils import decoder_vocab_size
-    from common import torchtitan_fixes
+RECIPE = NativeQwen3()
 
-    tc = qwen3_32b()
-    if cfg.hf_checkpoint or cfg.flavor == "tiny":  # the shape comes from a config.json (tiny: the set-up's
-        where = cfg.hf_checkpoint or paths.asset_dir("tiny_qwen3")  # tiny Qwen3, whose weights are not loaded)
-        shape = found.get("shape") or checkpoint.read_hf_config(where)
-        tc.model_spec = checkpoint.qwen3_spec_from_hf(shape, where=where)
-    else:
-        try:
-            tc.model_spec = model_registry(cfg.flavor)
-        except KeyError:
-            raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
-    tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
-    notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, CPU/Trainium fixes
-    if changed := torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend):
-        notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
-    return tc, notes
-
-
-def model_config(cfg: Config, tc, found: dict, trainer=None, dtype: str | None = None) -> dict:
-    """The config.json of the model torchtitan builds (as built, and for the export)."""
-    return checkpoint.hf_config_from_qwen3(tc.model_spec.model, **({"dtype": dtype} if dtype else {}))
-
-
-def describe(cfg: Config, shape: dict) -> tuple[str, float | None]:
-    """--dry_run's label, and the published size it must match."""
-    return f"{cfg.preset} (Qwen3 {cfg.flavor})", None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor)
-
-
-def dry_run_inputs(cfg: Config, out_dir: Path) -> dict:
-    if cfg.hf_checkpoint:
-        return {"shape": checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)}
-    return {}
-
-
-RECIPE = Recipe(name="train_native_qwen3.py", config=Config, presets=PRESETS, doc=__doc__, stack="native",
-                check_inputs=check_inputs, trainer_config=build_trainer_config,
-                model_config=model_config, describe=describe, dry_run_inputs=dry_run_inputs)
-
-if __name__ == "__main__":
-    try:  # the guards (common/harness/): preflight, out_dir lock, resume, stops, self-launch, dry run, pilot report
-        from common.harness.lifecycle import run
-    except ModuleNotFoundError as missing:  # copied with the core alone: it trains and exports, without the guards
-        harness_missing(missing)  # any other missing module is raised as it is
-        run = run_core
-    sys.exit(run(RECIPE))
+if __name__ == "__main__":  # with common/harness/ copied: the guarded run; with the core alone: train and export
+    guards = harness_module("lifecycle")
+    sys.exit(guards.run(RECIPE) if guards else run_core(RECIPE))

@@ -274,12 +274,12 @@ def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeyp
     (folder / "fxgraph" / "ab").mkdir(parents=True)
     for name in ("graph.py", "kernel.so"):
         (folder / "fxgraph" / "ab" / name).write_text("compiled")
-    first.first_step(1, 1.0)
-    first.first_step(2, 1.0)  # only step 1 counts
+    first.first_step()
+    first.first_step()  # only the first call (step 1) counts
     assert first.result() == {**where, "entries_before": 0, "entries_after": 2, "state": "cold"}
     second = pilot.CompileCacheWatch(where, "cpu")
     second.start()
-    second.first_step(1, 1.0)
+    second.first_step()
     assert second.result() == {**where, "entries_before": 2, "entries_after": 2, "state": "warm"}
 
     assert pilot.compile_cache_folder("cpu", compiled=False) is None

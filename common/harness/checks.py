@@ -69,7 +69,8 @@ def _fail(ckpt_dir, named: list[str]):
                     + "; ".join(named) + "); pass --no-load_check to train anyway")
 
 
-def logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool) -> dict:
+def logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool,
+                check_process=None) -> dict:
     """The built and loaded model's logits against transformers' `from_pretrained` of the folder (float32, in a fresh
     process: the Transformers backend patches transformers' classes), before step 1; the check's result."""
     import torch
@@ -82,7 +83,7 @@ def logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pas
             reference = Path(tmp) / "load_reference.safetensors"
             save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(reference))
             try:
-                read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False)
+                read_back = verify_export_subprocess(Path(ckpt_dir), reference, files=False, check=check_process)
             except CheckInterrupted as e:  # a stop, not a verdict: every rank ends as interrupted
                 read_back = {"interrupted": str(e)}
         if "interrupted" in read_back:

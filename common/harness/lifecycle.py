@@ -1,9 +1,13 @@
-"""A training recipe's whole run with the guards (common/recipe.py has the core's run without them):
+"""A training recipe's whole run with the guards (common/recipe.py has the core's run without them), in three
+phases (`main`):
 
-checks (out_dir lock, batch split, outputs, hosts, inputs, the resume record) -> launch (one process per rank:
-itself under torchrun, or torchrun's workers) -> stop handling (signals, --time_limit) -> train -> export ->
-finish (results.json with the pilot report; exit 75 after a stop). `Guards` holds the flags of all of it once;
-each example's Config includes it.
+- `check`: the out_dir held (its lock), the batch split, the outputs, this host, every input, the resume record;
+- launch: with --nproc_per_node or --nnodes, the same command again as torchrun's workers (common/harness/launcher.py);
+- `train_guarded`, on each rank: stop signals and --time_limit caught, the recipe's trainer built with the guards
+  (GuardHooks: common/harness/trainer.py's GuardedTrainer and its components), trained, exported and checked;
+  results.json with the pilot report; exit 75 after a stop.
+
+`Guards` holds the flags of all of it once; each example's Config includes it.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from common import cli, device, export
 from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
@@ -23,7 +28,7 @@ from common.harness.checks import explain_failure, check_outputs, check_settings
 from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, eval_dataset, eval_rows
 from common.harness.preflight import require_stack, wants_neuron
 from common.processes import die_with_parent
-from common.recipe import Hooks, Recipe, inputs, train
+from common.recipe import Hooks, Inputs, Recipe, inputs, train
 
 
 @dataclass
@@ -118,7 +123,10 @@ def guarded(recipe: Recipe) -> Recipe:
             return config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
         return made
 
-    return dataclasses.replace(recipe, config=config, presets={k: with_guards(v) for k, v in recipe.presets.items()})
+    guarded_class = type(type(recipe).__name__, (type(recipe),), {
+        "config": config, "presets": {k: with_guards(v) for k, v in recipe.presets.items()},
+        "__module__": type(recipe).__module__})
+    return guarded_class()
 
 
 def run(recipe: Recipe, argv: list[str] | None = None, hooks: type | None = None) -> int:
@@ -129,17 +137,32 @@ def run(recipe: Recipe, argv: list[str] | None = None, hooks: type | None = None
                        recipe.default_preset, argv, explain=explain_failure)
 
 
-def preflight(recipe: Recipe, cfg) -> dict:
+class GuardedRecipe(Protocol):
+    """What the guards also ask of a recipe, beyond common.recipe.Recipe, each optional (defaults in brackets)."""
+    stack: str  # the preflight's set of symbols for this path, common/harness/preflight.py ["native"]
+
+    def stack_options(self, cfg) -> dict:
+        """The preflight's keyword arguments for this run [none]."""
+
+    def dry_run_inputs(self, cfg, out_dir: Path) -> Inputs:
+        """What a build on the meta device needs to know [nothing]."""
+
+    def describe(self, cfg, shape: dict) -> tuple[str, float | None]:
+        """--dry_run's label for the model, and the published parameter count it must match [the preset, none]."""
+
+
+def preflight(recipe: Recipe, cfg) -> Inputs:
     """Check every input before any process is launched or any model exists, so bad input fails fast."""
     if wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds, not an hour
-        require_stack("trn2", recipe.stack, **(recipe.stack_options(cfg) if recipe.stack_options else {}))
+        options = recipe.stack_options(cfg) if hasattr(recipe, "stack_options") else {}
+        require_stack("trn2", getattr(recipe, "stack", "native"), **options)
     found = inputs(recipe, cfg)
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
-        eval_dataset(found["dataset"], cfg.eval_dataset_path)
+        eval_dataset(found.dataset, cfg.eval_dataset_path)
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
-    if found.get("shape"):  # a torchtitan flavor has no config.json here: --dry_run sizes it
-        dryrun.check_fits(found["shape"], local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
+    if found.shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
+        dryrun.check_fits(found.shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                           world_size=launcher.planned_world_size(cfg),
                           device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib)
     return found
@@ -153,17 +176,44 @@ def _dataset_folder(dataset: str, dataset_path: str | None) -> str | None:
     return (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
 
 
+@dataclass
+class Checked:
+    """What the checks before a launch found: the run's folder, its inputs, its record, where it must end."""
+    out_dir: Path
+    found: Inputs
+    record: dict  # the run record a resume must match (common/harness/resume.py)
+    world_size: int
+    end: float | None  # --time_limit as a time
+    launch: bool  # the scripts' own launch starts torchrun with this command
+
+
 def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
+    """The guarded run: the out_dir held, then a dry run, or check -> launch -> train."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
+    out_dir = hold(cfg)
+    if cfg.dry_run:
+        return dry_run(recipe, cfg, out_dir)
+    checked = check(recipe, cfg, out_dir)  # every input, before a launch: one error line, not one per rank
+    if checked.launch:
+        raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, checked.end))
+    return train_guarded(recipe, cfg, checked, hooks or GuardHooks)
+
+
+def hold(cfg) -> Path:
+    """The out_dir, checked against the inputs (none inside another) and held for this run (its lock)."""
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={
         "--hf_checkpoint": getattr(cfg, "hf_checkpoint", None), "--hf_assets": getattr(cfg, "hf_assets", None),
         "--compare_losses": cfg.compare_losses, "--dataset": _dataset_folder(cfg.dataset, cfg.dataset_path),
         "--eval_dataset_path": cfg.eval_dataset_path},
     ).resolve()
     launcher.hold_out_dir(out_dir, cfg.node_rank)
-    if cfg.dry_run:
-        return dry_run(recipe, cfg, out_dir)
+    return out_dir
+
+
+def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
+    """The checks before a launch: batch split, profile steps, the outputs, this host, the inputs, the resume
+    record. Each failure is one UserError."""
     world_size = launcher.planned_world_size(cfg)
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
     pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)
@@ -173,22 +223,26 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)
-    found = preflight(recipe, cfg)  # every input checked before a launch: one error line, not one per rank
-    found["record"] = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found["dataset"])
-    resume.check_resume(out_dir, found["record"], cfg.steps, reshard=cfg.reshard)  # the same run, steps left
-    if launch:
-        raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, end))
-    stop = stops.StopControl(end=end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
+    found = preflight(recipe, cfg)
+    record = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
+    resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.reshard)  # the same run, steps left
+    return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
+
+
+def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
+    """One rank's training with the guards: stop signals caught, the plan's memory, the trainer built and trained,
+    exported; exit 75 after a stop."""
+    stop = stops.StopControl(end=checked.end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
-    if launcher.is_rank_zero():  # the checks' verifier; the dry run's memory for this very configuration
-        dev_type = device.resolve_device_type(cfg.device)
-        verifier.start_verifier(dev_type, wanted=cfg.export or bool(found.get("initial_hf") and cfg.load_check),
-                                stopping=lambda: stop.reason is not None)  # a check cut short then is no verdict
-        found["planned_gib"] = pilot.planned_gib_in_a_child(
-            lambda: dry_run(recipe, cfg, out_dir, ranks=world_size)["total_bytes"], dev_type, key=found["record"])
+    planned_gib = None
+    if launcher.is_rank_zero():  # the dry run's memory for this very configuration
+        planned_gib = pilot.planned_gib_in_a_child(
+            lambda: dry_run(recipe, cfg, checked.out_dir, ranks=checked.world_size)["total_bytes"],
+            device.resolve_device_type(cfg.device), key=checked.record)
     dev = device.setup(cfg.device, lnc=cfg.lnc)
     try:
-        results = train(recipe, cfg, dev, out_dir, found, (hooks or GuardHooks)(recipe, cfg, found, stop))
+        results = train(recipe, cfg, dev, checked.out_dir, checked.found,
+                        hooks(recipe, cfg, checked, stop, planned_gib=planned_gib))
     finally:
         device.teardown()
     if results.get("stopped") and dev.is_main:
@@ -203,12 +257,13 @@ class GuardHooks(Hooks):
     (common/harness/trainer.py's GuardedTrainer, which calls `check_settings`, `check_logits` and the stop control
     at their points in the loop), and the pilot report and loss comparison in results.json."""
 
-    def __init__(self, recipe: Recipe, cfg, found: dict, stop: stops.StopControl):
-        self.recipe, self.cfg, self.found, self.stop = recipe, cfg, found, stop
+    def __init__(self, recipe: Recipe, cfg, checked: Checked, stop: stops.StopControl, planned_gib: float | None):
+        self.recipe, self.cfg, self.found, self.record, self.stop = recipe, cfg, checked.found, checked.record, stop
+        self.planned_gib = planned_gib
         self.load_check, self.profile, self.compile_cache, self.started = None, None, None, time.time()
         self.losses_path = self.eval_path = None
 
-    def configure(self, tc, dev, out_dir: Path, found: dict) -> list[str]:
+    def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
         cfg = self.cfg
         tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
         self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; segments.json
@@ -220,9 +275,9 @@ class GuardHooks(Hooks):
         self.compile_cache = pilot.CompileCacheWatch(
             pilot.compile_cache_folder(dev.device_type, compiled=tc.compile.enable), dev.device_type)
         if dev.is_main:
-            resume.write_record(out_dir, found["record"])
+            resume.write_record(out_dir, self.record)
             self.losses_path, self.eval_path = out_dir / "losses.jsonl", out_dir / EVAL_LOSSES
-        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.get("dataset"), cfg.eval_dataset_path)  # the validator
+        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.dataset, cfg.eval_dataset_path)  # the validator
         self.dev = dev
         return notes + ([note] if note else [])
 
@@ -260,15 +315,20 @@ class GuardHooks(Hooks):
     def check_settings(self, trainer) -> None:
         """Right after the build: the built model's settings against the HF folder the run starts from."""
         cfg, found = self.cfg, self.found
-        if found.get("initial_hf") and cfg.load_check:
-            check_settings(self.recipe.model_config(cfg, trainer.config, found, trainer=trainer), found["initial_hf"])
+        if found.initial_hf and cfg.load_check:
+            check_settings(self.recipe.built_config(cfg, trainer, found), found.initial_hf)
 
     def check_logits(self, trainer) -> None:
         """Before step 1 of a fresh run: the loaded weights' logits against transformers' load of the HF folder."""
         cfg, found = self.cfg, self.found
-        if found.get("initial_hf") and cfg.load_check:
-            self.load_check = logit_check(trainer, found["initial_hf"], found["tokenizer_dir"], dtype=cfg.dtype,
-                                          is_main=self.dev.is_main, pass_positions=self.recipe.pass_positions)
+        if found.initial_hf and cfg.load_check:
+            self.load_check = logit_check(trainer, found.initial_hf, found.tokenizer_dir, dtype=cfg.dtype,
+                                          is_main=self.dev.is_main, pass_positions=self.recipe.pass_positions,
+                                          check_process=self.check_process())
+
+    def check_process(self):
+        """Each check in a process of its own that dies with the run; one the run's stop cut short has no verdict."""
+        return verifier.Verifier(stopping=lambda: self.stop.reason is not None)
 
     # ---- after training ----------------------------------------------------------------------------------------
     def history(self, trainer) -> dict:
@@ -282,7 +342,7 @@ class GuardHooks(Hooks):
         profile = pilot.profile_traces(out_dir, every=self.profile["every"], steps=rec.steps, since=self.started,
                                        activities=self.profile["activities"]) if self.profile else None
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
-                              memory=memory, planned_gib=self.found.get("planned_gib"),
+                              memory=memory, planned_gib=self.planned_gib,
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
                               profile=profile)
         out = {"load_check": self.load_check or None, "eval_losses": eval_rows(mp, self.eval_path),
@@ -307,11 +367,11 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
     import torch
 
     device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
-    found = recipe.dry_run_inputs(cfg, out_dir) if recipe.dry_run_inputs else {}
+    found = recipe.dry_run_inputs(cfg, out_dir) if hasattr(recipe, "dry_run_inputs") else Inputs()
     target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.dry_run_ranks)
     tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
-    shape = recipe.model_config(cfg, tc, found)
-    label, published = recipe.describe(cfg, shape) if recipe.describe else (cfg.preset, None)
+    shape = recipe.model_shape(cfg, tc, found)
+    label, published = recipe.describe(cfg, shape) if hasattr(recipe, "describe") else (cfg.preset, None)
     r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
                        published_params=published, label=label)
     if ranks:
