@@ -16,13 +16,3 @@ if _util.find_spec("torch") is None:
           "docs/first-hour-trn2.md", file=_sys.stderr)
     raise SystemExit(2)
 
-
-def harness_module(name: str):
-    """`common.harness.<name>` where common/harness/ was copied beside this package (the guards), else None: an
-    example copied with the core alone runs without the guards (its entry says which it runs). Only the examples call
-    this; nothing else in common/ reaches the harness."""
-    import importlib
-
-    if _util.find_spec("common.harness") is None:
-        return None
-    return importlib.import_module(f"common.harness.{name}")

@@ -246,6 +246,19 @@ def one_shot(request: dict) -> tuple[int, str]:
     return proc.returncode, error if proc.returncode else ""
 
 
+def in_process(request: dict) -> tuple[int, str]:
+    """One check in this process, for a trainer that leaves transformers as it is (torchtitan's own models: the
+    Transformers backend replaces transformers' init functions, and its checks run in a process of their own):
+    (exit code, error line) as `one_shot`'s process would give them."""
+    try:
+        verify_to(Path(request["export_dir"]), Path(request["reference"]), Path(request["out"]), request["files"])
+    except UserError as e:
+        return 2, one_line(str(e))
+    except Exception as e:  # noqa: BLE001  as the last line of a check process's traceback
+        return 1, one_line(f"{type(e).__name__}: {e}")
+    return 0, ""
+
+
 def verify_export(export_dir: Path, reference: Path, files: bool = True, check_reference=None) -> dict:
     """Load the export with AutoModelForCausalLM and compare its logits on the reference input.
     config.json and tokenizer.json must be there, and the weights are validated against config.json
@@ -271,6 +284,9 @@ def verify_export(export_dir: Path, reference: Path, files: bool = True, check_r
     ids, vocab = ref["input_ids"], config.get("vocab_size")
     if isinstance(vocab, int) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise UserError(f"--reference {reference}: input_ids outside the export's vocabulary of {vocab}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a check's one line says what it found; no bar in the run's output
     model, info = AutoModelForCausalLM.from_pretrained(
         export_dir, dtype=torch.float32, output_loading_info=True)
     model.eval()

@@ -85,6 +85,9 @@ class Recipe:
     doc: ClassVar[str]  # the script's docstring: its --help
     default_preset: ClassVar[str] = "tiny"
     pass_positions: ClassVar[bool] = False  # the model's forward takes position_ids (the Transformers backend)
+    # The trainer patches transformers (the Transformers backend replaces its init functions): the load and export
+    # checks, which read the HF folder with transformers, then run in a process of their own.
+    patches_transformers: ClassVar[bool] = False
 
     def check_inputs(self, cfg) -> Inputs:
         """The recipe's own inputs, checked before anything is built (one UserError for a bad one)."""
@@ -170,9 +173,10 @@ class Hooks:
 
         return as_trainer_config(recipe_trainer(type(tc)), tc).build()
 
-    def check_process(self):
-        """What runs a check's process (common.export.verify_export_subprocess's `check`; None: `one_shot`)."""
-        return None
+    def check_process(self, recipe: Recipe):
+        """What runs a load or export check (common.export.verify_export_subprocess's `check`): this process, unless
+        the trainer patches transformers (then None: a process of its own, `one_shot`)."""
+        return None if recipe.patches_transformers else export.in_process
 
     def history(self, trainer) -> dict:
         """The loss curve results.json and loss.png show: this process's steps."""
@@ -224,7 +228,7 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
         results.update(export.export_and_check(
             trainer, out_dir=out_dir, steps=cfg.steps, hf_cfg=hf_cfg, tokenizer_dir=found.tokenizer_dir,
             tied_expected=bool(hf_cfg.get("tie_word_embeddings", False)), tol=cfg.export_tolerance,
-            is_main=dev.is_main, pass_positions=recipe.pass_positions, check_process=guards.check_process()))
+            is_main=dev.is_main, pass_positions=recipe.pass_positions, check_process=guards.check_process(recipe)))
     else:
         trainer.close()
     path = finish_run(results, history, out_dir=out_dir, title=f"{Path(recipe.name).stem} ({cfg.preset})",

@@ -67,6 +67,7 @@ Qwen3-VL 34 graphs (its vision tower split by 27 graph breaks), no recompile; 2-
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shlex
@@ -80,15 +81,17 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import cli, device, harness_module, paths  # noqa: E402
+from common import cli, device, paths  # noqa: E402
 from common.errors import UserError, one_line  # noqa: E402
 from common.processes import die_with_parent  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 from compat_check import compile_audit, judge as judging, measure, processes, rows, sizing, training  # noqa: E402
 
-# The installed stack's check before a Trainium run, where common/harness/ was copied (None with the core alone:
-# no stack check before the models load).
-preflight = harness_module("preflight")
+# The installed stack's check before a Trainium run, where common/harness/ was copied with common/.
+if importlib.util.find_spec("common.harness"):
+    from common.harness import preflight
+else:  # copied with the core alone: no stack check before the models load
+    preflight = None
 
 TASK_HELP = ("auto: image-text-to-text for a vision-language model, text-generation otherwise; "
              "train: a few steps of the HF-backend training recipe per model")

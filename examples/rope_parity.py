@@ -50,6 +50,7 @@ Expected on trn2 (not run by this project; minutes, most of it neuronx-cc compil
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -58,13 +59,15 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, harness_module, paths  # noqa: E402
+from common import checkpoint, cli, device, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
 
-# The installed stack's check before a Trainium run, where common/harness/ was copied (None with the core alone:
-# no stack check before the kernel runs).
-preflight = harness_module("preflight")
+# The installed stack's check before a Trainium run, where common/harness/ was copied with common/.
+if importlib.util.find_spec("common.harness"):
+    from common.harness import preflight
+else:  # copied with the core alone: no stack check before the kernel runs
+    preflight = None
 
 
 FP32_TOL = 1e-6

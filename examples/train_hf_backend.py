@@ -1,6 +1,7 @@
 # Copy with this file the core (it trains and exports):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/losses.py common/export.py common/torchtitan_fixes.py common/recipe.py
+#   common/trainer.py
 #   examples/hf_backend/ (the whole folder: __init__.py, fixes.py)
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
@@ -37,6 +38,7 @@ transformers saves tied models) and logits within 1e-4. results.json: `init`, `f
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -45,7 +47,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, harness_module, paths  # noqa: E402
+from common import checkpoint, cli, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
 from common.results import atomic_write_text  # noqa: E402
@@ -105,6 +107,7 @@ class HFBackend(Recipe):
     name, config, presets, doc = "train_hf_backend.py", Config, PRESETS, __doc__
     stack = "hf"  # the preflight's set of torchtitan symbols (common/harness/preflight.py)
     pass_positions = True
+    patches_transformers = True  # the backend replaces transformers' init functions: checks in their own process
 
     def check_inputs(self, cfg: Config) -> Inputs:
         """The HF folder: pretrained, every file checked (config, architecture, keys, shapes, finite values); random,
@@ -190,6 +193,9 @@ class HFBackend(Recipe):
 
 RECIPE = HFBackend()
 
-if __name__ == "__main__":  # with common/harness/ copied: the guarded run; with the core alone: train and export
-    guards = harness_module("lifecycle")
-    sys.exit(guards.run(RECIPE) if guards else run_core(RECIPE))
+if __name__ == "__main__":
+    if importlib.util.find_spec("common.harness"):  # copied with common/harness/: the guarded run
+        from common.harness.lifecycle import run
+    else:  # copied with the core alone: it trains and exports, without the guards
+        run = run_core
+    sys.exit(run(RECIPE))

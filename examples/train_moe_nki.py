@@ -1,6 +1,7 @@
 # Copy with this file the core (it trains and exports):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/losses.py common/export.py common/torchtitan_fixes.py common/recipe.py
+#   common/trainer.py
 #   common/kernels/ (the whole folder: the RoPE and grouped-expert ops, their NKI branches, registry entries)
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
@@ -40,6 +41,7 @@ With --stock --expert_dtype bfloat16 on both sides, the first 3 losses agree wit
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,7 +49,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, cli, device, harness_module, paths  # noqa: E402
+from common import checkpoint, cli, device, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
 
@@ -232,6 +234,9 @@ class MoENKI(Recipe):
 
 RECIPE = MoENKI()
 
-if __name__ == "__main__":  # with common/harness/ copied: the guarded run; with the core alone: train and export
-    guards = harness_module("lifecycle")
-    sys.exit(guards.run(RECIPE) if guards else run_core(RECIPE))
+if __name__ == "__main__":
+    if importlib.util.find_spec("common.harness"):  # copied with common/harness/: the guarded run
+        from common.harness.lifecycle import run
+    else:  # copied with the core alone: it trains and exports, without the guards
+        run = run_core
+    sys.exit(run(RECIPE))

@@ -1,6 +1,7 @@
 # Copy with this file the core (it trains and exports):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/losses.py common/export.py common/torchtitan_fixes.py common/recipe.py
+#   common/trainer.py
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
 #   common/processes.py common/harness/ (the whole folder)
@@ -31,6 +32,7 @@ unexpected keys and max_abs_logit_diff below 1e-5; loss.png plots the losses.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,7 +40,7 @@ from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examples/...` finds common/
 
-from common import checkpoint, harness_module, paths  # noqa: E402
+from common import checkpoint, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
 
@@ -131,6 +133,9 @@ class NativeQwen3(Recipe):
 
 RECIPE = NativeQwen3()
 
-if __name__ == "__main__":  # with common/harness/ copied: the guarded run; with the core alone: train and export
-    guards = harness_module("lifecycle")
-    sys.exit(guards.run(RECIPE) if guards else run_core(RECIPE))
+if __name__ == "__main__":
+    if importlib.util.find_spec("common.harness"):  # copied with common/harness/: the guarded run
+        from common.harness.lifecycle import run
+    else:  # copied with the core alone: it trains and exports, without the guards
+        run = run_core
+    sys.exit(run(RECIPE))

@@ -259,11 +259,10 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
 from common.export import verify_export_subprocess
-from common.harness.verifier import install, start_verifier
-{start}
+from common.harness.verifier import Verifier
 try:
-    verify_export_subprocess(Path({export!r}), Path({reference!r}))
-except KeyboardInterrupt:  # the parent lives on: the verifier must be gone all the same
+    verify_export_subprocess(Path({export!r}), Path({reference!r}), check=Verifier())
+except KeyboardInterrupt:  # the parent lives on: the check's process must be gone all the same
     print("interrupted", flush=True)
     import time
     time.sleep(600)
@@ -279,14 +278,13 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("kind,sig_name", [("started", "SIGKILL"), ("started", "SIGTERM"), ("started", "SIGINT"),
-                                           ("forked", "SIGKILL"), ("forked", "SIGINT")])  # SIGTERM: as SIGKILL
-def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name, kind):
-    """The checks' verifier (`python -m common.harness.verifier serve` started for the first check, or forked by a CPU run
-    before it trains) is stopped with the process that started it: SIGKILL or SIGTERM to that process (no Python
-    cleanup runs) or Ctrl-C (the parent lives on). Before, a killed run left the verifier running. The verifier is
-    held inside its import of transformers (in the middle of a check) by a `transformers` on PYTHONPATH that records
-    its pid and sleeps: a fixture, nothing of the stack replaced."""
+@pytest.mark.parametrize("sig_name", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name):
+    """A run's check process (`python -m common.export REQUEST`, the load check's or the export check's) is stopped
+    with the process that started it: SIGKILL or SIGTERM to that process (no Python cleanup runs) or Ctrl-C (the
+    parent lives on). Before, a killed run left the verifier running. The check is held inside its import of
+    transformers (in the middle of a check) by a `transformers` on PYTHONPATH that records its pid and sleeps: a
+    fixture, nothing of the stack replaced."""
     import signal
     import time
 
@@ -307,8 +305,7 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
     env = script_env()
     env["PYTHONPATH"] = str(tmp_path / "shadow")
     driver = subprocess.Popen([sys.executable, "-c", VERIFIER_DRIVER.format(
-        root=str(ROOT), export=str(prepared_assets["tiny_qwen3"]), reference=str(reference),
-        start='start_verifier("cpu")' if kind == "forked" else "install()")],
+        root=str(ROOT), export=str(prepared_assets["tiny_qwen3"]), reference=str(reference))],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     verifier = None
@@ -320,7 +317,7 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
             time.sleep(0.1)
         verifier = int(pid_file.read_text())
         assert psutil.Process(verifier).ppid() == driver.pid
-        assert ("common.harness.verifier" in psutil.Process(verifier).cmdline()) == (kind == "started")
+        assert "common.export" in psutil.Process(verifier).cmdline()
         driver.send_signal(sig)
         if sig == signal.SIGINT:
             assert driver.stdout.readline().strip() == "interrupted"
@@ -337,19 +334,16 @@ def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path
             psutil.Process(verifier).kill()
 
 
-def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(prepared_assets, tmp_path):
-    """The load check at step 1 and the export check at the end are served by one verifier process (torch and
-    transformers imported once): two checks from this process's main thread go to the same `common.harness.verifier serve`
-    child, which stays for the next. A check it refuses leaves it serving; one that finds it gone (killed between
-    checks) starts another and passes."""
-    import psutil
+def test_each_check_is_a_process_of_its_own_and_a_refused_folder_is_its_error(prepared_assets, tmp_path):
+    """The harness's Verifier runs each check (the load check at step 1, the export check at the end) in a process
+    of its own: a folder that matches its reference passes, and one it refuses fails the check with the process's
+    error line."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from common import export
-    from common.harness import verifier
+    from common.harness.verifier import Verifier
 
-    verifier.install()
     tiny = prepared_assets["tiny_qwen3"]
     ids = torch.tensor([[1, 2, 3, 4]])
     positions = torch.arange(4)[None]
@@ -357,102 +351,10 @@ def test_one_verifier_serves_every_check_of_a_run_and_a_dead_one_is_replaced(pre
         logits = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)(ids, position_ids=positions).logits
     reference = tmp_path / "reference.safetensors"
     save_file({"input_ids": ids, "position_ids": positions, "logits": logits}, str(reference))
-
-    def verifiers() -> list[int]:
-        found = []
-        for p in psutil.Process().children():
-            try:
-                if "common.harness.verifier" in p.cmdline():
-                    found.append(p.pid)
-            except psutil.NoSuchProcess:  # another child of this process that has just ended
-                pass
-        return found
-
-    first = export.verify_export_subprocess(tiny, reference)
-    (server,) = verifiers()
-    assert "serve" in psutil.Process(server).cmdline()
-    second = export.verify_export_subprocess(tiny, reference, files=False)
-    assert verifiers() == [server]
-    for check in (first, second):
-        assert check["max_abs_logit_diff"] == 0.0 and not check["missing_keys"] and "error" not in check, check
-    refused = export.verify_export_subprocess(tmp_path / "nowhere", reference)
+    check = export.verify_export_subprocess(tiny, reference, files=False, check=Verifier())
+    assert check["max_abs_logit_diff"] == 0.0 and not check["missing_keys"] and "error" not in check, check
+    refused = export.verify_export_subprocess(tmp_path / "nowhere", reference, check=Verifier())
     assert refused["error"] == f"the export cannot be read back: {tmp_path / 'nowhere'} does not exist: give the " \
                                "export's folder", refused
-    assert verifiers() == [server]
-    psutil.Process(server).kill()
-    psutil.Process(server).wait(10)
-    again = export.verify_export_subprocess(tiny, reference)
-    assert again["max_abs_logit_diff"] == 0.0 and "error" not in again, again
-    (replaced,) = verifiers()
-    assert replaced != server
-    verifier._close_server()  # what this process's exit does: its input ends, and it with it
-    assert verifiers() == [] and not psutil.pid_exists(replaced)
 
 
-FORKED_DRIVER = """
-import json, sys, time
-from pathlib import Path
-sys.path.insert(0, {root!r})
-import torch
-torch.set_num_threads(2)
-torch.randn(512, 512) @ torch.randn(512, 512)  # this process's OpenMP pool has run before the fork
-from tqdm import tqdm
-bar = tqdm(total=3, file=sys.stderr)  # and tqdm's monitor thread runs, as after datasets read a --dataset folder
-from common import export
-from common.harness import verifier as harness_verifier
-harness_verifier.start_verifier("cpu")
-verifier = harness_verifier._server[0]
-checks = [export.verify_export_subprocess(Path({export!r}), Path({reference!r}), files=f) for f in (True, False)]
-print(json.dumps({{"kind": type(verifier).__name__, "pid": verifier.pid, "checks": checks}}), flush=True)
-time.sleep(600)
-"""
-
-
-def test_a_cpu_runs_verifier_is_forked_and_serves_its_checks(prepared_assets, tmp_path):
-    """On the CPU a training run forks its verifier before it has a device or a process group (the stack already
-    imported): the child answers every check of the run after the parent's OpenMP threads have run (one thread of
-    its own: a parallel region would wait forever for the parent's pool), and after a progress bar has started
-    tqdm's monitor thread (ended first). Where a fork is not asked for or not safe (another device; a process with
-    other Python threads, as this test's own) none is made."""
-    import select
-    import threading
-
-    import psutil
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from common.harness import verifier
-    from conftest import ROOT, script_env
-
-    other = threading.Event()
-    threading.Thread(target=other.wait).start()  # another Python thread in this process, however pytest runs
-    try:
-        for device_type, wanted in (("neuron", True), ("cuda", True), ("cpu", False), ("cpu", True)):
-            verifier.start_verifier(device_type, wanted=wanted)
-            assert not verifier._server
-    finally:
-        other.set()
-    tiny = prepared_assets["tiny_qwen3"]
-    ids, positions = torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(5)[None]
-    with torch.no_grad():
-        logits = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)(ids, position_ids=positions).logits
-    reference = tmp_path / "reference.safetensors"
-    save_file({"input_ids": ids, "position_ids": positions, "logits": logits}, str(reference))
-    env = dict(script_env(), OMP_NUM_THREADS="2")
-    driver = subprocess.Popen([sys.executable, "-c", FORKED_DRIVER.format(
-        root=str(ROOT), export=str(tiny), reference=str(reference))], cwd=tmp_path, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        ready, _, _ = select.select([driver.stdout], [], [], 180)
-        assert ready, "the checks did not finish in 180 s (a forked verifier waiting for the parent's threads?)"
-        line = driver.stdout.readline()
-        assert line, driver.communicate()
-        got = json.loads(line)
-        assert got["kind"] == "_ForkedVerifier"
-        for check in got["checks"]:
-            assert check["max_abs_logit_diff"] == 0.0 and not check["missing_keys"] and "error" not in check, check
-        verifier = psutil.Process(got["pid"])
-        assert verifier.ppid() == driver.pid and verifier.cmdline() == psutil.Process(driver.pid).cmdline()
-    finally:
-        driver.kill()
-        driver.communicate()

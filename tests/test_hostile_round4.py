@@ -339,33 +339,31 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_naming_the_last_whole_
 
 # --------------------------------------------------------------------------- a stop signal during a check
 STOP_DURING_CHECK = """
-import fcntl, json, os, signal, struct, sys, termios, threading, time
+import json, os, signal, sys, threading, time
 from pathlib import Path
+import psutil
 sys.path.insert(0, {root!r})
 from common import export
 from common.harness import stops, verifier
 stop = stops.StopControl(end=None, margin_s=0.0, is_main=True)
 stop.install()  # as a training run: a stop signal ends the run at a step boundary
-verifier.start_verifier("cpu", stopping=lambda: stop.reason is not None)
-held = verifier._server[0]
 
-def caught(pid):  # the signals the process handles (its SigCgt mask)
-    with open(f"/proc/{{pid}}/status") as f:
-        return next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
 
-while caught(held.pid) >> (signal.SIGTERM - 1) & 1:  # until it has set its own handlers (not the run's it forked with)
-    time.sleep(0.01)
-os.kill(held.pid, signal.SIGSTOP)  # the verifier held, so that the signals below reach it during the check
-
-def when_asked():  # the request is in the verifier's pipe: the check has begun
-    while not struct.unpack("i", fcntl.ioctl(held.stdin.fileno(), termios.FIONREAD, b"0000"))[0]:
+def during():  # once the check's process runs (its stop signals ignored from before its exec): the stop signal
+    while True:
+        checks = [p for p in psutil.Process().children() if "common.export" in " ".join(p.cmdline())]
+        if checks:
+            break
         time.sleep(0.01)
-    os.kill(held.pid, signal.{then})
+    os.killpg(0, signal.{sig})  # Ctrl-C in a terminal, or a scheduler's SIGTERM to the process group
+    if signal.{then} == signal.SIGKILL:
+        checks[0].kill()  # the check's process killed while the run is stopping
 
-os.killpg(0, signal.{sig})  # Ctrl-C in a terminal, or a scheduler's SIGTERM to the process group
-threading.Thread(target=when_asked).start()
+
+threading.Thread(target=during).start()
 try:
-    check = export.verify_export_subprocess(Path({export!r}), Path({reference!r}))
+    check = export.verify_export_subprocess(Path({export!r}), Path({reference!r}),
+                                            check=verifier.Verifier(stopping=lambda: stop.reason is not None))
     print(json.dumps({{"check": check, "stop": stop.reason}}), flush=True)
 except KeyboardInterrupt as e:
     print(json.dumps({{"interrupted": str(e), "is_check_interrupted": isinstance(e, verifier.CheckInterrupted),
@@ -391,11 +389,11 @@ def export_and_reference(prepared_assets, tmp_path_factory):
 
 @pytest.mark.parametrize("sig,then", [("SIGINT", "SIGCONT"), ("SIGTERM", "SIGCONT"), ("SIGTERM", "SIGKILL")])
 def test_a_stop_signal_during_a_check_is_a_stop_never_a_verdict(export_and_reference, tmp_path, sig, then):
-    """Ctrl-C or a group SIGTERM while the run's forked verifier checks an export (or the load at step 1): the
-    verifier is not the run's to stop (it ignores stop signals and dies with the run), so the check ends with its
-    real verdict and the run stops as a stop does. A verifier killed during a check while the run is stopping
-    (here SIGKILL) gives no verdict: the check is interrupted, not failed. Before, the verifier died of the signal
-    and the good export was rejected (the load check: "the model is not the checkpoint"), exit 2."""
+    """Ctrl-C or a group SIGTERM while the run's check process checks an export (or the load at step 1): the
+    process is not the run's to stop (it ignores stop signals and dies with the run), so the check ends with its
+    real verdict and the run stops as a stop does. A check process killed while the run is stopping (here SIGKILL)
+    gives no verdict: the check is interrupted, not failed. Before, the check died of the signal and the good export
+    was rejected (the load check: "the model is not the checkpoint"), exit 2."""
     import subprocess
 
     from conftest import ROOT, script_env

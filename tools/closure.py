@@ -1,9 +1,9 @@
 """What copying each example drags in: the repository files its imports reach, transitively, and their lines,
 with the core alone and with everything.
 
-The core alone leaves out what an example imports only where it is there: an import inside a `try` that catches
-ModuleNotFoundError (the guards of common/harness/; the compatibility check's lookup and rankings), and anything
-under common/harness/. A copy of those files runs the example's main job: a training example trains and exports.
+The core alone leaves out what an example imports only where it is there: an import under an `if` that asks
+`find_spec` first (the guards of common/harness/) or inside a `try` that catches ModuleNotFoundError (the
+compatibility check's lookup and rankings), and anything under common/harness/. A copy of those files runs the example's main job: a training example trains and exports.
 
     python -m tools.closure            # one row per example: lines and files, core alone and with everything
     python -m tools.closure --files    # and the files, one per line
@@ -33,13 +33,21 @@ def _module_file(name: str, base: Path) -> Path | None:
 
 
 def _optional(tree: ast.AST) -> set[int]:
-    """The import statements inside a `try` whose handlers catch ModuleNotFoundError or ImportError."""
+    """The import statements made only where their modules are there: inside a `try` whose handlers catch
+    ModuleNotFoundError or ImportError, or inside an `if` that asks `find_spec` first (an example's choice of the
+    guards, `if importlib.util.find_spec("common.harness"):`)."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Try) and any(
                 isinstance(h.type, ast.Name) and h.type.id in ("ModuleNotFoundError", "ImportError")
                 for h in node.handlers):
-            found |= {id(n) for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+            body = node.body
+        elif isinstance(node, ast.If) and any(isinstance(n, ast.Call) and ast.unparse(n.func).endswith("find_spec")
+                                              for n in ast.walk(node.test)):
+            body = node.body
+        else:
+            continue
+        found |= {id(n) for stmt in body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
     return found
 
 

@@ -324,10 +324,13 @@ class GuardHooks(Hooks):
         if found.initial_hf and cfg.load_check:
             self.load_check = logit_check(trainer, found.initial_hf, found.tokenizer_dir, dtype=cfg.dtype,
                                           is_main=self.dev.is_main, pass_positions=self.recipe.pass_positions,
-                                          check_process=self.check_process())
+                                          check_process=self.check_process(self.recipe))
 
-    def check_process(self):
-        """Each check in a process of its own that dies with the run; one the run's stop cut short has no verdict."""
+    def check_process(self, recipe: Recipe):
+        """Where the trainer patches transformers, each check in a process of its own that dies with the run (one the
+        run's stop cut short has no verdict); else in this process (a stop signal only marks the stop)."""
+        if not recipe.patches_transformers:
+            return export.in_process
         return verifier.Verifier(stopping=lambda: self.stop.reason is not None)
 
     # ---- after training ----------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ class NeuronActivityProfiler(Profiler):
         pass
 
     def build_torch_profiler(self, *, global_step: int, base_folder: str, leaf_folder: str):
-        """torchtitan's schedule, trace folder and names (tools/profiler.py), with the Neuron activity."""
+        """torchtitan's schedule, trace folder and names (torchtitan.tools.profiler), with the Neuron activity."""
         from torchtitan.tools.profiler import PROFILE_FILE, PROFILE_ITER_DIR
 
         cfg = self._config
