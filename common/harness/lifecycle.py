@@ -277,8 +277,8 @@ class GuardHooks(Hooks):
         if dev.is_main:
             resume.write_record(out_dir, self.record)
             self.losses_path, self.eval_path = out_dir / "losses.jsonl", out_dir / EVAL_LOSSES
-        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.dataset, cfg.eval_dataset_path)  # the validator
         self.dev = dev
+        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.dataset, cfg.eval_dataset_path)
         return notes + ([note] if note else [])
 
     def components(self) -> dict:
@@ -286,29 +286,28 @@ class GuardHooks(Hooks):
         from common.harness import trainer
 
         return {"trainer": trainer.guarded_trainer, "metrics": trainer.GuardedMetrics,
-                "checkpoint": trainer.GuardedCheckpointer, "validator": trainer.GuardedValidator}
+                "checkpoint": trainer.GuardedCheckpointer, "validator": trainer.GuardedValidator,
+                "profiler": trainer.NeuronActivityProfiler}
 
     def build(self, tc, shape: dict):
         """The recipe's trainer class with the guards, its components the guards' subclasses (the same settings)."""
         from common.trainer import as_trainer_config, same_fields
 
-        made = self.components()
-        GuardedMetrics, GuardedCheckpointer, GuardedValidator = made["metrics"], made["checkpoint"], made["validator"]
-
-        cfg, dev = self.cfg, self.dev
+        made, cfg, dev = self.components(), self.cfg, self.dev
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
         peak = self.peak["value"]
         metrics = same_fields(
-            GuardedMetrics.Config, tc.metrics, flops_per_token=pilot.flops_per_token(shape, cfg.seq_len),
+            made["metrics"].Config, tc.metrics, flops_per_token=pilot.flops_per_token(shape, cfg.seq_len),
             peak_flops=peak if isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0 else 0.0,
             losses_path=str(self.losses_path) if self.losses_path else None,
             eval_losses_path=str(self.eval_path) if self.eval_path else None)
-        trainer_class = made["trainer"](type(tc))
-        config = as_trainer_config(trainer_class, tc, metrics=metrics)
-        config.checkpoint = same_fields(GuardedCheckpointer.Config, tc.checkpoint, last_save=cfg.export,
+        config = as_trainer_config(made["trainer"](type(tc)), tc, metrics=metrics)
+        config.checkpoint = same_fields(made["checkpoint"].Config, tc.checkpoint, last_save=cfg.export,
                                         is_main=dev.is_main)
         if config.validator.enable:
-            config.validator = same_fields(GuardedValidator.Config, tc.validator)
+            config.validator = same_fields(made["validator"].Config, tc.validator)
+        if self.profile and "Neuron" in self.profile["activities"]:
+            config.profiler = same_fields(made["profiler"].Config, tc.profiler)
         return config.build(guards=self)
 
     # ---- called by GuardedTrainer, at their points in the loop ---------------------------------------------------

@@ -128,7 +128,7 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
     gzipped) of every `every`-th step into OUT_DIR/profile_traces/iteration_N/rankR_trace.json.gz, the steps
     before each traced one its warm-up (3, as torchtitan's default, or fewer at a shorter interval); each trace is
     written when its step ends. On Neuron the Neuron activity is added (common/harness/trainer.py's
-    NeuronActivityProfiler).
+    NeuronActivityProfiler, which GuardHooks.build sets where `activities` names it).
     {"every", "activities", "note"}: the interval, what is traced, a note for the log."""
     every = profile_every(steps, profile_freq)
     tc.profiler.enable_profiling = True
@@ -140,11 +140,7 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
     if device_type == "neuron":
         from common.device import neuron_available
 
-        if neuron_available():
-            from common.harness.trainer import NeuronActivityProfiler
-            from common.trainer import same_fields
-
-            tc.profiler = same_fields(NeuronActivityProfiler.Config, tc.profiler)
+        if neuron_available():  # GuardHooks.build sets common/harness/trainer.py's NeuronActivityProfiler
             activities = "CPU and Neuron (PrivateUse1)"
     note = (f"profiling: torch.profiler ({activities}) traces step {every}" + (" and its multiples" if every < steps
             else "") + f" into OUT_DIR/{PROFILE_FOLDER}")
