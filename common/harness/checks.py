@@ -71,8 +71,9 @@ def _fail(ckpt_dir, named: list[str]):
 
 def logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool,
                 check_process=None) -> dict:
-    """The built and loaded model's logits against transformers' `from_pretrained` of the folder (float32, in a fresh
-    process: the Transformers backend patches transformers' classes), before step 1; the check's result."""
+    """The built and loaded model's logits against transformers' `from_pretrained` of the folder (float32; through
+    `check_process`: in this process, or a process of its own where the trainer patches transformers' classes),
+    before step 1; the check's result."""
     import torch
     from safetensors.torch import save_file
 
@@ -161,6 +162,13 @@ def keep_rows_before(path: Path, step: int) -> None:
     kept (a fresh run starts the file anew)."""
     kept = [r for r in read_progress(path) if r["step"] < step]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def append_row(path: Path, step: int, loss: float) -> None:
+    """One {"step", "loss"} line of a losses.jsonl (or eval_losses.jsonl). The one writer that appends instead of
+    writing atomically: a step's line must not cost a rewrite (a kill can cut the last line; read_progress skips it)."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "loss": loss}) + "\n")
 
 
 def whole_history(path: Path, rec) -> dict:

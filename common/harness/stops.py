@@ -115,7 +115,7 @@ def under_a_users_torchrun() -> bool:
 
 class StopControl:
     """Stop signals and the time limit, decided together at each step's end (`step_ended`) and before each held-out
-batch (`eval_batch`), in the run's GuardedTrainer (common/harness/trainer.py)."""
+    batch (`eval_batch`), in the run's GuardedTrainer (common/harness/trainer.py)."""
 
     DUPLICATE_S = 1.0  # a launcher forwarding the signal this process already got is the same signal
 
@@ -124,7 +124,6 @@ batch (`eval_batch`), in the run's GuardedTrainer (common/harness/trainer.py).""
         self.reason: str | None = None
         self.first_at = 0.0
         self.stopped_at: int | None = None
-        self.saved_at: int | None = None  # the step of this process's last checkpoint save
         self.save_s: list[float] = []
         self.step_s = 0.0  # the longest step measured (an evaluation's time not included)
         self.eval_s = 0.0  # the longest evaluation measured
@@ -217,7 +216,6 @@ batch (`eval_batch`), in the run's GuardedTrainer (common/harness/trainer.py).""
     def saved(self, step: int, seconds: float) -> None:
         """A resumable save of `step` took `seconds` (GuardedCheckpointer): the room a stop save needs."""
         self.save_s.append(seconds)
-        self.saved_at = step
         self._last = time.monotonic()
 
     def _eval_due(self, step: int) -> bool:

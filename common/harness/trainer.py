@@ -31,6 +31,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.tools import utils as tt_utils
 from torchtitan.tools.profiler import Profiler
 
+from common.harness.checks import append_row, keep_rows_before
 from common.harness.evaluation import HeldOutGate, HeldOutPass, reshard
 from common.harness.stops import StopNow
 from common.trainer import RecordingMetrics, recipe_trainer
@@ -80,8 +81,6 @@ class GuardedMetrics(RecordingMetrics):
     def start_at(self, step: int) -> None:
         """This process's first step: losses.jsonl and eval_losses.jsonl keep the steps of the run it resumes
         before it (a fresh run starts them anew)."""
-        from common.harness.checks import keep_rows_before
-
         self.first_step = step
         for path in (self.config.losses_path, self.config.eval_losses_path):
             if path:
@@ -114,15 +113,6 @@ def step_peak_bytes() -> int:
     if tt_utils.device_type == "neuron":
         tt_utils.device_module.synchronize()
     return int(tt_utils.device_module.max_memory_allocated())
-
-
-def append_row(path: Path, step: int, loss: float) -> None:
-    """One {"step", "loss"} line. The one writer that appends instead of writing atomically: a step's line must not
-    cost a rewrite (a kill can cut the last line; common.harness.checks.read_progress skips it)."""
-    import json
-
-    with open(path, "a") as f:
-        f.write(json.dumps({"step": step, "loss": loss}) + "\n")
 
 
 class GuardedCheckpointer(CheckpointManager):
