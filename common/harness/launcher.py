@@ -173,11 +173,13 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
     where = (["--standalone"] if cfg.nnodes == 1 else  # torchrun's static rendezvous at node 0's address
              [f"--nnodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
               f"--master_port={cfg.master_port}"])
+    logs = rank_logs_dir(out_dir, cfg.node_rank)
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.nproc_per_node}",
-           "--local-ranks-filter=0", *torchrun_stop_flags(), *rest]
+           *rank_log_flags(cfg.nproc_per_node, logs), *torchrun_stop_flags(), *rest]
     with tempfile.TemporaryDirectory(prefix="qwen3-launch-") as tmp:
         marker = Path(tmp) / "stopped"  # on this host: a worker that stopped the run says so here, and exits 0
         env = worker_env(os.environ, marker, deadline)
+        started = time.time()
         proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
                                 preexec_fn=die_with_parent(signal.SIGTERM))
         first = []
@@ -197,10 +199,58 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
             signal.signal(sig, stop)
         code = proc.wait()
         if not marker.exists():  # a stop's mark: every worker of this host saved and ended; torchrun's own exit
-            return code         # is not 0 when it got the signal too
+            if code:            # is not 0 when it got the signal too
+                for line in failed_ranks(logs, started):
+                    print(line, file=sys.stderr, flush=True)
+            return code
         if cfg.node_rank:  # node 0's rank 0 has said it; another node's own output says it here
             print(marker.read_text(errors="replace").strip(), flush=True)
         return EXIT_STOPPED
+
+
+def rank_logs_dir(out_dir: Path, node_rank: int) -> Path:
+    """Where a self-launch keeps this node's ranks' output: torchrun makes a folder of its own in it for each launch
+    (`<run id>_<random>/attempt_0/<local rank>/stdout.log, stderr.log, error.json`), so a resume adds one."""
+    return Path(out_dir) / "logs" / f"node{node_rank}"
+
+
+def rank_log_flags(nproc_per_node: int, logs: Path) -> list[str]:
+    """torchrun's flags for the ranks' output: local rank 0 on this console as it prints it (not prefixed, not
+    delayed), every other local rank's stdout and stderr in files under `logs` (torchrun's --local-ranks-filter
+    alone would send them to /dev/null), and each rank's uncaught exception in its error.json."""
+    others = ",".join(f"{rank}:3" for rank in range(1, nproc_per_node))
+    return ["--local-ranks-filter=0", f"--log-dir={logs}", *([f"--redirects={others}"] if others else [])]
+
+
+def launch_logs(out_dir: Path) -> str | None:
+    """The folder, relative to OUT_DIR, where torchrun keeps this launch's ranks' output (rank_logs_dir's, or a
+    --log-dir of the user's torchrun inside OUT_DIR); None where it keeps none there."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <log dir>/<launch>/attempt_<n>/<local rank>/error.json
+    if not error_file:
+        return None
+    try:
+        return str(Path(error_file).resolve().parents[2].relative_to(Path(out_dir).resolve()))
+    except (ValueError, IndexError):
+        return None
+
+
+def failed_ranks(logs: Path, since: float, tail: int = 2) -> list[str]:
+    """After a launch that failed: for each local rank whose output went to a file in this launch (written since
+    `since`) and which printed an `error:` line or a traceback, that rank's last such lines and the file."""
+    lines = []
+    for err in sorted(Path(logs).glob("*/attempt_*/*/stderr.log"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        try:
+            if err.stat().st_mtime < since:
+                continue
+            text = err.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found = [line for line in text if line.startswith("error:") or line.startswith("Traceback")
+                 or (line and not line[0].isspace() and ("Error:" in line or "Exception:" in line))]
+        if found:
+            last = "; ".join(one_line(line) for line in found[-tail:])
+            lines.append(f"[launch] local rank {err.parent.name} failed: {last} (its whole output: {err})")
+    return lines
 
 
 def torchrun_stop_flags() -> list[str]:

@@ -131,9 +131,13 @@ def guarded(recipe: Recipe) -> Recipe:
 
 def run(recipe: Recipe, argv: list[str] | None = None, hooks: type | None = None) -> int:
     """The example's one call: parse its flags and the guards', run it with the guards; the exit code. `hooks`: a
-    GuardHooks subclass (a test's, with slowed components), GuardHooks itself by default."""
+    GuardHooks subclass (a test's, with slowed components), GuardHooks itself by default. Under torchrun, an exception
+    no check turned into an `error:` line is also written to the rank's error file, which torchrun's failure summary
+    shows (torch.distributed.elastic's `record`)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     recipe = guarded(recipe)
-    return cli.run_cli(lambda cfg: main(recipe, cfg, hooks or GuardHooks), recipe.config, recipe.presets, recipe.doc,
+    return record(cli.run_cli)(lambda cfg: main(recipe, cfg, hooks or GuardHooks), recipe.config, recipe.presets, recipe.doc,
                        recipe.default_preset, argv, explain=explain_failure)
 
 
@@ -348,7 +352,7 @@ class GuardHooks(Hooks):
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
                               profile=profile)
         out = {"load_check": self.load_check or None, "eval_losses": eval_rows(mp, self.eval_path),
-               "stopped": self.stop.stopped(out_dir), **report}
+               "stopped": self.stop.stopped(out_dir), "rank_logs": launcher.launch_logs(out_dir), **report}
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run
         if cfg.compare_losses:  # over the whole curve, steps before a resume included
             history = self.history(trainer)
