@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 
 import psutil
 import pytest
@@ -73,7 +74,7 @@ def _stopped_cleanly(stopped: dict, code: int, err: str, torchrun_signalled: boo
     own = "torch.distributed.elastic.multiprocessing.api.SignalException: Process"
     assert code == EXIT_STOPPED and err.count("Traceback") == (err.count(own) if torchrun_signalled else 0), \
         err[-3000:]
-    assert f"[stopped] SIGTERM after step {stopped['step']}: checkpoint" in err, err[-3000:]
+    assert f"[stopped] {stopped['reason']} after step {stopped['step']}: checkpoint" in err, err[-3000:]
 
 
 def _resumed(out, start_step: int, uninterrupted: dict) -> None:
@@ -126,7 +127,7 @@ def _free_port() -> int:
 
 def test_across_nodes_a_signal_to_one_nodes_launcher_stops_every_node_at_one_step(uninterrupted, tmp_path):
     """The scripts' own launch across nodes, here two on one host (--nnodes 2, one process each, node 0 at
-    127.0.0.1): SIGTERM to node 1's launcher only, after step 3. Every rank stops at the same step with one
+    127.0.0.1): SIGHUP to node 1's launcher only, after step 3. Every rank stops at the same step with one
     checkpoint; both launchers exit 75 without a traceback and say how to resume; the same two commands then
     train on to the losses of the 2-rank run that never stopped."""
     out, port = tmp_path / "o", str(_free_port())
@@ -139,11 +140,11 @@ def test_across_nodes_a_signal_to_one_nodes_launcher_stops_every_node_at_one_ste
     wait_for_step(nodes[0], out, 3)
     family = [p.pid for n in nodes for p in psutil.Process(n.pid).children(recursive=True)]
     assert len(family) >= 4  # a torchrun and a worker per node
-    nodes[1].send_signal(signal.SIGTERM)
+    nodes[1].send_signal(signal.SIGHUP)  # the launcher passes on the signal it got: the record names it
     logs = [finish(n) for n in nodes]
     no_process_outlives(family)
     stopped = read_results(out)["stopped"]
-    assert stopped and stopped["step"] >= 3 and stopped["reason"] == "SIGTERM", stopped
+    assert stopped and stopped["step"] >= 3 and stopped["reason"] == "SIGHUP", stopped
     for n, log in zip(nodes, logs):
         _stopped_cleanly(stopped, n.returncode, log)
 
@@ -151,6 +152,24 @@ def test_across_nodes_a_signal_to_one_nodes_launcher_stops_every_node_at_one_ste
     logs = [finish(n) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [log[-3000:] for log in logs]
     _resumed(out, stopped["step"], uninterrupted)
+
+
+def test_a_stop_while_torchrun_waits_for_the_other_nodes_exits_75_with_a_line(tmp_path):
+    """Node 0 of two started alone: its torchrun waits for node 1 and has no worker. A SIGUSR1 (SLURM's --signal)
+    then reaches no worker: the launch says so and exits 75 (run the same command again), not torchrun's -10 read
+    as 246."""
+    out = tmp_path / "o"
+    proc = start(example_command(SCRIPT, *TWO_RANKS, "--nnodes", "2", "--node_rank", "0", "--master_port",
+                                 str(_free_port()), "--out_dir", str(out)), tmp_path / "log")
+    deadline = time.monotonic() + 120
+    while not [p for p in psutil.Process(proc.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(3)  # torchrun at its rendezvous
+    proc.send_signal(signal.SIGUSR1)
+    err = finish(proc)
+    assert proc.returncode == EXIT_STOPPED, (proc.returncode, err[-3000:])
+    assert "[stopped] SIGUSR1 before any worker of this node started" in err, err[-3000:]
 
 
 def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_the_run_is_gone(tmp_path, prepared_assets):

@@ -186,9 +186,9 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
 
         def stop(signum, _frame):  # only signals here: the main thread's wait() below sees the exit
             now = time.monotonic()
-            if not first:
-                first.append(now)
-                _signal_workers(proc.pid, signal.SIGTERM)
+            if not first:  # the same signal to the workers: the stop record names the one that came
+                first.extend((now, signum, False))
+                first[2] = _signal_workers(proc.pid, signum)
             elif now - first[0] > 1.0:  # not the same signal sent to the whole process group
                 os.write(2, f"error: {signal.Signals(signum).name} again: every process of the run killed at once; "
                             "the last complete checkpoint stays usable\n".encode())
@@ -199,7 +199,14 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
             signal.signal(sig, stop)
         code = proc.wait()
         if not marker.exists():  # a stop's mark: every worker of this host saved and ended; torchrun's own exit
-            if code:            # is not 0 when it got the signal too
+            if first and not first[2]:  # is not 0 when it got the signal too
+                print(f"[stopped] {signal.Signals(first[1]).name} before any worker of this node started (torchrun "
+                      "was starting them or waiting for the other nodes): nothing was trained by this launch; run "
+                      "the same command again", flush=True)
+                return EXIT_STOPPED
+            if code < 0:  # torchrun itself ended by a signal: the shell's 128 + N, not sys.exit's 256 - N
+                code = 128 - code
+            if code:
                 for line in failed_ranks(logs, started):
                     print(line, file=sys.stderr, flush=True)
             return code
@@ -269,19 +276,21 @@ def worker_env(environ, marker: Path, deadline: float | None) -> dict:
     return env
 
 
-def _signal_workers(pid: int, sig: int) -> None:
-    """`sig` to torchrun's workers (each in a session of its own), or to torchrun while it has none yet."""
+def _signal_workers(pid: int, sig: int) -> bool:
+    """`sig` to torchrun's workers (each in a session of its own), or to torchrun while it has none yet; whether
+    there were workers."""
     import psutil
 
     try:
         workers = psutil.Process(pid).children()
     except psutil.NoSuchProcess:
-        return
+        return False
     for target in workers or [psutil.Process(pid)]:
         try:
             target.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+    return bool(workers)
 
 
 def _kill_tree(pid: int) -> None:
