@@ -298,11 +298,17 @@ def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeyp
         "kind": "neff", "dir": "/local/neff", "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR"}
 
 
-def test_profile_freq_past_the_last_step_is_refused(tmp_path):
-    proc = run_example("train_native_qwen3.py", "--steps", "2", "--profile", "--profile_freq", "3",
-                       "--out_dir", str(tmp_path / "o"), check=False)
+@pytest.mark.parametrize("args, needle", [
+    (("--steps", "2", "--profile", "--profile_freq", "3"), "--profile_freq 3 is more than --steps 2"),
+    (("--steps", "3", "--profile", "--profile_freq", "1"), "--profile_freq 1 leaves the profiler no warm-up step"),
+    (("--steps", "1", "--profile"), "--steps 1 leaves the profiler no warm-up step"),
+    (("--steps", "2", "--profile_freq", "2"), "--profile_freq 2 traces nothing without --profile"),
+])
+def test_profile_settings_that_would_trace_nothing_are_refused(tmp_path, args, needle):
+    proc = run_example("train_native_qwen3.py", *args, "--out_dir", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2
-    assert_clean_error(proc, "--profile_freq 3 is more than --steps 2")
+    assert_clean_error(proc, needle)
+    assert not (tmp_path / "o").exists()
 
 
 NEURON_PROFILER_ON_CPU = """

@@ -98,7 +98,7 @@ class Guards:
                 "--profile_freq. The run's memory is then not compared with the plan (the profiler's buffers)"})
     profile_freq: int = field(default=0, metadata={
         "help": "with --profile: trace step N and its multiples, as torchtitan's profiler.profile_freq (the steps "
-                "just before each, up to 3, are the profiler's warm-up); 0: the last step (--steps)",
+                "just before each, 1 to 3, are the profiler's warm-up, so at least 2); 0: the last step (--steps)",
         **cli.bounds(0, 10**7)})
     tensorboard: bool = field(default=False, metadata={
         "help": "torchtitan's TensorBoard logging into OUT_DIR/tb (loss, grad norm, memory, throughput, MFU)"})
@@ -195,6 +195,7 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     """The guarded run: the out_dir held, then a dry run, or check -> launch -> train."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
+    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)  # flags alone: refused before the out_dir exists
     out_dir = hold(cfg)
     if cfg.dry_run:
         return dry_run(recipe, cfg, out_dir)
@@ -216,11 +217,10 @@ def hold(cfg) -> Path:
 
 
 def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
-    """The checks before a launch: batch split, profile steps, the outputs, this host, the inputs, the resume
+    """The checks before a launch: batch split, the outputs, this host, the inputs, the resume
     record. Each failure is one UserError."""
     world_size = launcher.planned_world_size(cfg)
     launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
-    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)
     export.check_replaceable(out_dir)
     check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training

@@ -105,12 +105,20 @@ PROFILE_TRACE = "iteration_{step}/rank*_trace.json.gz"  # torchtitan's names for
 
 
 def check_profile(profile: bool, profile_freq: int, steps: int) -> None:
-    """--profile_freq past --steps would trace nothing: refused before anything runs."""
+    """Settings that would trace nothing, refused before anything runs: --profile_freq without --profile or past
+    --steps, and a traced step with no step before it (torch.profiler's warm-up: without one, the trace torchtitan
+    writes holds its metadata and no step)."""
     from common.errors import UserError
 
+    if profile_freq and not profile:
+        raise UserError(f"--profile_freq {profile_freq} traces nothing without --profile: add --profile")
     if profile and profile_freq > steps:
         raise UserError(f"--profile_freq {profile_freq} is more than --steps {steps}: no step would be traced; trace "
                         "a step the run reaches (0: the last one)")
+    if profile and profile_every(steps, profile_freq) < 2:
+        what = f"--profile_freq {profile_freq}" if profile_freq else f"--steps {steps}"
+        raise UserError(f"{what} leaves the profiler no warm-up step before the traced one, and its trace would hold "
+                        "no step: trace every 2nd step or more (--profile_freq 2), or run 2 steps or more")
 
 
 def profile_every(steps: int, profile_freq: int) -> int:
@@ -135,7 +143,7 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
     tc.profiler.save_traces_folder = PROFILE_FOLDER
     tc.profiler.profile_freq = every
     tc.profiler.profiler_active = 1
-    tc.profiler.profiler_warmup = min(3, every - 1)
+    tc.profiler.profiler_warmup = min(3, every - 1)  # at least 1: check_profile
     activities = "CPU"
     if device_type == "neuron":
         from common.device import neuron_available
