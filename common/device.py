@@ -14,6 +14,7 @@ import platform
 import resource
 import socket
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
@@ -168,27 +169,38 @@ def route_torchtitan_device(device_type: str) -> None:
     tt_utils.device_module = _cpu_device_module() if device_type == "cpu" else getattr(torch, device_type)
 
 
-def set_neuron_env(lnc: int, neff_cache_dir: str | None) -> dict[str, str]:
+NEFF_CACHE_VAR = "TORCH_NEURONX_NEFF_CACHE_DIR"  # TorchNeuron's NEFF cache; unset, it is /tmp/neff_cache
+
+
+def neff_cache_dir(flag: str | None, out_dir: Path) -> str:
+    """The NEFF cache of a run: --neff_cache_dir, else TORCH_NEURONX_NEFF_CACHE_DIR where the user set it, else
+    OUT_DIR/neff_cache (durable beside the run, not TorchNeuron's /tmp/neff_cache that a new host starts without)."""
+    return str(Path(flag or os.environ.get(NEFF_CACHE_VAR) or Path(out_dir) / "neff_cache").absolute())
+
+
+def set_neuron_env(lnc: int, neff_cache_dir: str) -> dict[str, str]:
     """Neuron runtime/compiler settings from config fields, in one place (Trainium only): LNC (logical
-    NeuronCore size) must match the NKI kernels' launch grid; the NEFF cache keeps compiled graphs across runs."""
+    NeuronCore size) must match the NKI kernels' launch grid; the NEFF cache keeps compiled graphs across runs,
+    always set, so the folder the pilot watches is the one TorchNeuron writes."""
     global _neuron_env_set
-    env = {"NEURON_LOGICAL_NC_CONFIG": str(lnc)}
-    if neff_cache_dir:
-        env["TORCH_NEURONX_NEFF_CACHE_DIR"] = neff_cache_dir
+    env = {"NEURON_LOGICAL_NC_CONFIG": str(lnc), NEFF_CACHE_VAR: neff_cache_dir}
     os.environ.update(env)
     _neuron_env_set = True
     return env
 
 
-def setup(requested: str = "auto", *, lnc: int = 2, timeout_s: int = 600) -> DeviceInfo:
+def setup(requested: str = "auto", *, lnc: int = 2, neff_cache_dir: str | None = None,
+          timeout_s: int = 600) -> DeviceInfo:
     """Choose the device, fill in the launcher variables for plain `python`, route torchtitan to the device, and
-    create the process group (torchtitan reuses it). Neuron settings first: the runtime reads them at start."""
+    create the process group (torchtitan reuses it). Neuron settings first: the runtime reads them at start
+    (`neff_cache_dir`: the run's, see neff_cache_dir(); None: the variable's or TorchNeuron's default)."""
     import torch
     import torch.distributed as dist
 
     device_type = resolve_device_type(requested)
     if device_type == "neuron":
-        print(f"[neuron] {set_neuron_env(lnc, os.environ.get('TORCH_NEURONX_NEFF_CACHE_DIR'))}", flush=True)
+        cache = neff_cache_dir or os.environ.get(NEFF_CACHE_VAR) or "/tmp/neff_cache"
+        print(f"[neuron] {set_neuron_env(lnc, cache)}", flush=True)
     fill_single_process_env()
     try:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))

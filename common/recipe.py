@@ -56,6 +56,10 @@ class TrainConfig:
         **cli.bounds(above=0.0, high=1000.0)})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
                                           **cli.bounds(1, 2)})
+    neff_cache_dir: str | None = field(default=None, metadata={
+        "help": "Trainium: the folder TorchNeuron keeps its compiled graphs (NEFFs) in, TORCH_NEURONX_NEFF_CACHE_DIR "
+                "(default: that variable where set, else OUT_DIR/neff_cache, beside the run: a resume on a new host, "
+                "whose /tmp is empty, compiles nothing again; give every run one folder to share their compiles)"})
 
     EXPORT_TOLERANCE: ClassVar[dict] = {"float32": 1e-5, "bfloat16": 5e-2}  # exported weights, re-read
 
@@ -252,7 +256,7 @@ def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
             print(CORE_ONLY, flush=True)
         export.check_replaceable(out_dir)
         found = inputs(recipe, cfg)
-        dev = device.setup(cfg.device, lnc=cfg.lnc)
+        dev = device.setup(cfg.device, lnc=cfg.lnc, neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, out_dir))
         try:
             return train(recipe, cfg, dev, out_dir, found, Hooks())
         finally:

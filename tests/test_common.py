@@ -141,7 +141,7 @@ def attempt(fn):
 print(device.resolve_device_type("auto"))          # a launcher's or the compatibility parent's choice
 print(attempt(device.neuron_available))             # a parent asking the runtime: refused on every machine
 print(attempt(device.neuron_runtime))
-device.set_neuron_env(2, None)
+device.set_neuron_env(2, "/tmp/neff_cache")
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 print(attempt(device.neuron_runtime))               # the environment is set, the worker has no process group yet
 dist.init_process_group("gloo", rank=0, world_size=1)

@@ -26,7 +26,7 @@ TIME_LIMIT_S = 1800
 REASON = ("needs a Trainium device: common.device.neuron_available() is false here (no torch-neuronx or no "
           "NeuronCore); run on a trn2 host, see docs/first-hour-trn2.md")
 if importlib.util.find_spec("torch_neuronx") is not None:
-    device.set_neuron_env(LNC, None)  # before anything can start the Neuron runtime
+    device.set_neuron_env(LNC, os.environ.get(device.NEFF_CACHE_VAR, "/tmp/neff_cache"))  # before anything can start the Neuron runtime
 pytestmark = pytest.mark.skipif(not (device.neuron_installed() and device.neuron_available()), reason=REASON)
 # The reduced Qwen3-30B-A3B preset of examples/train_moe_nki.py: one rank's tokens (seq 4096 x local batch 1).
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 4096, 2048, 768, 64, 4

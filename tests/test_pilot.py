@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from common import device
 from conftest import ROOT, assert_clean_error, read_results, run_example, script_env
 
 PILOT = ("timing", "flops_per_token", "mfu", "peak_flops_per_device", "memory", "cost")
@@ -286,16 +287,26 @@ def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeyp
     assert pilot.CompileCacheWatch(None, "cpu").result()["state"] == "none"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
     assert pilot.compile_cache_folder("cpu", compiled=True) == where
-    for var in ("TORCH_NEURONX_NEFF_CACHE_DIR", "NEURON_CC_FLAGS"):
-        monkeypatch.delenv(var, raising=False)
-    assert pilot.compile_cache_folder("neuron", compiled=False)["dir"] == "/var/tmp/neuron-compile-cache"
-    monkeypatch.setenv("NEURON_CC_FLAGS", "--model-type=transformer --cache_dir /nvme/neff -O1")
-    assert pilot.compile_cache_folder("neuron", compiled=False)["dir"] == "/nvme/neff"
-    monkeypatch.setenv("NEURON_CC_FLAGS", "--cache_dir=/nvme/neff2")
-    assert pilot.compile_cache_folder("neuron", compiled=False)["dir"] == "/nvme/neff2"
-    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/local/neff")
-    assert pilot.compile_cache_folder("neuron", compiled=False) == {
-        "kind": "neff", "dir": "/local/neff", "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR"}
+    # Neuron: the folder the run sets is the folder watched, and only NEFFs count (not a lock or a log beside them)
+    monkeypatch.delenv("TORCH_NEURONX_NEFF_CACHE_DIR", raising=False)
+    assert pilot.compile_cache_folder("neuron", compiled=False)["dir"] == "/tmp/neff_cache"  # TorchNeuron's own
+    out = tmp_path / "run"
+    assert device.neff_cache_dir(None, out) == str(out / "neff_cache")  # beside the run, a folder that lasts
+    assert device.neff_cache_dir("/fsx/neff", out) == "/fsx/neff"
+    cache = device.neff_cache_dir(None, out)
+    for var in ("TORCH_NEURONX_NEFF_CACHE_DIR", "NEURON_LOGICAL_NC_CONFIG"):  # restored after the test
+        monkeypatch.setenv(var, "unset")
+    device.set_neuron_env(2, cache)
+    neff = pilot.compile_cache_folder("neuron", compiled=False)
+    assert neff == {"kind": "neff", "dir": str(out / "neff_cache"), "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR"}
+    assert device.neff_cache_dir(None, tmp_path / "other") == str(out / "neff_cache")  # the user's variable
+    watch = pilot.CompileCacheWatch(neff, "neuron")
+    (out / "neff_cache" / "MODULE_1").mkdir(parents=True)
+    (out / "neff_cache" / "MODULE_1" / "model.lock").write_text("")
+    watch.start()
+    (out / "neff_cache" / "MODULE_1" / "model.neff").write_text("compiled")
+    watch.first_step()
+    assert (watch.result()["entries_before"], watch.result()["entries_after"], watch.result()["state"]) == (0, 1, "cold")
 
 
 @pytest.mark.parametrize("args, needle", [

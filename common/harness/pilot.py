@@ -176,32 +176,17 @@ def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activ
             "format": "Chrome trace JSON, gzipped (chrome://tracing, ui.perfetto.dev, TensorBoard's profile plugin)"}
 
 
-NEFF_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"  # the Neuron persistent cache's documented default folder
-
-
 def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
     """{"kind", "dir", "dir_from"} of the cache this run's compiled graphs go to, or None where nothing is compiled.
-    Neuron compiles every graph with neuronx-cc, eager mode too, into its NEFF cache: TORCH_NEURONX_NEFF_CACHE_DIR
-    (the setting common.device passes), else --cache_dir in NEURON_CC_FLAGS, else the persistent cache's default
-    folder (AWS's documented default, /var/tmp/neuron-compile-cache; which of these torch-neuronx 2.33 reads first
-    is unconfirmed from here). Elsewhere only torch.compile compiles (`compiled`: the Trainer.Config's
-    compile.enable), into inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default a folder in the temp dir)."""
-    import shlex
-
+    Neuron compiles every graph with neuronx-cc, eager mode too, into TorchNeuron's NEFF cache:
+    TORCH_NEURONX_NEFF_CACHE_DIR, which common.device.setup sets for every Neuron run (the run's --neff_cache_dir;
+    unset, TorchNeuron writes /tmp/neff_cache). Elsewhere only torch.compile compiles (`compiled`: the
+    Trainer.Config's compile.enable), into inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default a folder in the
+    temp dir)."""
     if device_type == "neuron":
-        if os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR"):
-            return {"kind": "neff", "dir": os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"],
-                    "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR"}
-        try:
-            flags = shlex.split(os.environ.get("NEURON_CC_FLAGS", ""))
-        except ValueError:  # unbalanced quotes: neuronx-cc would not read them either
-            flags = []
-        for i, flag in enumerate(flags):
-            if flag.startswith("--cache_dir="):
-                return {"kind": "neff", "dir": flag.split("=", 1)[1], "dir_from": "NEURON_CC_FLAGS --cache_dir"}
-            if flag == "--cache_dir" and i + 1 < len(flags):
-                return {"kind": "neff", "dir": flags[i + 1], "dir_from": "NEURON_CC_FLAGS --cache_dir"}
-        return {"kind": "neff", "dir": NEFF_CACHE_DEFAULT, "dir_from": "the default"}
+        folder = os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
+        return {"kind": "neff", "dir": folder or "/tmp/neff_cache",
+                "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR" if folder else "TorchNeuron's default"}
     if not compiled:
         return None
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # private in torch 2.14
@@ -210,9 +195,10 @@ def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
             "dir_from": "TORCHINDUCTOR_CACHE_DIR" if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else "the default"}
 
 
-def count_entries(folder) -> int:
-    """The files under `folder`, at any depth (0 where there is no such folder): a compile adds at least one."""
-    return sum(len(files) for _, _, files in os.walk(folder))
+def count_entries(folder, suffix: str = "") -> int:
+    """The files under `folder` whose names end with `suffix`, at any depth (0 where there is no such folder): a
+    compile adds at least one (a NEFF cache: one .neff per compiled graph)."""
+    return sum(1 for _, _, files in os.walk(folder) for name in files if name.endswith(suffix))
 
 
 class CompileCacheWatch:
@@ -223,15 +209,16 @@ class CompileCacheWatch:
 
     def __init__(self, where: dict | None, device_type: str):
         self.where, self.device_type = where, device_type
+        self.suffix = ".neff" if where is not None and where["kind"] == "neff" else ""  # NEFFs, not their locks
         self.before = self.after = None
 
     def start(self) -> None:
         if self.where is not None:
-            self.before = count_entries(self.where["dir"])
+            self.before = count_entries(self.where["dir"], self.suffix)
 
     def first_step(self) -> None:
         if self.where is not None and self.after is None:
-            self.after = count_entries(self.where["dir"])
+            self.after = count_entries(self.where["dir"], self.suffix)
 
     def result(self) -> dict:
         if self.where is None:
