@@ -78,15 +78,35 @@ def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
     if not Path(folder).is_dir():
         raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
                         "pointing at a torchtitan checkout's tests/assets/c4_test)")
+    read_until_text(folder, "train", f"dataset folder {folder}", "there is nothing to train on")
+    return "c4_test", str(Path(folder).resolve())
+
+
+def refuse_special_files(folder: str | Path, what: str) -> None:
+    """A FIFO, socket or device in a data folder is one UserError starting with `what`: `datasets` would not list
+    it as data, or would block reading it."""
+    from common.results import not_a_file
+
+    for entry in sorted(Path(folder).iterdir()):
+        kind = not_a_file(entry)
+        if kind is not None and kind != "a folder":
+            raise UserError(f"{what}: {entry.name} is {kind}, not a file of JSON lines: move it out of the folder")
+
+
+def read_until_text(folder: str | Path, split: str, what: str, empty: str) -> None:
+    """Read the `split` of a folder of JSON lines as torchtitan will (`datasets`, streaming) until a non-empty
+    `text` turns up. A file there that is not a regular file (a FIFO would block the read forever), data that is
+    not JSON lines with a `text` field, or only empty texts is one UserError starting with `what` (`empty`: what
+    having none means)."""
+    refuse_special_files(folder, what)
     import datasets
 
     datasets.disable_progress_bars()
     try:
-        rows = datasets.load_dataset(str(folder), split="train", streaming=True)
+        rows = datasets.load_dataset(str(folder), split=split, streaming=True)
         found = next((r for r in rows if isinstance(r.get("text"), str) and r["text"].strip()), None)
     except Exception as e:  # datasets raises many types (no files, bad JSON, binary data, schema)
-        raise UserError(f"dataset folder {folder} cannot be read as JSON lines with a 'text' field: "
+        raise UserError(f"{what} cannot be read as JSON lines with a 'text' field: "
                         f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
     if found is None:
-        raise UserError(f"dataset folder {folder} holds no non-empty 'text': there is nothing to train on")
-    return "c4_test", str(Path(folder).resolve())
+        raise UserError(f"{what} holds no non-empty 'text': {empty}")

@@ -207,3 +207,53 @@ def test_a_local_held_out_folder_replaces_the_hubs_c4_and_the_hub_is_named(tmp_p
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="give --eval_dataset_path"):
         eval_dataset(("c4_test", str(train)))
+
+
+def _held_out(folder: Path, case: str) -> Path:
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps({"text": "a training document"}) + "\n")
+    target = folder / "validation.jsonl"
+    if case == "empty":
+        target.write_text("")
+    elif case == "not UTF-8":
+        target.write_bytes(b"\xff\xfe\x00garbage\x81\n")
+    elif case == "no text field":
+        target.write_text(json.dumps({"content": "held out"}) + "\n")
+    elif case == "only empty texts":
+        target.write_text(json.dumps({"text": "  "}) + "\n")
+    elif case == "a FIFO":
+        import os
+
+        os.mkfifo(target)
+    return folder
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("empty", "holds no non-empty 'text'"), ("not UTF-8", "cannot be read as JSON lines"),
+    ("no text field", "cannot be read as JSON lines with a 'text' field"),
+    ("only empty texts", "holds no non-empty 'text'"),
+    ("a FIFO", "validation.jsonl is a FIFO"),
+])
+def test_held_out_data_is_read_before_anything_is_built(tmp_path, case, needle):
+    """Held-out data is read as the training data is, before a launch: until a held-out text turns up. Each way it
+    can fail is one UserError naming the folder, from --eval_dataset_path and from the training folder's own split
+    (torchtitan's validator would fail after step 1 with StopIteration, KeyError 'text' or a decode error)."""
+    folder = _held_out(tmp_path / "data", case)
+    with pytest.raises(UserError, match=re.escape(needle)) as given:
+        evaluation.eval_dataset(("c4_test", str(tmp_path)), str(folder), read=True)
+    assert "--eval_dataset_path" in str(given.value)
+    with pytest.raises(UserError, match=re.escape(needle)):
+        evaluation.eval_dataset(("c4_test", str(folder)), read=True)
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "validation.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
+    assert evaluation.eval_dataset(("c4_test", str(folder)), str(good), read=True)[0] == "local_validation"
+
+
+def test_text_less_held_out_data_is_one_line_before_step_1(tmp_path):
+    folder = _held_out(tmp_path / "data", "no text field")
+    out = tmp_path / "o"
+    proc = run_example("train_native_qwen3.py", "--steps", "1", "--eval_every", "1", "--eval_dataset_path",
+                       str(folder), "--out_dir", str(out), check=False)
+    assert_clean_error(proc, "cannot be read as JSON lines with a 'text' field")
+    assert not (out / "losses.jsonl").exists() and not (out / "results.json").exists()

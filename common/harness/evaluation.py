@@ -57,19 +57,32 @@ def _offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def eval_dataset(training: tuple[str, str], held_out: str | None = None) -> tuple[str, str | None, str]:
+def eval_dataset(training: tuple[str, str], held_out: str | None = None,
+                 read: bool = False) -> tuple[str, str | None, str]:
     """(torchtitan dataset name, dataset_path, a description) of the held-out data for a run whose training
-    dataset is `training` (paths.training_dataset's (name, folder)); `held_out`: --eval_dataset_path."""
+    dataset is `training` (paths.training_dataset's (name, folder)); `held_out`: --eval_dataset_path. `read`: a
+    local validation split is also read until a held-out text turns up (the checks before a launch), as the
+    training data is: its failure would otherwise come from torchtitan's validator after step 1, with nothing saved."""
     if held_out:
         if not Path(held_out).is_dir():
             raise UserError(f"--eval_dataset_path {held_out} is not a folder: give a folder of JSON lines with a "
                             "validation split (validation*.jsonl)")
+        if read:
+            paths.refuse_special_files(held_out, f"--eval_dataset_path {held_out}")
         if not has_validation_split(held_out):
             raise UserError(f"--eval_dataset_path {held_out} has no validation split: name its held-out files "
                             "validation*.jsonl (or .json), with a 'text' field")
+        if read:
+            paths.read_until_text(held_out, "validation", f"the validation split of --eval_dataset_path {held_out}",
+                                  "there is nothing to evaluate on")
         return LOCAL_VALIDATION, str(Path(held_out).resolve()), f"the validation split of {held_out}"
     folder = training[1]
+    if read:
+        paths.refuse_special_files(folder, f"--eval_every: dataset folder {folder}")
     if has_validation_split(folder):
+        if read:
+            paths.read_until_text(folder, "validation", f"--eval_every: the validation split of {folder}",
+                                  "there is nothing to evaluate on (--eval_dataset_path gives another folder)")
         return LOCAL_VALIDATION, folder, f"the validation split of {folder}"
     corpus = paths.CACHE_DIR / paths.FOLDERS["corpus"]
     if Path(folder).resolve() == corpus.resolve():

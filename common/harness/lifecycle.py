@@ -162,7 +162,7 @@ def preflight(recipe: Recipe, cfg) -> Inputs:
         require_stack("trn2", getattr(recipe, "stack", "native"), **options)
     found = inputs(recipe, cfg)
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
-        eval_dataset(found.dataset, cfg.eval_dataset_path)
+        eval_dataset(found.dataset, cfg.eval_dataset_path, read=True)
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     if found.shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
