@@ -245,28 +245,66 @@ def _short(items: list[str], n: int = 5) -> str:
     return "[" + ", ".join(items[:n]) + "]" + more
 
 
+ROUND_TRIP = "Qwen3 trains on Trainium: 4096 tokens, 8 steps."  # a text every language-model tokenizer keeps
+
+
 def check_tokenizer(folder: str | os.PathLike, hint: str = "") -> Path:
-    """The folder's tokenizer.json, read as the trainer will read it: missing or malformed is one UserError. Bytes read
-    once are known by their sha256 (with the tokenizers version) in the cache folder: 0.4 s of parsing a run saved."""
-    import hashlib
-
-    import tokenizers
-
+    """The folder's tokenizer.json, read as the trainer will read it, and able to do what training needs: a text
+    encoded into several distinct tokens decodes back to itself. Missing, malformed or degenerate (a one-entry
+    vocabulary trains on token 0) is one UserError. The verdict on bytes read once is kept by their sha256 (with the
+    tokenizers version) in the cache folder, with the vocabulary size: 0.4 s of parsing a run saved."""
     path = Path(folder) / "tokenizer.json"
     require_regular_file(path)
     if not path.is_file():
         raise UserError(f"no tokenizer.json in {folder}{hint}")
-    content = f"{hashlib.sha256(path.read_bytes()).hexdigest()}-{tokenizers.__version__}"
-    read = CACHE_DIR.parent / "tokenizers-read" / content
-    if not read.is_file():
-        try:
-            tokenizers.Tokenizer.from_file(str(path)).encode("Hello world")
-        except Exception as e:  # the Rust side raises plain Exceptions whose text names the defect
-            raise UserError(f"{path} cannot be read as a tokenizer: {str(e).splitlines()[0][:200]}") from None
-        with contextlib.suppress(OSError):  # a cache that cannot be written: parsed again next time
-            read.parent.mkdir(parents=True, exist_ok=True)
-            read.touch()
+    _tokenizer_facts(path)
     return Path(folder).resolve()
+
+
+def tokenizer_vocab_size(folder: str | os.PathLike) -> int:
+    """The number of token ids a checked tokenizer (check_tokenizer) can produce, added tokens included."""
+    return _tokenizer_facts(Path(folder) / "tokenizer.json")["vocab_size"]
+
+
+def check_vocab_fits(folder: str | os.PathLike, model_vocab: int, where: str) -> None:
+    """Every id the tokenizer produces must be a row of the model's embedding: a larger vocabulary would index past
+    it (on CPU an error at step 1, on a device possibly garbage)."""
+    have = tokenizer_vocab_size(folder)
+    if have > model_vocab:
+        raise UserError(f"the tokenizer in {folder} has {have} tokens and the model ({where}) only {model_vocab} "
+                        "embedding rows: use the model's own tokenizer (--hf_assets)")
+
+
+def _tokenizer_facts(path: Path) -> dict:
+    import hashlib
+
+    import tokenizers
+
+    content = f"{hashlib.sha256(path.read_bytes()).hexdigest()}-{tokenizers.__version__}"
+    marker = CACHE_DIR.parent / "tokenizers-read" / content
+    with contextlib.suppress(OSError, ValueError):  # a regular file this check wrote, never a link followed
+        if not_a_file(marker) is None and not marker.is_symlink():
+            facts = json.loads(marker.read_text())
+            if isinstance(facts, dict) and facts.get("round_trip") == ROUND_TRIP and \
+                    isinstance(facts.get("vocab_size"), int):
+                return facts
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+        ids = tok.encode(ROUND_TRIP).ids
+        back = tok.decode(ids)
+    except Exception as e:  # the Rust side raises plain Exceptions whose text names the defect
+        raise UserError(f"{path} cannot be read as a tokenizer: {str(e).splitlines()[0][:200]}") from None
+    if len(set(ids)) < 2 or back.strip() != ROUND_TRIP:
+        raise UserError(f"{path} is not a language model's tokenizer: {ROUND_TRIP!r} encodes to {len(ids)} token(s) "
+                        f"{ids[:8]} and decodes to {back[:80]!r}")
+    facts = {"round_trip": ROUND_TRIP, "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
+    with contextlib.suppress(OSError):  # a cache that cannot be written: parsed again next time
+        from common.results import atomic_write_text
+
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        if not marker.is_symlink():
+            atomic_write_text(marker, json.dumps(facts))
+    return facts
 
 
 # --------------------------------------------------------------------------- config.json both ways

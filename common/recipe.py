@@ -136,6 +136,10 @@ def inputs(recipe: Recipe, cfg) -> Inputs:
                                            found.hf_folder or "the model's config.json")
         if cfg.seq_len > positions:
             raise UserError(f"--seq_len {cfg.seq_len} is more than the model's {positions} positions")
+        if found.tokenizer_dir and "vocab_size" in found.shape:
+            checkpoint.check_vocab_fits(found.tokenizer_dir, checkpoint.config_value(
+                found.shape, "vocab_size", int, found.hf_folder or "the model's config.json"),
+                str(found.hf_folder or "its config.json"))
     return found
 
 

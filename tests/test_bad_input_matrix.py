@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.errors import UserError
 from conftest import ROOT, assert_clean_error, run_example
 
 
@@ -305,6 +306,62 @@ def test_malformed_tokenizer(tmp_path, prepared_assets):
     (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
     proc = run_example("train_moe_nki.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"), check=False)
     assert_clean_error(proc, "cannot be read as a tokenizer")
+
+
+def _one_token_tokenizer(folder):
+    """A tokenizer that parses and encodes without an error, and maps every text to token 0."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    folder.mkdir()
+    Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_degenerate_tokenizer_is_refused_whatever_its_cache_marker_says(tmp_path, prepared_assets):
+    """A one-entry vocabulary encodes "Hello world" without an error (the check this replaced), and would train on
+    token 0: a text must encode into distinct tokens and decode back. The verdict kept in the cache folder is a
+    file this check wrote: a marker made by hand (empty) does not skip the check, a dangling link there is never
+    followed (its target is not created)."""
+    import hashlib
+
+    import tokenizers
+
+    from common import checkpoint
+
+    folder = _one_token_tokenizer(tmp_path / "tok")
+    data = (folder / "tokenizer.json").read_bytes()
+    marker = checkpoint.CACHE_DIR.parent / "tokenizers-read" / \
+        f"{hashlib.sha256(data).hexdigest()}-{tokenizers.__version__}"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    target = tmp_path / "created_through_the_link"
+    try:
+        marker.write_text("")
+        with pytest.raises(UserError, match="is not a language model's tokenizer"):
+            checkpoint.check_tokenizer(folder)
+        marker.unlink()
+        marker.symlink_to(target)
+        with pytest.raises(UserError, match="is not a language model's tokenizer"):
+            checkpoint.check_tokenizer(folder)
+        assert not target.exists() and marker.is_symlink()
+    finally:
+        marker.unlink(missing_ok=True)
+    proc = run_example("train_native_qwen3.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"),
+                       check=False)
+    assert_clean_error(proc, "is not a language model's tokenizer", "encodes to")
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, prepared_assets):
+    """The set-up's Qwen3 tokenizer (151,669 ids) against a Qwen3 checkpoint with 1,000 embedding rows."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    ckpt = tmp_path / "small_vocab"
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=1024)).save_pretrained(ckpt)
+    proc = run_example("train_native_qwen3.py", "--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"),
+                       check=False)
+    assert_clean_error(proc, "has 151669 tokens and the model", "only 1000 embedding rows")
 
 
 @pytest.mark.parametrize("script", ["train_native_qwen3.py", "train_hf_backend.py", "train_moe_nki.py",
