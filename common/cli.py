@@ -168,10 +168,17 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
 
 
 def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[str] | None,
-                 description: str, default_preset: str):
-    """Preset first, then the flags given; returns the resolved dataclass instance."""
+                 description: str, default_preset: str, unknown_hint: str | None = None):
+    """Preset first, then the flags given; returns the resolved dataclass instance. `unknown_hint`: why a flag may
+    be unknown here, added to argparse's `unrecognized arguments` line."""
     parser = build_parser(cls, presets, description, default_preset)
-    args = vars(parser.parse_args(argv))
+    if unknown_hint is None:
+        args = vars(parser.parse_args(argv))
+    else:
+        known, unknown = parser.parse_known_args(argv)
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)} ({unknown_hint})")
+        args = vars(known)
     preset = args.pop("preset")
     cfg = presets[preset]()
     cfg = dataclasses.replace(cfg, preset=preset, **args)
@@ -193,12 +200,13 @@ def check_bounds(cfg) -> None:
 
 
 def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: str,
-            default_preset: str, argv: list[str] | None = None, explain: Callable | None = None) -> int:
+            default_preset: str, argv: list[str] | None = None, explain: Callable | None = None,
+            unknown_hint: str | None = None) -> int:
     """Parse, run `main(cfg)`, and turn a UserError into one line on stderr and exit code 2 (a full disk too:
     `explain(exception, cfg)` may name what else a failure means, as one line, or None)."""
     cfg = None
     try:
-        cfg = parse_config(cls, presets, argv, description, default_preset)
+        cfg = parse_config(cls, presets, argv, description, default_preset, unknown_hint)
         main(cfg)
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)

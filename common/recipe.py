@@ -48,7 +48,8 @@ class TrainConfig:
     dataset_path: str | None = field(
         default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
     load_check: bool = field(default=True, metadata={
-        "help": "starting from HF weights: compare the built model with transformers' load of them before step 1"})
+        "help": "starting from HF weights: compare the built model with transformers' load of them before step 1 "
+                "(a guard of common/harness/: a copy of the core alone skips it)"})
     export: bool = field(default=True, metadata={
         "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
     export_tolerance: float | None = field(default=None, metadata={
@@ -247,17 +248,22 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
     return results
 
 
-CORE_ONLY = ("[guards] off: common/harness/ was not copied with common/, so this run has no preflight, out_dir lock, "
-             "resume record, stop signals, self-launch, dry run, pilot report or held-out eval: it trains and exports")
+CORE_ONLY = ("[guards] off: common/harness/ was not copied with common/, so this run has no preflight, load check, "
+             "out_dir lock, resume (it never resumes: a folder holding a checkpoint is refused), stop signals, "
+             "self-launch, dry run, pilot report or held-out eval, and their flags are not taken: it trains, exports "
+             "and checks the export")
+GUARDED_LOCK = ".run.lock"  # the lock file a guarded run leaves in its out_dir (common/harness/launcher.py)
 
 
 def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
-    """Train and export with the core alone: the inputs checked, one process per rank (python or torchrun)."""
+    """Train and export with the core alone: the inputs checked, one process per rank (python or torchrun). It
+    never resumes (no run record says whether a checkpoint is this run's): a folder holding one is refused."""
 
     def main(cfg) -> dict:
         out_dir = cli.check_out_dir(cfg.out_dir).resolve()
         if os.environ.get("RANK", "0") == "0":
             print(CORE_ONLY, flush=True)
+        never_resume(out_dir)
         export.check_replaceable(out_dir)
         found = inputs(recipe, cfg)
         dev = device.setup(cfg.device, lnc=cfg.lnc, neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, out_dir))
@@ -266,4 +272,18 @@ def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
         finally:
             device.teardown()
 
-    return cli.run_cli(main, recipe.config, recipe.presets, recipe.doc, recipe.default_preset, argv)
+    return cli.run_cli(main, recipe.config, recipe.presets, f"{CORE_ONLY}\n\n{recipe.doc}", recipe.default_preset,
+                       argv, unknown_hint="this copy has the core alone: the guards' flags need common/harness/")
+
+
+def never_resume(out_dir: Path) -> None:
+    """The core alone starts every run at step 1: an out_dir holding a checkpoint (which torchtitan would load,
+    whatever run wrote it) or a guarded run's lock is one UserError."""
+    checkpoints = out_dir / "checkpoint"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise UserError(f"--out_dir {out_dir} holds checkpoints ({checkpoints}): the core alone never resumes, having "
+                        "no run record to tell whether they are this run's; choose another --out_dir, or copy "
+                        "common/harness/ too to resume")
+    if (out_dir / GUARDED_LOCK).exists() or (out_dir / GUARDED_LOCK).is_symlink():
+        raise UserError(f"--out_dir {out_dir} is a guarded run's folder (it holds {GUARDED_LOCK}): choose another "
+                        "--out_dir for a run of the core alone")

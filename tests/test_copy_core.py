@@ -33,3 +33,36 @@ def test_example_runs_from_a_copy_of_the_core_alone(name, tmp_path, prepared_ass
         assert results["passed"]
     else:
         assert [m["result"] for m in results["models"]] == ["PASS"]
+
+
+def test_the_core_alone_never_resumes_and_says_what_is_off(tmp_path, capsys):
+    """The core alone (common.recipe.run_core, what a copy without common/harness/ runs), in this process: an
+    out_dir holding a checkpoint (torchtitan would load it, whatever run wrote it, a changed --lr ignored) or a
+    guarded run's lock is one error line, nothing moved; a guard's flag is unknown with the reason; --help and
+    the run's first line say what is off."""
+    from common.recipe import run_core
+    from slow_native_qwen3 import recipe
+
+    native = recipe()
+    out = tmp_path / "o"
+    from common import export
+
+    export.make_owned_dir(out / "checkpoint")  # a run's own checkpoint folder, with a whole step in it
+    (out / "checkpoint" / "step-2").mkdir()
+    (out / "checkpoint" / "step-2" / ".metadata").write_bytes(b"")
+    assert run_core(native, ["--lr", "0.01", "--out_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "holds checkpoints" in err and "never resumes" in err, err
+    assert (out / "checkpoint" / "step-2").is_dir()
+    guarded = tmp_path / "guarded"
+    guarded.mkdir()
+    (guarded / ".run.lock").write_text("")
+    assert run_core(native, ["--out_dir", str(guarded)]) == 2
+    assert "is a guarded run's folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as unknown:
+        run_core(native, ["--eval_every", "2", "--out_dir", str(tmp_path / "x")])
+    assert unknown.value.code == 2
+    assert "--eval_every 2 (this copy has the core alone" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_core(native, ["--help"])
+    assert "[guards] off" in capsys.readouterr().out

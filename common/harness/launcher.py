@@ -18,6 +18,7 @@ from pathlib import Path
 from common.device import GIB
 from common.errors import UserError, one_line
 from common.processes import die_with_parent
+from common.recipe import GUARDED_LOCK
 from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
 
 
@@ -73,7 +74,7 @@ def check_nproc(cfg) -> None:
                         f"and {free:.1f} GiB are free; pass --oversubscribe to start them anyway")
 
 
-LOCK = ".run.lock"  # in OUT_DIR: flock'd for the whole run; holds who holds it
+LOCK = GUARDED_LOCK  # in OUT_DIR: flock'd for the whole run; holds who holds it (a run of the core alone refuses it)
 _held: list[int] = []  # this process's lock descriptors, open until it exits
 # What a lock file of these scripts holds: the line hold_out_dir writes (or nothing, when a run ended before it wrote).
 _LOCK_LINE = re.compile(rb"(pid [0-9]+ on [^\n]* since [^\n]*\n?)?")
