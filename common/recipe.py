@@ -57,6 +57,11 @@ class TrainConfig:
         **cli.bounds(above=0.0, high=1000.0)})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
                                           **cli.bounds(1, 2)})
+    comm_timeout_s: int = field(default=600, metadata={
+        "help": "seconds a rank waits in a collective before the run is aborted: the process group's timeout before "
+                "step 1 and torchtitan's comm.train_timeout_seconds after it (its own default, 100 s, aborts a "
+                "checkpoint or stop save in which a rank waits longer for the slowest shard write); raise it for "
+                "large checkpoints on slow storage", **cli.bounds(10, 7 * 24 * 3600)})
     neff_cache_dir: str | None = field(default=None, metadata={
         "help": "Trainium: the folder TorchNeuron keeps its compiled graphs (NEFFs) in, TORCH_NEURONX_NEFF_CACHE_DIR "
                 "(default: that variable where set, else OUT_DIR/neff_cache, beside the run: a resume on a new host, "
@@ -164,6 +169,7 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: Inputs) -> list[str]:
     tc.training.mixed_precision_param = cfg.dtype
     tc.optimizer = default_adamw(lr=cfg.lr)
     tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    tc.comm.init_timeout_seconds = tc.comm.train_timeout_seconds = cfg.comm_timeout_s  # the group: device.setup
     export.apply_checkpoint_settings(tc, steps=cfg.steps, initial_hf=found.initial_hf, dtype=cfg.dtype)
     return torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
 
@@ -266,7 +272,8 @@ def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
         never_resume(out_dir)
         export.check_replaceable(out_dir)
         found = inputs(recipe, cfg)
-        dev = device.setup(cfg.device, lnc=cfg.lnc, neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, out_dir))
+        dev = device.setup(cfg.device, lnc=cfg.lnc, neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, out_dir),
+                           timeout_s=cfg.comm_timeout_s)
         try:
             return train(recipe, cfg, dev, out_dir, found, Hooks())
         finally:

@@ -112,3 +112,24 @@ def test_the_dry_run_plans_child_dies_with_the_run(tmp_path):
     finally:
         for pid in alive(started):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_one_flag_sets_the_process_groups_timeout_before_and_after_step_1(tmp_path):
+    """torchtitan lowers every process group's timeout to comm.train_timeout_seconds (100 s by default) after the
+    first step: a stop save in which one rank waits longer for the slowest shard write would be aborted. The
+    Trainer.Config a run builds takes --comm_timeout_s there and at the start (device.setup's group, 600 s by
+    default)."""
+    import torch
+
+    from common import device
+    from common.cli import parse_config
+    from common.recipe import Inputs
+    from slow_native_qwen3 import recipe
+
+    native = recipe()
+    device.route_torchtitan_device("cpu")
+    dev = device.DeviceInfo(torch.device("meta"), "cpu", "fake", 0, 0, 1)
+    for argv, seconds in (([], 600), (["--comm_timeout_s", "1800"], 1800)):
+        cfg = parse_config(native.config, native.presets, argv, native.doc, native.default_preset)
+        tc, _ = native.trainer_config(cfg, dev, tmp_path, Inputs())
+        assert (tc.comm.init_timeout_seconds, tc.comm.train_timeout_seconds, cfg.comm_timeout_s) == (seconds,) * 3

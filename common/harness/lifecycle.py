@@ -243,7 +243,7 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
         planned_gib = pilot.planned_gib_in_a_child(
             lambda: dry_run(recipe, cfg, checked.out_dir, ranks=checked.world_size)["total_bytes"],
             device.resolve_device_type(cfg.device), key=checked.record)
-    dev = device.setup(cfg.device, lnc=cfg.lnc,
+    dev = device.setup(cfg.device, lnc=cfg.lnc, timeout_s=cfg.comm_timeout_s,
                        neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, checked.out_dir))
     try:
         results = train(recipe, cfg, dev, checked.out_dir, checked.found,

@@ -118,7 +118,8 @@ nkilib.core.utils.common_types:ExpertAffinityScaleMode.POST_SCALE @ moe
 # absence is reported, not an error.
 CONFIG_FIELDS = """
 torchtitan.trainer:Trainer.Config hf_assets_path dump_folder model_spec optimizer loss dataloader checkpoint training
-    lr_scheduler debug metrics parallelism override compile activation_checkpoint validator @ native hf moe
+    lr_scheduler debug metrics parallelism override compile activation_checkpoint validator comm @ native hf moe
+torchtitan.config.configs:CommConfig init_timeout_seconds train_timeout_seconds @ native hf moe
 torchtitan.components.validate:Validator.Config enable freq steps dataloader @ native hf moe
 torchtitan.config.configs:TrainingConfig steps local_batch_size global_batch_size seq_len mixed_precision_param
     @ native hf moe
