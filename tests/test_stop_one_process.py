@@ -178,6 +178,7 @@ def test_a_rerun_that_is_not_the_same_run_is_refused(checkpointed, tmp_path, pre
     proc = run_example(SCRIPT, *run, "--steps", "8", *args, check=False)
     assert_clean_error(proc, "was written by another run, so this one cannot resume it", named,
                        "start anew with another --out_dir")
+    assert "hf_export" not in proc.stderr  # the checkpoint's run had --no-export: no weights there to continue from
     assert proc.returncode == 2
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == before  # nothing moved or deleted
 

@@ -359,8 +359,10 @@ def check_resume(out_dir: Path, record: dict, steps: int, reshard: bool = False)
     folder = Path(out_dir) / "checkpoint"
     old = read_record(folder, record)
     old, record, hint = compared(old, record, reshard)  # --reshard: the world size may change (harness/reshard.py)
-    way = (f"resume with the checkpoint's settings{hint}, start anew with another --out_dir, or continue from its "
-           f"exported weights with --hf_checkpoint {Path(out_dir) / 'hf_export'} in a new --out_dir")
+    export = Path(out_dir) / "hf_export"  # only where the run that wrote the checkpoints exported (not --no-export)
+    way = (f"resume with the checkpoint's settings{hint} or start anew with another --out_dir" +
+           (f", or continue from its exported weights with --hf_checkpoint {export} in a new --out_dir"
+            if (export / "config.json").is_file() else ""))
     diffs = _differences(old, record)
     if diffs:
         raise UserError(f"{folder} was written by another run, so this one cannot resume it: "
