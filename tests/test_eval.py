@@ -146,6 +146,11 @@ def test_bad_eval_flags_are_one_error_line(tmp_path):
                                    check=False), "--eval_every must not be negative")
     assert_clean_error(run_example("train_moe_nki.py", "--eval_every", "2", "--eval_steps", "0", "--out_dir",
                                    str(tmp_path), check=False), "--eval_steps must be positive")
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    assert_clean_error(run_example("train_native_qwen3.py", "--eval_dataset_path", str(held_out), "--out_dir",
+                                   str(tmp_path / "o"), check=False), "is read only with --eval_every N")
+    assert not (tmp_path / "o").exists()  # refused before the out_dir is made
 
 
 def test_a_folder_without_a_validation_split_uses_c4_validation_from_the_hub(tmp_path, monkeypatch):

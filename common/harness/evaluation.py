@@ -57,6 +57,13 @@ def _offline() -> bool:
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
+def check_eval_flags(every: int, held_out: str | None) -> None:
+    """--eval_dataset_path without --eval_every would be ignored: refused before anything runs."""
+    if held_out and not every:
+        raise UserError(f"--eval_dataset_path {held_out} is read only with --eval_every N: add it (N: evaluate at "
+                        "step 1 and every N steps)")
+
+
 def eval_dataset(training: tuple[str, str], held_out: str | None = None,
                  read: bool = False) -> tuple[str, str | None, str]:
     """(torchtitan dataset name, dataset_path, a description) of the held-out data for a run whose training

@@ -25,7 +25,7 @@ from common import cli, device, export
 from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import explain_failure, check_outputs, check_settings, compare_losses, \
     format_loss_comparison, logit_check, read_reference_losses, whole_history
-from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, eval_dataset, eval_rows
+from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_eval_flags, eval_dataset, eval_rows
 from common.harness.preflight import require_stack, wants_neuron
 from common.processes import die_with_parent
 from common.recipe import Hooks, Inputs, Recipe, inputs, train
@@ -196,6 +196,7 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
     pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)  # flags alone: refused before the out_dir exists
+    check_eval_flags(cfg.eval_every, cfg.eval_dataset_path)
     out_dir = hold(cfg)
     if cfg.dry_run:
         return dry_run(recipe, cfg, out_dir)
