@@ -50,7 +50,7 @@ def test_training_rows_beside_generation_rows(tmp_path, model_assets):
     # The same models checked for image-text-to-text first: text models, so each gets its row at once (EXCLUDED,
     # nothing loaded).
     run_example(SCRIPT, "--task", "image-text-to-text", "--models", ",".join(models), "--out_dir", str(out))
-    run_example(SCRIPT, "--task", "train", "--models", ",".join(models), "--out_dir", str(out))
+    trained = run_example(SCRIPT, "--task", "train", "--models", ",".join(models), "--out_dir", str(out))
     files = sorted(out.glob("*.parquet"))
     assert len(files) == 1, files
     df = pd.read_parquet(files[0])
@@ -65,6 +65,7 @@ def test_training_rows_beside_generation_rows(tmp_path, model_assets):
         assert r["export_max_abs_logit_diff"] <= 1e-4 and "train_hf_backend.py" in r["run_py"]
     moe = train["tiny-qwen3-moe"]  # an architecture the recipe does not train: FAIL, with the reason
     assert moe["result"] == "FAIL" and "Qwen3MoeForCausalLM" in moe["error"]
+    assert not moe["error"].startswith("error") and "error: error:" not in trained.stdout + trained.stderr, moe["error"]
     proc = run_example(SCRIPT, "lookup", str(out), "--task", "train")
     assert proc.stdout.splitlines()[-1] == "3 row(s): 2 PASS, 1 FAIL, 0 EXCLUDED (not failures)"
     assert "train_hf_backend" in proc.stdout

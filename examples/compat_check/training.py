@@ -41,7 +41,8 @@ def train_model(row: dict, folder: Path, out_dir: Path, *, steps: int, lr: float
     row["wall_s"] = time.perf_counter() - start
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        return dict(row, result="FAIL", error=errors[-1] if errors else proc.stderr[-3000:])
+        return dict(row, result="FAIL",  # the training script's own line, without its `error: ` (the row says it)
+                    error=errors[-1].removeprefix("error:").strip() if errors else proc.stderr[-3000:])
     res = json.loads((run_dir / "results.json").read_text())
     losses, check = res["losses"], res["export_check"] or {}
     finite = all(math.isfinite(x) for x in losses)
