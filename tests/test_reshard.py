@@ -228,3 +228,13 @@ def test_the_report_marks_where_the_world_size_changed(tmp_path, capsys):
     assert " 2->1->2 " in table and "2 -> 1 ranks from step 4, 1 -> 2 ranks from step 6" in table
     assert "segments[3] = " in table  # the entry that is not one: named in the notes
     assert report.is_own_report(tmp_path / "r.png")
+
+
+def test_a_debug_trace_path_that_is_not_a_folder_is_one_line_before_the_build(tmp_path, monkeypatch):
+    taken = tmp_path / "a_file"
+    taken.write_text("mine")
+    monkeypatch.setenv(reshard.DEBUG_ENV, str(taken))
+    proc = run_example("train_native_qwen3.py", "--steps", "1", "--no-export", "--out_dir", str(tmp_path / "o"),
+                       check=False)
+    assert_clean_error(proc, f"{reshard.DEBUG_ENV}={taken} is not a folder")
+    assert taken.read_text() == "mine" and not (tmp_path / "o" / "losses.jsonl").exists()

@@ -225,6 +225,7 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     export.check_replaceable(out_dir)
     check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training
+    reshard.check_debug_folder()
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)

@@ -40,6 +40,14 @@ SHARD_KEY = "dataloader.dp_rank_"  # torchtitan's per-shard loader state in a DC
 NO_RESULT = "no result (the process ended without results.json: killed or failed)"
 
 
+def check_debug_folder() -> None:
+    """QWEN3_RECIPES_RESHARD_DEBUG names a folder the ranks write their traces into: anything else already there
+    (a file, a FIFO) is one UserError before anything is built."""
+    debug = os.environ.get(DEBUG_ENV)
+    if debug and Path(debug).exists() and not Path(debug).is_dir():
+        raise UserError(f"{DEBUG_ENV}={debug} is not a folder: name a folder (made if absent) for the ranks' data traces")
+
+
 def _ranks(n: int) -> str:
     return f"{n} rank{'s' * (n != 1)}"
 
