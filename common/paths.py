@@ -75,6 +75,9 @@ def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
     if dataset == "corpus":
         return "c4_test", str(asset_dir("corpus"))
     folder = (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
+    if Path(folder).is_file():
+        raise UserError(f"--dataset takes a folder of JSON lines, and {folder} is a file: pass its folder "
+                        f"({Path(folder).parent}), where the training files are named train*.jsonl")
     if not Path(folder).is_dir():
         raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
                         "pointing at a torchtitan checkout's tests/assets/c4_test)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import struct
 
@@ -497,3 +498,16 @@ def test_export_verify_bad_input_is_one_line(row, prepared_assets, tmp_path):
         assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     else:
         assert not out.exists()
+
+
+def test_a_dataset_given_as_its_file_names_the_folder_to_pass(tmp_path):
+    """`--dataset data/train.jsonl` (the file, not its folder) says which folder to pass, not that it is missing;
+    a FIFO among the training files is named (a read would block forever)."""
+    from common import paths
+
+    folder = _dataset(tmp_path, "data", b'{"text": "a sentence"}\n')
+    with pytest.raises(UserError, match=f"is a file: pass its folder \\({folder}\\)"):
+        paths.training_dataset(str(folder / "train.jsonl"), None)
+    os.mkfifo(folder / "train-2.jsonl")
+    with pytest.raises(UserError, match="train-2.jsonl is a FIFO"):
+        paths.training_dataset(str(folder), None)
