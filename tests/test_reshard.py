@@ -238,3 +238,15 @@ def test_a_debug_trace_path_that_is_not_a_folder_is_one_line_before_the_build(tm
                        check=False)
     assert_clean_error(proc, f"{reshard.DEBUG_ENV}={taken} is not a folder")
     assert taken.read_text() == "mine" and not (tmp_path / "o" / "losses.jsonl").exists()
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"steps": [1, 3]}', b'[{"steps": "1-3"}]', b"\xff\xfe"])
+def test_a_damaged_segments_json_is_refused_never_replaced(tmp_path, content):
+    """segments.json holds the parts of a run on each world size: a damaged one was silently replaced (the 2-rank
+    part disappeared from results.json and the report), while a damaged run.json is refused. Now both are."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / reshard.SEGMENTS).write_bytes(content)
+    proc = run_example("train_native_qwen3.py", "--steps", "1", "--no-export", "--out_dir", str(out), check=False)
+    assert_clean_error(proc, "segments.json is damaged", "left as it is")
+    assert (out / reshard.SEGMENTS).read_bytes() == content

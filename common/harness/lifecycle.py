@@ -226,6 +226,7 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training
     reshard.check_debug_folder()
+    reshard.check_segments(out_dir)
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)

@@ -286,6 +286,28 @@ def dump_state(states: dict, path: Path, is_main: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------ segments.json
+def check_segments(out_dir: Path) -> None:
+    """OUT_DIR/segments.json, where there is one, read as the run record is: a regular file holding the list of
+    parts this module writes. Anything else is one UserError, never silently replaced (the parts of the run on
+    other world sizes would disappear from results.json and the report)."""
+    from common.results import not_a_file
+
+    path = Path(out_dir) / SEGMENTS
+    if not path.exists() and not path.is_symlink():
+        return
+    fix = "it is left as it is; move it away (the run's parts before it are then not reported) or choose another --out_dir"
+    kind = not_a_file(path)
+    if kind is not None or path.is_symlink() and not path.exists():
+        raise UserError(f"{path} is damaged: it is {kind or 'a dangling link'}, not the record of the run's parts: {fix}")
+    try:
+        rows = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"{path} is damaged ({one_line(type(e).__name__ + ': ' + str(e))}): {fix}") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("steps"), list)
+                                             and len(r["steps"]) == 2 for r in rows):
+        raise UserError(f"{path} is damaged (not the list of parts with their steps this run writes): {fix}")
+
+
 def read_segments(out_dir: Path) -> list[dict]:
     path = Path(out_dir) / SEGMENTS
     try:
