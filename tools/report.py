@@ -395,8 +395,8 @@ def load_run(run_dir: str, label: str) -> Run:
     run.steady_step_s = f.number(timing.get("steady_step_s"), "timing.steady_step_s", SECONDS)
     w = f.number(timing.get("warmup_steps_excluded"), "timing.warmup_steps_excluded", COUNT)
     run.warmup_steps_excluded = int(w) if w is not None else None
-    run.compile_or_warmup_s = f.number(timing.get("compile_or_warmup_s"), "timing.compile_or_warmup_s",
-                                       SIGNED_SECONDS)
+    warm_up = f.number(timing.get("compile_or_warmup_s"), "timing.compile_or_warmup_s", SIGNED_SECONDS)
+    run.compile_or_warmup_s = None if warm_up is None else max(warm_up, 0.0)  # an older file's step 1 that was faster
     run.steady_tokens_per_s = f.number(timing.get("steady_tokens_per_s"), "timing.steady_tokens_per_s",
                                        TOKENS_PER_S)
     run.steady_tokens_per_s_per_rank = f.number(timing.get("steady_tokens_per_s_per_rank"),

@@ -257,7 +257,8 @@ def timing(rec, world_size: int) -> dict:
     tps = per_step / steady_s if steady_s > 0 else math.nan
     return {"first_step_s": durations[0], "steady_step_s": steady_s,
             "warmup_steps_excluded": min(excluded, steps - 1), "steady_tokens_per_s": tps,
-            "steady_tokens_per_s_per_rank": tps / world_size, "compile_or_warmup_s": durations[0] - steady_s,
+            "steady_tokens_per_s_per_rank": tps / world_size,
+            "compile_or_warmup_s": max(durations[0] - steady_s, 0.0),  # 0: step 1 no slower (noise, nothing compiled)
             "tokens_per_step": per_step}
 
 
