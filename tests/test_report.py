@@ -260,8 +260,14 @@ def test_a_profiled_run_links_its_traces_and_compares_no_memory(tmp_path, capsys
     data = _with(memory={"peak_gib": [7.4], "planned_gib": 8.5, "comparable": False, "ratio": None,
                          "not_comparable": "profiled run"}, mfu=None,
                  mfu_note="MFU would be 12.2, above 1: the peak 0.001 TFLOPS a device (--peak_tflops) is below")
-    data["profile"] = {"every": 10, "steps": [10], "folder": "profile_traces", "traces": traces}
+    hostile = [{"step": 10, "path": "../../../etc/passwd", "bytes": 1}, {"step": 10, "path": 5, "bytes": 1},
+               {"step": 10, "path": "/etc/passwd", "bytes": 1},
+               {"step": 10, "path": "profile_traces/iteration_10/deleted_trace.json.gz", "bytes": 1}]
+    data["profile"] = {"every": 10, "steps": [10], "folder": "profile_traces", "traces": traces + hostile}
     run = make_run(tmp_path / "runs", "profiled", data)
+    for t in traces:
+        (run / t["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (run / t["path"]).write_bytes(b"trace")
     out = tmp_path / "out" / "r.png"
     assert report.main([str(run), "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -274,4 +280,6 @@ def test_a_profiled_run_links_its_traces_and_compares_no_memory(tmp_path, capsys
     assert "not comparable: a profiled run (--profile)" in text
     md = out.with_suffix(".md").read_text()
     assert "(<../runs/profiled/profile_traces/iteration_10/rank0_trace.json.gz>)" in md
+    assert "passwd>)" not in md and "deleted_trace.json.gz>)" not in md  # named in the notes as text, not linked
+    assert "not a path inside the run's folder: not linked" in text and "moved or deleted" in text
     assert report.load_run(str(run), "p").memory_ratio is None  # panel 4 says "profiled: not comparable"

@@ -348,6 +348,13 @@ def _traces(f: Fields, profile: dict, run_dir: Path) -> list[tuple[str, float | 
             if not isinstance(item, dict):
                 f.note(f"profile.traces[{i}]", item, "not a {path, bytes} object")
             continue
+        rel = Path(path)
+        if rel.is_absolute() or ".." in rel.parts:  # a results.json is untrusted: link only inside its run
+            f.note(f"profile.traces[{i}].path", path, "not a path inside the run's folder: not linked")
+            continue
+        if not (run_dir / rel).is_file():
+            f.note(f"profile.traces[{i}].path", path, "no such file in the run's folder (moved or deleted)")
+            continue
         size = f.number(item.get("bytes"), f"profile.traces[{i}].bytes", BYTES)
         out.append((str(run_dir / path), size))
     return out
