@@ -227,7 +227,14 @@ def test_the_report_marks_where_the_world_size_changed(tmp_path, capsys):
     table = capsys.readouterr().out
     assert " 2->1->2 " in table and "2 -> 1 ranks from step 4, 1 -> 2 ranks from step 6" in table
     assert "segments[3] = " in table  # the entry that is not one: named in the notes
+    assert "the record of the steps between is missing" not in table
     assert report.is_own_report(tmp_path / "r.png")
+    data = json.loads((run / "results.json").read_text())
+    del data["segments"][1]  # the middle part's record lost
+    (run / "results.json").write_text(json.dumps(data))
+    assert report.main([str(run), "--out", str(tmp_path / "r2.png")]) == 0
+    assert "starts at step 6 after a part that ended at step 3: the record of the steps between is missing" in \
+        capsys.readouterr().out
 
 
 def test_a_debug_trace_path_that_is_not_a_folder_is_one_line_before_the_build(tmp_path, monkeypatch):

@@ -368,7 +368,7 @@ def _size_changes(f: Fields, x) -> list[tuple[int, int, int]]:
     if not isinstance(x, list):
         f.note("segments", x, "not a list")
         return []
-    sizes = []
+    sizes, last_step = [], None
     for i, seg in enumerate(x):
         steps = seg.get("steps") if isinstance(seg, dict) else None
         if not (isinstance(steps, list) and steps and seg.get("world_size") is not None):
@@ -376,6 +376,12 @@ def _size_changes(f: Fields, x) -> list[tuple[int, int, int]]:
             continue
         first = f.number(steps[0], f"segments[{i}].steps[0]", STEP)
         ws = f.number(seg.get("world_size"), f"segments[{i}].world_size", WORLD_SIZE)
+        if first is not None and last_step is not None and first != last_step + 1:
+            f.note(f"segments[{i}].steps", steps, f"starts at step {int(first)} after a part that ended at step "
+                   f"{int(last_step)}: the record of the steps between is missing")
+        end = f.number(steps[-1], f"segments[{i}].steps[-1]", STEP) if len(steps) == 2 and steps[-1] is not None \
+            else None
+        last_step = end
         if first is not None and ws is not None:
             sizes.append((int(first), int(ws)))
     return [(first, before, ws) for (_, before), (first, ws) in zip(sizes, sizes[1:]) if ws != before]
