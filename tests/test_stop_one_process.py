@@ -197,6 +197,8 @@ def test_steps_at_or_below_the_newest_checkpoint_train_nothing_and_a_larger_step
         assert_clean_error(proc, f"nothing to train: {out / 'checkpoint' / 'step-3'} is at step 3 and --steps is "
                                  f"{steps}")
     assert (out / "checkpoint" / "step-3" / ".metadata").is_file()
-    run_example(SCRIPT, *run, "--steps", "5", "--checkpoint_every", "4")  # the interval may change
+    proc = run_example(SCRIPT, *run, "--steps", "5", "--checkpoint_every", "4")  # the interval may change
     resumed = read_results(out)
     assert resumed["resumed_from_step"] == 3 and resumed["steps"] == [4, 5]
+    # the learning-rate schedule is torchtitan's over --steps: a shorter (or longer) run decays it otherwise
+    assert "[resume] --steps 5, the checkpoint's run had 6: the learning rate's decay" in proc.stdout, proc.stdout[-2000:]

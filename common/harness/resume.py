@@ -21,7 +21,8 @@ MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "expor
               "loss_tolerance", "load_check", "time_limit", "stop_margin_s", "nproc_per_node", "nnodes", "node_rank",
               "master_addr", "master_port", "oversubscribe", "reshard",
               "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "eval_dataset_path", "tensorboard",
-              "peak_tflops", "price_per_hour", "assumed_mfu", "profile", "profile_freq"}
+              "peak_tflops", "price_per_hour", "assumed_mfu", "profile", "profile_freq", "comm_timeout_s",
+              "neff_cache_dir"}
 
 
 def _weights_identity(folder: str | None) -> dict | None:
@@ -110,7 +111,8 @@ def run_record(script: str, cfg, *, world_size: int, dataset: tuple[str, str] | 
             settings[key] = str(Path(settings[key]).resolve())
     settings["hf_checkpoint"] = _weights_identity(cfg.hf_checkpoint)
     return {"script": script, "world_size": world_size, "settings": settings,
-            "dataset": list(dataset) if dataset else None, "data": _data_identity(dataset)}
+            "dataset": list(dataset) if dataset else None, "data": _data_identity(dataset),
+            "schedule_steps": cfg.steps}  # the LR schedule's length (torchtitan's: warm-up, then decay to --steps)
 
 
 def _differences(old: dict, new: dict) -> list[str]:
@@ -371,6 +373,10 @@ def check_resume(out_dir: Path, record: dict, steps: int, reshard: bool = False)
     if steps <= have[-1]:
         raise UserError(f"nothing to train: {folder / f'step-{have[-1]}'} is at step {have[-1]} and --steps is "
                         f"{steps}; pass a larger --steps to train on from it (the checkpoint is left as it is)")
+    if isinstance(old.get("schedule_steps"), int) and old["schedule_steps"] != steps:
+        print(f"[resume] --steps {steps}, the checkpoint's run had {old['schedule_steps']}: the learning rate's decay "
+              f"(torchtitan's schedule: warm-up, then linear to 0 at the last step) is now spread over {steps} steps, "
+              f"so steps after {have[-1]} train at other learning rates than that run's would have", flush=True)
     return have[-1]
 
 
