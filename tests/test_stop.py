@@ -154,6 +154,24 @@ def test_across_nodes_a_signal_to_one_nodes_launcher_stops_every_node_at_one_ste
     _resumed(out, stopped["step"], uninterrupted)
 
 
+def test_a_node_whose_packages_differ_from_node_0s_is_named_before_the_build(tmp_path, monkeypatch):
+    """Two "nodes" on one host (--nnodes 2, one process each), node 1's transformers another version
+    (tests/other_stack_native.py): every rank gathers the stacks right after the process group exists, and the run
+    ends before anything is built, node 0's console naming node 1 and the package."""
+    port, out = str(_free_port()), tmp_path / "o"
+    monkeypatch.setenv("OTHER_STACK_NODE", "1")
+    entry = str(ROOT / "tests" / "other_stack_native.py")
+    nodes = [start([a if not a.endswith(SCRIPT) else entry for a in example_command(
+        SCRIPT, *TWO_RANKS, "--nnodes", "2", "--node_rank", str(rank), "--master_port", port, "--out_dir", str(out))],
+        tmp_path / f"log{rank}") for rank in (0, 1)]
+    logs = [finish(n) for n in nodes]
+    assert all(n.returncode != 0 for n in nodes), [log[-2000:] for log in logs]
+    named = [line for line in logs[0].splitlines() if line.startswith("error: node 1 (")]
+    assert named and "runs another stack than node 0" in named[0] and "transformers 4.0.0 (node 0: " in named[0], \
+        logs[0][-3000:]
+    assert not (out / "losses.jsonl").exists()
+
+
 def test_a_stop_while_torchrun_waits_for_the_other_nodes_exits_75_with_a_line(tmp_path):
     """Node 0 of two started alone: its torchrun waits for node 1 and has no worker. A SIGUSR1 (SLURM's --signal)
     then reaches no worker: the launch says so and exits 75 (run the same command again), not torchrun's -10 read

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -133,3 +134,38 @@ def test_one_flag_sets_the_process_groups_timeout_before_and_after_step_1(tmp_pa
         cfg = parse_config(native.config, native.presets, argv, native.doc, native.default_preset)
         tc, _ = native.trainer_config(cfg, dev, tmp_path, Inputs())
         assert (tc.comm.init_timeout_seconds, tc.comm.train_timeout_seconds, cfg.comm_timeout_s) == (seconds,) * 3
+
+
+def _fake_fi_info(folder, output: str, code: int = 0):
+    """A `fi_info` on PATH that prints `output` (what libfabric's tool prints per endpoint: `provider: efa` ...)."""
+    folder.mkdir()
+    tool = folder / "fi_info"
+    tool.write_text(f"#!/bin/sh\ncat <<'EOF'\n{output}\nEOF\nexit {code}\n")
+    tool.chmod(0o755)
+    return folder
+
+
+def test_a_multi_node_launch_checks_efa_and_node_0_before_torchrun(tmp_path, monkeypatch):
+    """--nnodes 2 on CPU with --check_efa (always on for --device neuron): `fi_info -p efa` listing no endpoint, or
+    no fi_info at all, is one line naming the node; a node other than 0 waits visibly for node 0's endpoint and
+    names it when it never answers. A host with EFA gets AWS's variables for its workers."""
+    two = ("--steps", "1", "--no-export", "--nnodes", "2", "--master_port", "1", "--rendezvous_wait_s", "2")
+    none = _fake_fi_info(tmp_path / "none", "fi_getinfo: -61 (No data available)", code=61)
+    PATH = os.environ["PATH"]
+    monkeypatch.setenv("PATH", f"{none}:{PATH}")
+    proc = run_example(SCRIPT, *two, "--check_efa", "--out_dir", str(tmp_path / "o1"), check=False)
+    assert_clean_error(proc, "node 0 of 2: `fi_info -p efa` lists no EFA endpoint")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(UserError, match="node 1 of 2: no fi_info on PATH"):
+        launcher.check_efa("node 1 of 2")
+    efa = _fake_fi_info(tmp_path / "efa", "provider: efa\n    fabric: efa\nprovider: efa\n    fabric: efa")
+    monkeypatch.setenv("PATH", f"{efa}:{PATH}")
+    assert launcher.check_efa("node 0 of 2") == 2
+    for var in launcher.EFA_ENV:  # restored after the test
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    launcher.check_nodes(SimpleNamespace(check_efa=True, device="cpu", node_rank=0, nnodes=2))
+    assert {v: os.environ[v] for v in launcher.EFA_ENV} == launcher.EFA_ENV
+    proc = run_example(SCRIPT, *two, "--node_rank", "1", "--out_dir", str(tmp_path / "o2"), check=False)
+    assert "[launch] node 1 of 2: waiting for node 0 at 127.0.0.1:1 (up to 2 s" in proc.stdout, proc.stdout[-2000:]
+    assert_clean_error(proc, "node 1 of 2: node 0's endpoint 127.0.0.1:1 did not accept a connection in 2 s")

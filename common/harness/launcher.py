@@ -74,6 +74,94 @@ def check_nproc(cfg) -> None:
                         f"and {free:.1f} GiB are free; pass --oversubscribe to start them anyway")
 
 
+# AWS's variables for EFA between trn2 hosts (TorchNeuron's multi-node example), set for the workers where unset.
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+
+
+def check_nodes(cfg) -> None:
+    """Before a multi-node launch, on each host: EFA present where it must be (--device neuron, or --check_efa) with
+    AWS's variables set, and node 0's rendezvous endpoint reachable from this node (a node started before node 0
+    waits for it, saying so, up to --rendezvous_wait_s). Each failure is one UserError naming this node."""
+    from common.device import resolve_device_type
+
+    node = f"node {cfg.node_rank} of {cfg.nnodes}"
+    if cfg.check_efa or resolve_device_type(cfg.device) == "neuron":
+        check_efa(node)
+        for var, value in EFA_ENV.items():
+            os.environ.setdefault(var, value)  # the workers inherit them (torchrun passes its environment on)
+    if cfg.node_rank:
+        wait_for_endpoint(cfg.master_addr, cfg.master_port, cfg.rendezvous_wait_s, node)
+
+
+def check_efa(node: str) -> int:
+    """The EFA endpoints `fi_info -p efa` lists (AWS's documented check): none, or no fi_info, is a UserError."""
+    import shutil
+    import subprocess
+
+    fi_info = shutil.which("fi_info")
+    if fi_info is None:
+        raise UserError(f"{node}: no fi_info on PATH: the EFA software (libfabric) is not installed, and the ranks "
+                        "of several hosts talk over EFA (install it, or see docs/first-hour-trn2.md)")
+    try:
+        out = subprocess.run([fi_info, "-p", "efa"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UserError(f"{node}: `fi_info -p efa` did not run: {one_line(str(e))}") from None
+    endpoints = sum(1 for line in out.stdout.splitlines() if line.strip().startswith("provider:")
+                    and line.split(":", 1)[1].strip() == "efa")
+    if out.returncode != 0 or endpoints == 0:
+        raise UserError(f"{node}: `fi_info -p efa` lists no EFA endpoint (exit {out.returncode}: "
+                        f"{one_line(out.stderr or out.stdout) or 'no output'}): this host's EFA is not configured")
+    return endpoints
+
+
+def wait_for_endpoint(addr: str, port: int, wait_s: float, node: str) -> None:
+    """Connect to node 0's rendezvous endpoint until it answers (a TCP connection, closed at once), printing once
+    that this node waits; past `wait_s` seconds, one UserError naming the endpoint."""
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, max(wait_s, 0.1))):
+                return
+        except OSError as e:
+            problem = one_line(e.strerror or str(e))
+        if time.monotonic() >= deadline:
+            raise UserError(f"{node}: node 0's endpoint {addr}:{port} did not accept a connection in {wait_s:g} s "
+                            f"({problem}): start node 0 first, check --master_addr/--master_port and that TCP between "
+                            "the hosts is open (the neuron backend also opens a random port on node 0)")
+        if not said:
+            print(f"[launch] {node}: waiting for node 0 at {addr}:{port} (up to {wait_s:g} s, --rendezvous_wait_s)",
+                  flush=True)
+            said = True
+        time.sleep(1.0)
+
+
+def check_same_stack() -> None:
+    """On a run over several hosts (WORLD_SIZE above LOCAL_WORLD_SIZE), right after the process group exists: every
+    rank's package versions (common.results.versions) gathered over a gloo group; a node whose stack differs from
+    node 0's is one UserError on every rank, naming the node, its host and the packages."""
+    import torch.distributed as dist
+
+    from common import results
+
+    if not dist.is_initialized() or dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        return
+    mine = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(), "versions": results.versions()}
+    everyone: list = [None] * dist.get_world_size()
+    group = dist.new_group(backend="gloo")  # host objects over TCP, whatever the device's backend
+    try:
+        dist.all_gather_object(everyone, mine, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    base = everyone[0]
+    for other in everyone[1:]:
+        differ = sorted(k for k in set(base["versions"]) | set(other["versions"])
+                        if base["versions"].get(k) != other["versions"].get(k))
+        if differ:
+            what = ", ".join(f"{k} {other['versions'].get(k)} (node 0: {base['versions'].get(k)})" for k in differ)
+            raise UserError(f"node {other['node']} ({one_line(other['host'])}) runs another stack than node 0 "
+                            f"({one_line(base['host'])}): {what}; install the same packages on every node")
+
+
 LOCK = GUARDED_LOCK  # in OUT_DIR: flock'd for the whole run; holds who holds it (a run of the core alone refuses it)
 _held: list[int] = []  # this process's lock descriptors, open until it exits
 # What a lock file of these scripts holds: the line hold_out_dir writes (or nothing, when a run ended before it wrote).

@@ -65,6 +65,13 @@ class Guards:
         "help": "with --nnodes: node 0's address, reachable from every host"})
     master_port: int = field(default=29500, metadata={"help": "with --nnodes: a free TCP port on node 0",
                                                       **cli.bounds(1, 65535)})
+    rendezvous_wait_s: float = field(default=600.0, metadata={
+        "help": "with --nnodes, on a node other than 0: how long to wait for node 0's --master_addr:--master_port "
+                "to accept connections before the launch (saying so), then one error line",
+        **cli.bounds(1.0, 86400.0)})
+    check_efa: bool = field(default=False, metadata={
+        "help": "with --nnodes: require EFA (`fi_info -p efa` lists an endpoint) and set AWS's EFA variables for the "
+                "workers where unset; always done for --device neuron"})
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
     reshard: bool = field(default=False, metadata={
@@ -228,7 +235,9 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     reshard.check_debug_folder()
     reshard.check_segments(out_dir)
     launch = launcher.launches(cfg)
-    launcher.check_nproc(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
+    launcher.check_nproc(cfg)
+    if launch and cfg.nnodes > 1:  # EFA and node 0's endpoint, from this host, before torchrun waits on them
+        launcher.check_nodes(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)
     found = preflight(recipe, cfg)
     record = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
@@ -249,6 +258,7 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
     dev = device.setup(cfg.device, lnc=cfg.lnc, timeout_s=cfg.comm_timeout_s,
                        neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, checked.out_dir))
     try:
+        launcher.check_same_stack()  # several hosts: the same packages on each, before anything is built
         results = train(recipe, cfg, dev, checked.out_dir, checked.found,
                         hooks(recipe, cfg, checked, stop, planned_gib=planned_gib))
     finally:

@@ -22,7 +22,7 @@ MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "expor
               "master_addr", "master_port", "oversubscribe", "reshard",
               "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "eval_dataset_path", "tensorboard",
               "peak_tflops", "price_per_hour", "assumed_mfu", "profile", "profile_freq", "comm_timeout_s",
-              "neff_cache_dir"}
+              "neff_cache_dir", "rendezvous_wait_s", "check_efa"}
 
 
 def _weights_identity(folder: str | None) -> dict | None:
