@@ -8,6 +8,10 @@ Each test has a time limit; most of it is neuronx-cc compiling each kernel once.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 import signal
 
 import pytest
@@ -112,3 +116,21 @@ def test_moe_kernels_against_the_pytorch_op():
     for name, got, ref in zip(("out", "x", "scores", "w1", "w2", "w3"), outs + grads, ref_outs + ref_grads):
         err, scale = (got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
         assert err <= BF16_REL * scale, f"{name}: max abs diff {err:.3g} > {BF16_REL} x {scale:.3g}"
+
+
+def test_a_neuron_runs_pilot_fields_memory_neff_cache_and_fallback_ops(tmp_path):
+    """Two steps of the native script on one NeuronCore, as the runbook's step 4 runs it: the device peak of the
+    heaviest step read after a synchronize (not torchtitan's nested-stats 0), the NEFF cache watched where the run
+    set TORCH_NEURONX_NEFF_CACHE_DIR (OUT_DIR/neff_cache: a fresh folder, so cold, with .neff files), and the ops
+    TorchNeuron ran on the CPU read in the training process."""
+    out = tmp_path / "o"
+    env = {k: v for k, v in os.environ.items() if k != device.NEFF_CACHE_VAR}
+    proc = subprocess.run([sys.executable, "examples/train_native_qwen3.py", "--device", "neuron", "--steps", "2",
+                           "--no-export", "--out_dir", str(out)], env=env, capture_output=True, text=True,
+                          timeout=TIME_LIMIT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads((out / "results.json").read_text())
+    assert max(r["memory"]["peak_gib"]) > 0, r["memory"]
+    cache = r["timing"]["compile_cache"]
+    assert cache["dir"] == str(out / "neff_cache") and cache["state"] == "cold" and cache["entries_after"] > 0
+    assert isinstance(r["fallback_ops"]["ops"], list), r["fallback_ops"]

@@ -207,7 +207,10 @@ def test_mfu_is_never_above_one_nor_against_a_peak_that_is_not_positive():
     assert "(--peak_tflops)" in pilot.mfu_warning(over) and "MFU - (left out" in pilot.format_line(over)
     ok = rep(10 * flops)
     assert ok["mfu"] == pytest.approx(0.1) and ok["mfu_note"] is None and pilot.mfu_warning(ok) is None
-    assert "MFU 0.100 of" in pilot.format_line(ok)
+    assert "MFU 0.100 of" in pilot.format_line(ok) and "ran on the CPU" not in pilot.format_line(ok)
+    fell_back = {**ok, "fallback_ops": {"ops": ["aten::_unique2", "aten::nonzero"], "count": 2}}  # a Neuron run's
+    assert pilot.format_line(fell_back).endswith("; 2 op(s) ran on the CPU: aten::_unique2, aten::nonzero")
+    assert pilot.fallback_ops("cpu") is None
     for bad in (0.0, -1e12, float("nan"), float("inf")):
         r = rep(bad, "torchtitan get_peak_flops")
         assert r["mfu"] is None and "not a positive number" in r["mfu_note"], bad

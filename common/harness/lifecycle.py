@@ -365,6 +365,7 @@ class GuardHooks(Hooks):
                               memory=memory, planned_gib=self.planned_gib,
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
                               profile=profile)
+        report["fallback_ops"] = pilot.fallback_ops(dev.device_type)  # Neuron: ops run on the host CPU
         out = {"load_check": self.load_check or None, "eval_losses": eval_rows(mp, self.eval_path),
                "stopped": self.stop.stopped(out_dir), "rank_logs": launcher.launch_logs(out_dir), **report}
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run

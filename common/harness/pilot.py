@@ -424,6 +424,22 @@ def mfu_warning(p: dict) -> str | None:
     return f"warning: no MFU in results.json (mfu: null): {p['mfu_note']}" if p.get("mfu_note") else None
 
 
+def fallback_ops(device_type: str) -> dict | None:
+    """Neuron: the ops TorchNeuron ran on the host CPU instead of the device in this process (they slow a step
+    without failing it), from `torch_neuronx.get_fallback_ops()`, a per-process registry (read in the training
+    process, after the steps). None off Neuron."""
+    if device_type != "neuron":
+        return None
+    import torch_neuronx
+
+    get = getattr(torch_neuronx, "get_fallback_ops", None)
+    if get is None:
+        return {"ops": None, "note": "this torch-neuronx has no get_fallback_ops()"}
+    ops = get() or []
+    names = sorted({str(op) for op in (ops.keys() if isinstance(ops, dict) else ops)})
+    return {"ops": names, "count": len(names)}
+
+
 def format_line(p: dict) -> str:
     t, m = p["timing"], p["memory"]
     peak = p["peak_flops_per_device"]["value"]
@@ -438,7 +454,10 @@ def format_line(p: dict) -> str:
             + ("" if m.get("comparable", True) else " (not comparable: a profiled run)")
             + (f"; cost {p['cost']['run_cost']:.4g} at {p['cost']['price_per_hour']:g}/h" if p["cost"] else "")
             + (f"; {len(p['profile']['traces'])} profile trace(s) in {p['profile']['folder']}"
-               if p.get("profile") else ""))
+               if p.get("profile") else "")
+            + (f"; {p['fallback_ops']['count']} op(s) ran on the CPU: {', '.join(p['fallback_ops']['ops'][:5])}"
+               + (" ..." if p["fallback_ops"]["count"] > 5 else "") if (p.get("fallback_ops") or {}).get("count")
+               else ""))
 
 
 def project(*, steps: int, tokens_per_step: int, flops: int, world_size: int, peak: float, mfu: float,
