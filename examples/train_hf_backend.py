@@ -164,9 +164,10 @@ class HFBackend(Recipe):
         n_checked = hf_fixes.check_rotary_buffers(model)
         tied = bool(found.shape.get("tie_word_embeddings", False))
         hf_fixes.check_embeddings_tied(model, tied)
-        log(f"[hf] {type(model.model).__name__}: {n_checked} rotary buffers match config.json"  # the values the
-            f"{f' (recomputed {len(was_wrong)}: the meta-device build leaves them unset, expected)' if was_wrong else ''}"
-            f"; embeddings tied: {tied}")  # build left are memory garbage: results.json's rotary_buffers_recomputed
+        # The values the meta-device build left are memory garbage: named in results.json, counted here.
+        recomputed = f" (recomputed {len(was_wrong)}: the meta-device build leaves them unset)" if was_wrong else ""
+        log(f"[hf] {type(model.model).__name__}: {n_checked} rotary buffers match config.json{recomputed}; "
+            f"embeddings tied: {tied}")
         return {"init": cfg.init, "model": type(model.model).__name__, "rotary_buffers_recomputed": was_wrong,
                 "embeddings_tied": tied}
 
