@@ -206,7 +206,10 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
     """Build the recipe's trainer, train, export and check: results.json's entries (rank 0 writes it)."""
     from torchtitan.tools.logging import init_logger
 
+    from common import torchtitan_fixes  # after device.setup(): torchtitan binds its device at import
+
     init_logger()  # torchtitan's step lines (loss, tokens/s, memory) on rank 0
+    torchtitan_fixes.quiet_known_noise()
     log = print if dev.is_main else (lambda *a, **k: None)
     log(f"[config] {cli.format_config(cfg)}")
     export.clear_stale_checkpoints(out_dir, dev.is_main)

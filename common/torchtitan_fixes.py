@@ -7,6 +7,8 @@ Each workaround is a named function that says why it exists and when it can go.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
@@ -122,6 +124,45 @@ def apply_trainer_settings(cfg: Trainer.Config, dev: DeviceInfo, *, seed: int) -
     cfg.debug.deterministic = dev.device_type == "cpu"  # reproducible losses on CPU
     cfg.metrics.log_freq = 1  # one line and one recorded loss per step
     return notes
+
+
+# Lines every run printed that ask nothing of the user, each with why (docs/torchtitan-workarounds.md). torchtitan's
+# logger messages (a substring of each):
+KNOWN_NOISE_LOGS = (
+    "has no effect without an initial_load_path",  # CheckpointManager.Config's check at construction: the recipe
+    # sets the load path (or none, for random init) after torchtitan's registry builds the config
+    "Skipping init_distributed",  # common.device.setup creates the process group first, on purpose (Neuron's order)
+    "Error running lspci",  # the device-name probe on a host without pciutils; the name comes from the device
+    "Peak flops undefined for",  # torchtitan's A100 fallback on CPU: the pilot's peak is the run's own
+    "may not be JSON serializable",  # torchtitan's config dump meeting a torch.dtype (written as its repr)
+    "model.safetensors.index.json not found at hf_assets_path",  # a one-file checkpoint's (or random init's) staged
+    # assets: torchtitan writes the HF export as one file, which the export check re-reads like any other
+)
+# and torch's UserWarnings (a regular expression at the start of each):
+KNOWN_NOISE_WARNINGS = (
+    r"DTensor random operators may not have complete support on cpu",  # FSDP's init on a CPU mesh: not a result
+    r"DTensor manual_seed\(\) may not have complete support on cpu",
+    r"'set_vital' is deprecated",  # torchdata's stateful loader calling a deprecated torch hook
+    r"In CPU autocast, but the target dtype is not supported",  # torchtitan's MoE router in float32 on CPU
+)
+
+
+class _KnownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(noise in message for noise in KNOWN_NOISE_LOGS)
+
+
+def quiet_known_noise() -> None:
+    """Workaround: leave out of a run's output the torchtitan and torch lines above, which every run printed (11 to
+    13 lines a run) and none of which a user can act on; every other warning is printed as before. Remove an entry
+    when the torchtitan or torch that printed it no longer does."""
+    for name in ("", "torchtitan.config.configurable"):  # torchtitan logs on the root logger, its configs on theirs
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownNoise) for f in logger.filters):
+            logger.addFilter(_KnownNoise())
+    for message in KNOWN_NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 @contextlib.contextmanager

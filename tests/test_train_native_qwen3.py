@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -151,3 +152,15 @@ def test_export_version_stamp_mismatch_is_reported(tmp_path):
     stamp = version_check({"python": "3.11.7", "torch": "0.0.1"})
     assert stamp["version_mismatch"]["torch"][0] == "0.0.1"
     assert version_check(stamp["reader_versions"])["version_mismatch"] == {}
+
+
+@pytest.mark.parametrize("run", ["native_tiny", "hf_tiny", "moe_tiny_2_ranks"])
+def test_a_clean_run_prints_no_line_the_user_cannot_act_on(run, shared_run):
+    """The shared runs' whole output (each script; the MoE one on 2 ranks): none of the torchtitan and torch lines
+    every run printed that ask nothing of the user (common/torchtitan_fixes.py: 11 to 13 of them a run before)."""
+    from common.torchtitan_fixes import KNOWN_NOISE_LOGS, KNOWN_NOISE_WARNINGS
+
+    out, _ = shared_run(run)
+    text = (out.parent / f"{run}.log").read_text()
+    assert [n for n in KNOWN_NOISE_LOGS if n in text] == []
+    assert [w for w in KNOWN_NOISE_WARNINGS if re.search(w, text)] == []
