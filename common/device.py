@@ -169,7 +169,9 @@ def route_torchtitan_device(device_type: str) -> None:
     tt_utils.device_module = _cpu_device_module() if device_type == "cpu" else getattr(torch, device_type)
 
 
-NEFF_CACHE_VAR = "TORCH_NEURONX_NEFF_CACHE_DIR"  # TorchNeuron's NEFF cache; unset, it is /tmp/neff_cache
+# TorchNeuron's NEFF cache; unset, it is /tmp/neff_cache (TorchNeuron's public source, April 2026:
+# PersistentCacheBackend.cpp lines 21-27, kernels/cache_utils.py lines 8-10; not run on a trn2 host here).
+NEFF_CACHE_VAR = "TORCH_NEURONX_NEFF_CACHE_DIR"
 
 
 def neff_cache_dir(flag: str | None, out_dir: Path) -> str:
