@@ -154,6 +154,7 @@ def test_a_fifo_as_compare_losses_is_refused_not_waited_on(tmp_path):
     proc = run_example(SCRIPT, "--steps", "1", "--compare_losses", str(fifo), "--out_dir", str(tmp_path / "o"),
                        check=False, timeout=120)
     assert_clean_error(proc, f"--compare_losses: {fifo} is a FIFO, not a regular file")
+    assert not (tmp_path / "o").exists()  # refused before the out_dir is made
 
 
 # --------------------------------------------------------------------------- one small real checkpoint, copied by links

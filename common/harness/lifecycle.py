@@ -170,8 +170,6 @@ def preflight(recipe: Recipe, cfg) -> Inputs:
     found = inputs(recipe, cfg)
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
         eval_dataset(found.dataset, cfg.eval_dataset_path, read=True)
-    if cfg.compare_losses:
-        read_reference_losses(cfg.compare_losses)  # a bad reference fails before training
     if found.shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
         dryrun.check_fits(found.shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                           world_size=launcher.planned_world_size(cfg),
@@ -204,6 +202,8 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
         die_with_parent(parent_pid=os.getppid())()
     pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)  # flags alone: refused before the out_dir exists
     check_eval_flags(cfg.eval_every, cfg.eval_dataset_path)
+    if cfg.compare_losses:
+        read_reference_losses(cfg.compare_losses)  # a bad reference (a FIFO too) fails before the out_dir exists
     out_dir = hold(cfg)
     if cfg.dry_run:
         return dry_run(recipe, cfg, out_dir)
