@@ -300,7 +300,7 @@ def read_rankings(path: str | os.PathLike) -> Rankings:
         if parquet:
             import pyarrow.parquet as pq
 
-            table = pq.read_table(p)
+            table = pq.read_table(p, use_threads=False)  # no Arrow thread pool left to exit (rows.read_table)
             names = table.column_names
             if len(set(names)) != len(names):
                 raise ValueError("it names a column more than once")

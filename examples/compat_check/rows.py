@@ -234,11 +234,12 @@ def read_table(path: str | os.PathLike, columns: tuple[str, ...] | None = None, 
             wanted = names if columns is None else [c for c in names if c in columns]
             if "wall_s" in wanted and "wall_s_precise" in names and "wall_s_precise" not in wanted:
                 wanted.append("wall_s_precise")  # wall_s as measured (normalize), where the file has it
-            # closed here, not at interpreter exit: a reader left to the final teardown can abort the process
-            # after its work is done (apache/arrow#34314, "terminate called without an active exception")
+            # closed here, not at interpreter exit, and read on this thread (no Arrow thread pool started): a reader
+            # or pool left to the final teardown can abort the process after its work is done (apache/arrow#34314,
+            # "terminate called without an active exception"); one file of rows is no faster read in parallel
             with pq.ParquetFile(f, metadata=meta, read_dictionary=[c for c in dictionary if c in wanted]) as pf:
-                table = pf.read(columns=wanted)
-        df = table.to_pandas()
+                table = pf.read(columns=wanted, use_threads=False)
+        df = table.to_pandas(use_threads=False)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001  pyarrow raises many types for a bad file; each becomes one line
@@ -266,7 +267,8 @@ def read_cell(path: str | os.PathLike, index: int, column: str) -> str | None:
                 for group in range(meta.num_row_groups):
                     n = meta.row_group(group).num_rows
                     if index < start + n:
-                        return _text(pf.read_row_group(group, columns=[column]).column(0)[index - start].as_py())
+                        cells = pf.read_row_group(group, columns=[column], use_threads=False).column(0)
+                        return _text(cells[index - start].as_py())
                     start += n
     except UserError:
         raise
@@ -408,7 +410,7 @@ def write_row(path: Path, row: dict) -> None:
             with open(path, "rb") as f:
                 _check_columns(path, pq.read_schema(f).names)
                 f.seek(0)
-                old = pq.read_table(f)
+                old = pq.read_table(f, use_threads=False)  # as rows.read_table: no thread pool at exit
             def column(name):
                 return old.column(name).to_pylist() if name in old.column_names else [None] * len(old)
             key = (row["model_id"], task_of(row["task"]))
