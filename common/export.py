@@ -97,14 +97,35 @@ def model_logits(trainer, tokenizer_dir, *, pass_positions: bool = False):
     from common.torchtitan_fixes import full_logits
 
     ids = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).encode(REFERENCE_TEXT).ids
+    tp = trainer.parallel_dims.tp if trainer.parallel_dims.tp_enabled else 1
+    ids = ids[:len(ids) // tp * tp]  # sequence parallel splits the sequence evenly over the tensor-parallel ranks
     tokens = torch.tensor([ids], device=trainer.device)
     positions = torch.arange(len(ids), device=trainer.device)[None]
     model = trainer.model_parts[0]
     model.eval()
-    with torch.no_grad(), full_logits(model):  # the chunked loss normally applies lm_head itself
+    # in the trainer's own forward context (tensor parallel's collectives run inside it); the chunked loss normally
+    # applies lm_head itself
+    with torch.no_grad(), trainer.train_context(), full_logits(model):
         logits = model(tokens, positions=positions) if pass_positions else model(tokens)
+        logits = whole_vocabulary(logits, trainer.parallel_dims)
     model.train()
     return tokens.cpu(), positions.cpu(), logits.detach().float().cpu().contiguous()
+
+
+def whole_vocabulary(logits, parallel_dims):
+    """Logits over the whole vocabulary: under tensor parallel each rank's output projection holds a slice of the
+    vocabulary (torchtitan's loss-parallel layout), gathered here in rank order over the tensor-parallel group."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        return logits.full_tensor()
+    if not parallel_dims.tp_enabled:
+        return logits
+    group = parallel_dims.get_mesh("tp").get_group()
+    parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def save_reference_logits(trainer, tokenizer_dir, path, *, is_main: bool, pass_positions: bool = False) -> None:

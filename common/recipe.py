@@ -41,6 +41,13 @@ class TrainConfig:
     seq_len: int = field(default=128, metadata={
         "help": "tokens per sequence (at most the model's positions)",
         **cli.bounds(8, 2**18, multiple_of=8, why="torchtitan's chunked loss splits each sequence into 8")})
+    tensor_parallel_degree: int = field(default=1, metadata={
+        "help": "ranks each layer's weights are split over (torchtitan's tensor parallel, sequence parallel on); the "
+                "rest of the ranks are data parallel (FSDP): 64 ranks at 4 train 16 data-parallel replicas",
+        **cli.bounds(1, 4096)})
+    activation_checkpoint: Literal["recipe", "none", "selective", "full"] = field(default="recipe", metadata={
+        "help": "activations recomputed in the backward, torchtitan's own: none, selective (per op) or full (per "
+                "layer); recipe: what the recipe's torchtitan builder sets"})
     dtype: Literal["float32", "bfloat16"] = field(
         default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
     dataset: str = field(default="corpus", metadata={
@@ -170,8 +177,38 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: Inputs) -> list[str]:
     tc.optimizer = default_adamw(lr=cfg.lr)
     tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
     tc.comm.init_timeout_seconds = tc.comm.train_timeout_seconds = cfg.comm_timeout_s  # the group: device.setup
+    tc.parallelism.tensor_parallel_degree = cfg.tensor_parallel_degree  # the rest of the ranks: FSDP (degree -1)
+    if cfg.activation_checkpoint != "recipe":
+        tc.activation_checkpoint = activation_checkpoint_config(cfg.activation_checkpoint)
     export.apply_checkpoint_settings(tc, steps=cfg.steps, initial_hf=found.initial_hf, dtype=cfg.dtype)
     return torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
+
+
+def activation_checkpoint_config(mode: str):
+    """torchtitan's activation checkpointing Config for a mode: None, SelectiveAC's or FullAC's."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    if mode == "none":
+        return None
+    return {"selective": SelectiveAC.Config, "full": FullAC.Config}[mode]()
+
+
+def layout(trainer) -> dict:
+    """How the run's ranks split the work (results.json's `layout`): data-parallel (FSDP) shards, replicas and
+    tensor-parallel degree, as torchtitan built them, and the activation checkpointing it applied."""
+    dims = trainer.parallel_dims
+    return {"data_parallel_shard": dims.dp_shard, "data_parallel_replicate": dims.dp_replicate,
+            "tensor_parallel": dims.tp, "activation_checkpoint": activation_checkpoint_mode(trainer.config)}
+
+
+def activation_checkpoint_mode(tc) -> str:
+    """The mode a Trainer.Config trains with: none, selective, full (or another policy's class name)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    ac = tc.activation_checkpoint
+    if ac is None:
+        return "none"
+    return {SelectiveAC.Config: "selective", FullAC.Config: "full"}.get(type(ac), type(ac).__qualname__)
 
 
 class Hooks:
@@ -234,7 +271,7 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
     extra.update(recipe.after_train(cfg, trainer, found))
     results = {
         "script": recipe.name, "config": cfg, "versions": versions(), "device": dev.device_type,
-        "world_size": dev.world_size, "steps": rec.steps,
+        "world_size": dev.world_size, "layout": layout(trainer), "steps": rec.steps,
         "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "first_step_loss": rec.losses[0] if rec.losses else None, "grad_norms": rec.grad_norms,
         "tokens_per_s": rec.tokens_per_s(), "history": history, "train_seconds": train_s, **extra,

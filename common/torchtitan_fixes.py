@@ -137,13 +137,17 @@ KNOWN_NOISE_LOGS = (
     "may not be JSON serializable",  # torchtitan's config dump meeting a torch.dtype (written as its repr)
     "model.safetensors.index.json not found at hf_assets_path",  # a one-file checkpoint's (or random init's) staged
     # assets: torchtitan writes the HF export as one file, which the export check re-reads like any other
+    "operations will be performed. This is suboptimal",  # DTensor on torchtitan's 2-D (FSDP x tensor parallel)
+    # mesh, gathering a gradient norm or a weight for the checks: the mesh is torchtitan's to flatten
 )
-# and torch's UserWarnings (a regular expression at the start of each):
+# and torch's warnings (a regular expression at the start of each):
 KNOWN_NOISE_WARNINGS = (
     r"DTensor random operators may not have complete support on cpu",  # FSDP's init on a CPU mesh: not a result
     r"DTensor manual_seed\(\) may not have complete support on cpu",
     r"'set_vital' is deprecated",  # torchdata's stateful loader calling a deprecated torch hook
     r"In CPU autocast, but the target dtype is not supported",  # torchtitan's MoE router in float32 on CPU
+    r"`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",  # torch's own FutureWarning
+    # for the collectives its DTensor calls under tensor parallel
 )
 
 
@@ -157,12 +161,13 @@ def quiet_known_noise() -> None:
     """Workaround: leave out of a run's output the torchtitan and torch lines above, which every run printed (11 to
     13 lines a run) and none of which a user can act on; every other warning is printed as before. Remove an entry
     when the torchtitan or torch that printed it no longer does."""
-    for name in ("", "torchtitan.config.configurable"):  # torchtitan logs on the root logger, its configs on theirs
+    # torchtitan logs on the root logger, its configs on theirs; DTensor on its own
+    for name in ("", "torchtitan.config.configurable", "torch.distributed.tensor._redistribute"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _KnownNoise) for f in logger.filters):
             logger.addFilter(_KnownNoise())
     for message in KNOWN_NOISE_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        warnings.filterwarnings("ignore", message=message)
 
 
 @contextlib.contextmanager

@@ -99,7 +99,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
     from common.harness.launcher import check_batch_split
 
     lbs = tc.training.local_batch_size
-    check_batch_split(tc.training.global_batch_size, lbs, world_size)
+    check_batch_split(tc.training.global_batch_size, lbs, world_size, tc.parallelism.tensor_parallel_degree)
     model_config = tc.model_spec.model
     model_config.update_from_config(config=tc)
     if tc.override.imports:
@@ -202,14 +202,14 @@ def parameter_estimate(shape: dict) -> int:
 
 
 def check_fits(shape: dict, *, local_batch: int, seq_len: int, dtype: str, world_size: int, device_type: str,
-               per_core_gib: float) -> None:
+               per_core_gib: float, tp: int = 1) -> None:
     """Before anything is launched: refuse a run whose per-rank memory cannot fit even at its lower bound
     (sharded float32 weights, gradients and AdamW state; activations with every block checkpointed) in what one
     rank has: its share of the CPU's available memory, a GPU's memory, or --per_core_gib on Trainium."""
     try:
         state = parameter_estimate(shape) * 16 // world_size
         acts = activation_estimate(shape, batch=local_batch, seq_len=seq_len, compute_bytes=_bytes(dtype),
-                                   full_ac=True)["total"]
+                                   full_ac=True)["total"] // tp  # sequence parallel: each rank its part
     except (KeyError, TypeError):  # a config.json without these numbers: the load refuses it later, by name
         return
     if device_type == "cpu":

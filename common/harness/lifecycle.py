@@ -75,9 +75,9 @@ class Guards:
     oversubscribe: bool = field(default=False, metadata={
         "help": "let --nproc_per_node exceed this host's cores or free memory"})
     reshard: bool = field(default=False, metadata={
-        "help": "resume a stopped run on another number of ranks (--nproc_per_node, --nnodes or torchrun's): DCP "
-                "reshards the weights and optimizer state, the data keeps its shards and positions, the global "
-                "batch stays (docs/resuming.md)"})
+        "help": "resume a stopped run on another number of ranks (--nproc_per_node, --nnodes or torchrun's), "
+                "tensor-parallel degree or activation checkpointing: DCP reshards the weights and optimizer state, "
+                "the data keeps its shards and positions, the global batch stays (docs/resuming.md)"})
     compare_losses: str | None = field(default=None, metadata={
         "help": "reference losses (a results.json or tests/assets/golden_losses/*.json): per-step differences go "
                 "to results.json; a difference over --loss_tolerance is a non-zero exit"})
@@ -168,12 +168,14 @@ def preflight(recipe: Recipe, cfg) -> Inputs:
         options = recipe.stack_options(cfg) if hasattr(recipe, "stack_options") else {}
         require_stack("trn2", getattr(recipe, "stack", "native"), **options)
     found = inputs(recipe, cfg)
+    launcher.check_tp_split(found.shape, cfg.tensor_parallel_degree, cfg.seq_len)
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
         eval_dataset(found.dataset, cfg.eval_dataset_path, read=True)
     if found.shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
         dryrun.check_fits(found.shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                           world_size=launcher.planned_world_size(cfg),
-                          device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib)
+                          device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib,
+                          tp=cfg.tensor_parallel_degree)
     return found
 
 
@@ -228,7 +230,7 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     """The checks before a launch: batch split, the outputs, this host, the inputs, the resume
     record. Each failure is one UserError."""
     world_size = launcher.planned_world_size(cfg)
-    launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size)
+    launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size, cfg.tensor_parallel_degree)
     export.check_replaceable(out_dir)
     check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training

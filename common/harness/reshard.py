@@ -216,11 +216,14 @@ class Reshard:
     is_main: bool
     first_step: int = 1
     entries: list = field(default_factory=list)
+    tensor_parallel: int = 1  # the ranks of a tensor-parallel group read the same data: world_size / this read it
 
     def summary(self) -> dict:
         """results.json's `data_shards`: how the data was read in this part of the run."""
-        shards = self.plan.shards or self.world_size
+        shards = self.plan.shards or self.world_size // self.tensor_parallel
         out = {"shards": shards, "world_size": self.world_size, "exact": self.plan.exact}
+        if self.tensor_parallel > 1:
+            out["data_parallel"] = self.world_size // self.tensor_parallel
         if self.plan.step and self.plan.saved_world_size not in (None, self.world_size):
             out["resharded_from"] = {"step": self.plan.step, "world_size": self.plan.saved_world_size}
         if not self.plan.exact:
@@ -239,8 +242,9 @@ def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
     """Before the build, on every rank: the data plan from the newest checkpoint, the recipe's data loader wrapped in
     a ShardedDataLoader, this part of the run opened in segments.json (rank 0). Returns the guard and notes."""
     p = plan(out_dir)
+    tp = cfg.tensor_parallel_degree
     guard = Reshard(plan=p, world_size=dev.world_size, out_dir=Path(out_dir), is_main=dev.is_main,
-                    first_step=p.step + 1)
+                    first_step=p.step + 1, tensor_parallel=tp)
     notes = []
     if not p.exact:  # nothing to carry over: the data starts from its beginning
         tc.checkpoint.exclude_from_loading = [*tc.checkpoint.exclude_from_loading, "dataloader"]
@@ -250,15 +254,16 @@ def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
     inner = tc.dataloader
     tc.dataloader = loader_class().Config(dataset=inner.dataset, dataset_path=inner.dataset_path, shards=inner,
                                           data_shards=p.shards or 0, global_batch_size=cfg.global_batch_size)
-    if p.shards and p.saved_world_size not in (None, dev.world_size) and dev.is_main:
-        m, n = dev.world_size, p.shards
+    m, n = dev.world_size // tp, p.shards  # data-parallel ranks, data shards
+    if n and (p.saved_world_size not in (None, dev.world_size) or n != m) and dev.is_main:
         spread = ("one shard a rank" if m == n else f"{n // m} shards a rank" if n % m == 0 else
                   f"each shard read by {m // n} ranks" if m % n == 0 else "each rank reads the shards it takes from")
-        print(f"[reshard] step {p.step} of {_ranks(p.saved_world_size)} resumed on {_ranks(m)}: weights and optimizer "
-              f"state resharded by DCP; the data stays in its {n} shard{'s' * (n != 1)}, each at its position ({spread}); the "
-              f"global batch stays {cfg.global_batch_size if cfg.global_batch_size > 0 else cfg.local_batch_size * m}",
-              flush=True)
-        notes.append(f"data: {n} shard{'s' * (n != 1)} on {_ranks(m)}")
+        where = _ranks(dev.world_size) + (f" (tensor parallel {tp}: {m} data-parallel)" if tp > 1 else "")
+        print(f"[reshard] step {p.step} of {_ranks(p.saved_world_size or n)} resumed on {where}: weights and "
+              f"optimizer state resharded by DCP; the data stays in its {n} shard{'s' * (n != 1)}, each at its "
+              f"position ({spread}); the global batch stays "
+              f"{cfg.global_batch_size if cfg.global_batch_size > 0 else cfg.local_batch_size * m}", flush=True)
+        notes.append(f"data: {n} shard{'s' * (n != 1)} on {m} data-parallel rank{'s' * (m != 1)}")
     if dev.is_main:
         open_segment(out_dir, guard.first_step, dev.world_size, guard.summary())
     return guard, notes

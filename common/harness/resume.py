@@ -24,6 +24,10 @@ MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "expor
               "peak_tflops", "price_per_hour", "assumed_mfu", "profile", "profile_freq", "comm_timeout_s",
               "neff_cache_dir", "rendezvous_wait_s", "check_efa"}
 
+# The layout of the ranks and the memory it trades, which --reshard may change (DCP reshards the tensors).
+DEFAULT_LAYOUT = {"tensor_parallel_degree": 1, "activation_checkpoint": "recipe"}
+LAYOUT = set(DEFAULT_LAYOUT)
+
 
 def _weights_identity(folder: str | None) -> dict | None:
     """An HF folder's identity without reading its weights: config.json's sha256 and each safetensors file's
@@ -123,7 +127,7 @@ def _differences(old: dict, new: dict) -> list[str]:
         out.append(f"world size {new['world_size']} (checkpoint: {old.get('world_size')}; the data loader and "
                    "optimizer are sharded per rank)")
     for key in sorted(set(old.get("settings", {})) | set(new["settings"])):
-        a, b = old.get("settings", {}).get(key), new["settings"].get(key)
+        a, b = old.get("settings", {}).get(key, DEFAULT_LAYOUT.get(key)), new["settings"].get(key)
         if a == b:
             continue
         if key == "hf_checkpoint" and (a or {}).get("path") == (b or {}).get("path"):
@@ -334,15 +338,21 @@ def compared(old: dict, new: dict, reshard: bool) -> tuple[dict, dict, str]:
     world size: the global batch must stay what it was (gradient accumulation takes up the change of ranks;
     common/harness/reshard.py)."""
     def resolved(record: dict) -> dict:
-        settings = dict(record.get("settings") or {})
+        settings = {k: v for k, v in (record.get("settings") or {}).items() if k not in LAYOUT}
         local, ranks = settings.get("local_batch_size"), record.get("world_size")
-        if settings.get("global_batch_size") == -1 and isinstance(local, int) and isinstance(ranks, int):
-            settings["global_batch_size"] = local * ranks
+        tp = (record.get("settings") or {}).get("tensor_parallel_degree", 1)
+        if settings.get("global_batch_size") == -1 and isinstance(local, int) and isinstance(ranks, int) \
+                and isinstance(tp, int) and tp > 0:
+            settings["global_batch_size"] = local * (ranks // tp)  # local x data-parallel ranks
         return {**record, "world_size": None, "settings": settings}
 
     if not reshard:
         ranks = new.get("world_size")
-        hint = f" (on {ranks} rank{'s' * (ranks != 1)}: add --reshard)" if old.get("world_size") != ranks else ""
+        moved = [f"--{k} {new['settings'].get(k, d)}" for k, d in sorted(DEFAULT_LAYOUT.items())
+                 if (old.get("settings") or {}).get(k, d) != new["settings"].get(k, d)]
+        if old.get("world_size") != ranks:
+            moved.insert(0, f"on {ranks} rank{'s' * (ranks != 1)}")
+        hint = f" ({', '.join(moved)}: add --reshard)" if moved else ""
         return old, new, hint
     old, new = resolved(old), resolved(new)
     batch = old["settings"].get("global_batch_size")
@@ -353,8 +363,9 @@ def compared(old: dict, new: dict, reshard: bool) -> tuple[dict, dict, str]:
 
 def check_resume(out_dir: Path, record: dict, steps: int, reshard: bool = False) -> int | None:
     """Before anything is built: the step this run resumes from (None: it starts anew), or one UserError naming
-    why the checkpoints in OUT_DIR cannot be continued by this command. `reshard` (--reshard): another world size
-    may continue them, with the same global batch (common/harness/reshard.py)."""
+    why the checkpoints in OUT_DIR cannot be continued by this command. `reshard` (--reshard): another world size,
+    tensor-parallel degree or activation checkpointing may continue them, with the same global batch
+    (common/harness/reshard.py)."""
     have = whole_checkpoints(out_dir)
     if not have:
         return None

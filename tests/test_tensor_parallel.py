@@ -1,0 +1,150 @@
+"""--tensor_parallel_degree and --activation_checkpoint. One chain of the native script from the tiny Qwen3's HF
+weights: tensor parallel 2 on 2 ranks stopped, resumed on 1 rank (--reshard) and stopped, resumed at tensor parallel
+2 to the end and exported; against one uninterrupted rank without activation checkpointing, the same global batch.
+The load check and the export check read whole-vocabulary logits from the sharded model (the run fails otherwise).
+Activation checkpointing against none on torchtitan's own model, in-process; the layout rules without training."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from common.harness import launcher, resume
+from common.harness.stops import EXIT_STOPPED
+from common.errors import UserError
+from conftest import assert_clean_error, example_command, read_results, run_example
+from stop_helpers import finish, start, wait_for_step
+
+# The tiny preset's float32 run at half its sequence length, global batch 4 (2 micro-steps of 2 on one
+# data-parallel rank, whether that rank is one process or a tensor-parallel pair).
+RUN = ("--steps", "5", "--seq_len", "64", "--global_batch_size", "4", "--seed", "1")
+# float32 on CPU. Tensor parallel sums each layer's output over two half-width matmuls, in another order than one
+# whole matmul: measured 3.8e-6 over 4 steps at loss 11 (TP 2 against 1 rank). A batch trained twice or left out
+# moves a step's loss by some 1e-2.
+LOSS_BOUND = 1e-4
+
+
+def _stop(cmd, out, log, after: int) -> int:
+    proc = start(cmd, log)
+    wait_for_step(proc, out, after)
+    proc.send_signal(signal.SIGTERM)
+    text = finish(proc)
+    assert proc.returncode == EXIT_STOPPED and "Traceback" not in text, text[-3000:]
+    return read_results(out)["stopped"]["step"]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, prepared_assets) -> dict:
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    weights = ("--hf_checkpoint", str(prepared_assets["tiny_qwen3"]))
+    one = root / "one"
+    run_example("train_native_qwen3.py", *RUN, *weights, "--activation_checkpoint", "none", "--no-export",
+                "--out_dir", str(one))
+    out, run = root / "chain", (*RUN, *weights, "--reshard", "--out_dir", str(root / "chain"))
+    tp2 = ("--tensor_parallel_degree", "2", "--nproc_per_node", "2")
+    s1 = _stop(example_command("train_native_qwen3.py", *run, *tp2), out, root / "log1", 1)
+    refused = run_example("train_native_qwen3.py", *RUN, *weights, "--out_dir", str(out), check=False)
+    s2 = _stop(example_command("train_native_qwen3.py", *run, "--activation_checkpoint", "none"), out, root / "log2",
+               s1 + 1)
+    run_example("train_native_qwen3.py", *run, *tp2)
+    return {"one": read_results(one), "chain": read_results(out), "stops": (s1, s2), "refused": refused,
+            "first_log": (root / "log1").read_text()}
+
+
+def test_tensor_parallel_stopped_and_resumed_on_one_rank_trains_as_one_rank(chain):
+    one, res, (s1, s2) = chain["one"], chain["chain"], chain["stops"]
+    assert 1 <= s1 < s2 < 5, (s1, s2)
+    assert [(s["steps"], s["world_size"], s["stopped"]) for s in res["segments"]] == [
+        ([1, s1], 2, "SIGTERM"), ([s1 + 1, s2], 1, "SIGTERM"), ([s2 + 1, 5], 2, None)]
+    assert one["layout"] == {"data_parallel_shard": 1, "data_parallel_replicate": 1, "tensor_parallel": 1,
+                             "activation_checkpoint": "none"}
+    assert res["layout"] == {**one["layout"], "tensor_parallel": 2, "activation_checkpoint": "full"}  # the builder's
+    assert res["segments"][0]["data"]["data_parallel"] == 1  # the two ranks read one data shard
+    losses = res["history"]["losses"]
+    worst = max(abs(a - b) for a, b in zip(losses, one["losses"]))
+    assert len(losses) == 5 and worst <= LOSS_BOUND, (worst, losses, one["losses"])
+    assert "[load check] max abs logit diff" in chain["first_log"]  # step 1 of the sharded model (else it fails)
+    check = res["export_check"]  # the export of a tensor-parallel run, re-read by transformers
+    assert check["passed"] and check["max_abs_logit_diff"] <= 1e-5 and not check["missing_keys"], check
+
+
+def test_a_layout_change_needs_the_reshard_flag(chain):
+    assert_clean_error(chain["refused"], "world size 1 (checkpoint: 2", "--tensor_parallel_degree 1 (checkpoint: 2)",
+                       "--reshard")
+
+
+def test_full_activation_checkpointing_computes_what_none_does():
+    """torchtitan's FullAC (the flag's `full`) around the tiny Qwen3's layers: the same loss and gradients as the
+    model without it, to float32 rounding (it recomputes each layer's forward in the backward)."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+    from torchtitan.config import ParallelismConfig
+
+    from common import checkpoint, paths, torchtitan_fixes
+    from common.recipe import activation_checkpoint_config
+
+    spec = checkpoint.qwen3_spec_from_hf(checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3")), where="tiny")
+    torchtitan_fixes.use_attention_backend(spec.model, "sdpa")  # as the recipe runs it off CUDA
+    spec.model.update_from_config(config=SimpleNamespace(parallelism=ParallelismConfig()))
+    torch.manual_seed(0)
+    plain = spec.model.build()
+    plain.init_weights(buffer_device=None)
+    wrapped = copy.deepcopy(plain)
+    activation_checkpoint_config("full").build().apply(wrapped)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())  # each layer recomputed
+    tokens = torch.randint(0, 1000, (2, 32))
+    grads = []
+    for model in (plain, wrapped):
+        model.zero_grad()
+        loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        grads.append((loss.item(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                                    for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = grads
+    assert set(ga) == set(gb) and abs(a - b) <= 1e-5
+    assert max((ga[n] - gb[n]).abs().max().item() for n in ga) <= 1e-5
+
+
+# ---- without training ---------------------------------------------------------------------------------------
+def test_the_batch_splits_over_data_parallel_ranks_only():
+    assert launcher.check_batch_split(2, 2, 2, tp=2) == 1  # 2 ranks at tensor parallel 2: one data-parallel rank
+    assert launcher.check_batch_split(64, 1, 64, tp=4) == 16
+    with pytest.raises(UserError, match="does not divide the 6 ranks"):
+        launcher.check_batch_split(-1, 2, 6, tp=4)
+    with pytest.raises(UserError, match=r"local batch 2 x 2 data-parallel ranks \(4 ranks / tensor parallel 2\)"):
+        launcher.check_batch_split(6, 2, 4, tp=2)
+
+
+@pytest.mark.parametrize("shape, seq_len, needle", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 2}, 30, "--seq_len 30 does not split"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 2}, 32, "num_key_value_heads 2"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 102}, 32, "intermediate_size 102"),
+])
+def test_a_model_that_does_not_split_over_the_degree_is_refused(shape, seq_len, needle):
+    with pytest.raises(UserError, match=needle):
+        launcher.check_tp_split(shape, 4, seq_len)
+    launcher.check_tp_split(shape, 1, seq_len)  # no tensor parallel: nothing to split
+
+
+def test_a_resume_names_the_layout_that_changed():
+    def record(tp: int, ac: str, ranks: int) -> dict:
+        return {"script": "s", "world_size": ranks, "dataset": None, "settings": {
+            "tensor_parallel_degree": tp, "activation_checkpoint": ac, "global_batch_size": -1, "local_batch_size": 2}}
+
+    _, _, hint = resume.compared(record(2, "recipe", 4), record(1, "full", 4), reshard=False)
+    assert hint == " (--activation_checkpoint full, --tensor_parallel_degree 1: add --reshard)"
+    old, new, hint = resume.compared(record(2, "recipe", 4), record(1, "full", 2), reshard=True)
+    assert hint == "" and old["settings"] == new["settings"]  # -1 resolved per data-parallel rank: 2 x 2 both
+    # a record written before these flags existed reads as their defaults
+    older = record(1, "recipe", 2)
+    del older["settings"]["tensor_parallel_degree"], older["settings"]["activation_checkpoint"]
+    assert resume._differences(older, record(1, "recipe", 2)) == []
+
+
+def test_a_degree_that_does_not_divide_the_ranks_is_one_line_before_a_launch(tmp_path):
+    proc = run_example("train_native_qwen3.py", "--tensor_parallel_degree", "3", "--nproc_per_node", "2",
+                       "--out_dir", str(tmp_path / "o"), check=False)
+    assert_clean_error(proc, "--tensor_parallel_degree 3 does not divide the 2 ranks")
+    assert not (tmp_path / "o" / "logs").exists()  # nothing launched
