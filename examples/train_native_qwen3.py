@@ -22,6 +22,8 @@ One trn2.48xlarge (64 logical NeuronCores at LNC=2, one process each):
     python examples/train_native_qwen3.py --preset qwen3_4b --nproc_per_node 64 \
         --dataset_path /path/to/torchtitan/tests/assets/c4_test
 Several nodes: the same command on each, with --nnodes N --node_rank R --master_addr NODE0 (or torchrun's own)
+Qwen3-8B in AWS's layout (tensor parallel 4 x FSDP 16, selective activation checkpointing); what fits, on any CPU:
+    python examples/train_native_qwen3.py --preset qwen3_8b --dry_run
 
 Start from an HF checkpoint (any dense Qwen3; the model shape comes from its config.json):
     python examples/train_native_qwen3.py --hf_checkpoint runs/native/hf_export --out_dir runs/ft
@@ -69,9 +71,17 @@ def qwen3_4b() -> Config:
                    dataset="c4_test", hf_assets="assets/hf/Qwen3-4B-Instruct-2507")
 
 
-PRESETS = {"tiny": tiny, "qwen3_4b": qwen3_4b}
-HF_MODEL_ID = {"qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507"}  # what to download into hf_assets on trn2
-PUBLISHED_PARAMS = {"4B": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
+def qwen3_8b() -> Config:
+    """trn2.48xlarge in AWS's Qwen3-8B layout (TorchTitan Neuron's basic training tutorial, its config
+    `qwen3_8b_tp4_fsdp16_sac`): tensor parallel 4 x FSDP 16 over 64 ranks, selective activation checkpointing;
+    sequence length, batch and data as the 4B preset's."""
+    return replace(qwen3_4b(), flavor="8B", tensor_parallel_degree=4, activation_checkpoint="selective",
+                   hf_assets="assets/hf/Qwen3-8B")
+
+
+PRESETS = {"tiny": tiny, "qwen3_4b": qwen3_4b, "qwen3_8b": qwen3_8b}
+HF_MODEL_ID = {"qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507", "qwen3_8b": "Qwen/Qwen3-8B"}  # into hf_assets on trn2
+PUBLISHED_PARAMS = {"4B": 4.0e9, "8B": 8.2e9}  # Qwen3-4B and Qwen3-8B model cards: 4.0 B and 8.2 B parameters
 
 
 class NativeQwen3(Recipe):

@@ -40,6 +40,30 @@ def test_native_qwen3_4b_at_64_ranks(tmp_path):
     # the chunked loss (8 chunks): logits of 512 tokens at a time, never the whole sequence's
     act = r["activation_terms"]
     assert act["loss_working_set"] < 4096 * vocab * 4
+    # what fits: every layout of the 64 ranks sized from this one build, the preset's own among them
+    rows = {(x["tensor_parallel"], x["activation_checkpoint"], x["local_batch_size"]): x for x in r["layouts"]}
+    assert rows[(1, "full", 1)]["total_bytes"] == r["total_bytes"]
+    assert {tp for tp, _, _ in rows} == {1, 2, 4, 8}  # dividing 64 ranks, 32 heads and 8 key/value heads
+    assert {b for tp, _, b in rows if tp == 1} == {1}  # global batch 64 on 64 data-parallel ranks: 1 a rank
+    none, selective, full = (rows[(1, ac, 1)]["total_bytes"] for ac in ("none", "selective", "full"))
+    assert none > selective > full
+    assert rows[(4, "full", 1)]["total_bytes"] < rows[(2, "full", 1)]["total_bytes"] < full
+    assert r["smallest_fitting_layout"] == next(x for x in r["layouts"] if x["fits"])
+    assert "[dry run] smallest layout that fits: --tensor_parallel_degree" in proc.stdout
+
+
+def test_native_qwen3_8b_in_aws_layout(tmp_path):
+    """AWS's Qwen3-8B layout: tensor parallel 4 x FSDP 16 over 64 ranks, selective activation checkpointing."""
+    proc, r = _dry("train_native_qwen3.py", tmp_path, "--preset", "qwen3_8b")
+    assert abs(r["parameters"] / 8.2e9 - 1) <= 0.01, r["parameters"]  # Qwen3-8B: 8.2 B
+    assert (r["tensor_parallel"], r["data_parallel_shard"], r["activation_checkpoint"]) == (4, 16, "selective")
+    # tensor parallel and FSDP together shard every parameter over all 64 ranks
+    assert r["parameters"] / 64 <= r["local_parameters_per_rank"] <= 1.2 * r["parameters"] / 64
+    _table_ok(r)
+    assert r["fits"] and r["smallest_fitting_layout"]["fits"]
+    own = next(x for x in r["layouts"] if (x["tensor_parallel"], x["activation_checkpoint"], x["local_batch_size"])
+               == (4, "selective", 1))
+    assert own["total_bytes"] == r["total_bytes"] and own["data_parallel"] == 16
 
 
 def test_native_qwen3_4b_on_one_small_core_does_not_fit(tmp_path):
@@ -63,8 +87,11 @@ def test_moe_full_depth_counts_qwen3_30b_a3b(tmp_path):
     assert r["fits"]
 
 
-def test_moe_reduced_preset_reports_its_own_size(tmp_path):
-    _, r = _dry("train_moe_nki.py", tmp_path, "--preset", "qwen3_30b_a3b_reduced")
+def test_moe_reduced_preset_reports_its_own_size_at_tensor_parallel_4(tmp_path):
+    """torchtitan's own MoE (--stock, AWS's 2.34 choice) at its tensor parallel 4 x FSDP 16."""
+    _, r = _dry("train_moe_nki.py", tmp_path, "--preset", "qwen3_30b_a3b_reduced", "--stock",
+                "--tensor_parallel_degree", "4")
+    assert (r["tensor_parallel"], r["data_parallel_shard"]) == (4, 16)
     assert r["published_parameters"] is None
     assert 1.5e9 < r["parameters"] < 2.5e9  # 4 layers x 64 experts of the 30B-A3B shape plus embeddings
     _table_ok(r)

@@ -26,10 +26,12 @@ def _bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
-def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes: int, full_ac: bool,
-                        loss_chunks: int = 1) -> dict:
+def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes: int, ac: str = "full",
+                        loss_chunks: int = 1, tp: int = 1) -> dict:
     """Activation bytes per rank for one micro-batch (docs/memory-model.md) of the model an HF config.json dict
-    describes. `loss_chunks`: the chunks of torchtitan's ChunkedLossWrapper (1: the whole logits at once)."""
+    describes. `ac`: torchtitan's activation checkpointing, none, selective or full. `loss_chunks`: the chunks of
+    torchtitan's ChunkedLossWrapper (1: the whole logits at once). `tp`: the tensor-parallel degree, with sequence
+    parallel on (torchtitan's default): every activation, the logits too, is split over the `tp` ranks."""
     c, tokens = compute_bytes, batch * seq_len
     d, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     heads = shape["num_attention_heads"]
@@ -37,14 +39,19 @@ def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes:
     d_q, d_kv = heads * head_dim, (shape.get("num_key_value_heads") or heads) * head_dim
     if shape.get("num_experts_per_tok"):  # the routed copies of every token
         mlp_saved = mlp_in_flight = shape["num_experts_per_tok"] * (3 * shape["moe_intermediate_size"] + d) // 2
+        mlp_mm = shape["num_experts_per_tok"] * (2 * shape["moe_intermediate_size"] + d)  # gate, up, down outputs
     else:  # gate, up, activation, product saved; two gradients of that size in flight
         mlp_saved, mlp_in_flight = 4 * shape["intermediate_size"], 2 * shape["intermediate_size"]
-    saved = tokens * (4 * d + 4 * d_q + 4 * d_kv + mlp_saved) * c  # what one block keeps for its backward
-    in_flight = tokens * mlp_in_flight * c + batch * seq_len * seq_len * 4 + tokens * d * 4  # + mask, dh
-    kept = layers * tokens * d * c if full_ac else layers * saved
-    chunk = tokens // max(loss_chunks, 1) * vocab
-    loss_work = max(chunk * (c + 12), chunk * 8 + vocab * d * c) + tokens * d * (c + 4)
-    decoder_work = (saved if full_ac else 0) + in_flight
+        mlp_mm = 2 * shape["intermediate_size"] + d
+    saved = tokens * (4 * d + 4 * d_q + 4 * d_kv + mlp_saved) * c // tp  # what one block keeps for its backward
+    # selective (torchtitan's per-op policy): the block's input, the attention's output, and every second matmul's
+    # output (q, k, v, o and the MLP's; the others are recomputed in the backward)
+    selective = tokens * (d + d_q + (d_q + 2 * d_kv + d + mlp_mm) // 2) * c // tp
+    in_flight = (tokens * mlp_in_flight * c + tokens * d * 4) // tp + batch * seq_len * seq_len * 4  # dh; the mask
+    kept = {"full": layers * tokens * d * c // tp, "selective": layers * selective, "none": layers * saved}[ac]
+    chunk = tokens // max(loss_chunks, 1) * vocab // tp
+    loss_work = max(chunk * (c + 12), chunk * 8 + vocab * d * c // tp) + tokens * d * (c + 4) // tp
+    decoder_work = {"full": saved, "selective": saved - selective, "none": 0}[ac] + in_flight
     return {"checkpointed_or_kept": kept, "loss_working_set": loss_work, "recomputed_layer": decoder_work,
             "loss_phase": kept + loss_work, "decoder_backward_phase": kept + decoder_work,
             "total": kept + max(loss_work, decoder_work)}
@@ -92,7 +99,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchtitan.config import apply_overrides
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.activation_checkpoint import FullAC
+    from common.recipe import activation_checkpoint_mode
 
     if world_size <= 0:
         raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
@@ -124,31 +131,101 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
     finally:
         dist.destroy_process_group()
 
-    compute, r = _bytes(tc.training.mixed_precision_param), REDUCE_BYTES
-    act = activation_estimate(shape, batch=lbs, seq_len=tc.training.seq_len, compute_bytes=compute,
-                              full_ac=isinstance(tc.activation_checkpoint, FullAC.Config),
-                              loss_chunks=_loss_chunks(tc))
-    k = 2 if world_size > 1 else 1
-    unit = max(other_units, default=0) + largest_block
-    cast = unit // world_size * compute if compute != 4 else 0  # the local shard cast for the all-gather
-    gathered = k * unit * compute + cast
-    grad_unit = max(shape["vocab_size"] * shape["hidden_size"], largest_block)
-    per_element = compute + r + r / world_size if world_size > 1 else max(compute + r, 2 * r)
-    per_rank = {"parameters": local * 4, "gradients": local * 4, "optimizer_state": local * 8,
-                "gathered_blocks": gathered, "gradient_buffers": int(grad_unit * per_element),
-                "activations": act["total"]}
+    built = {"shape": shape, "local": local, "outside_blocks": max(other_units, default=0),
+             "largest_block": largest_block, "world_size": world_size, "seq_len": tc.training.seq_len,
+             "compute": _bytes(tc.training.mixed_precision_param), "loss_chunks": _loss_chunks(tc)}
+    tp, ac = parallel_dims.tp, activation_checkpoint_mode(tc)
+    per_rank, act = per_rank_terms(built, tp=tp, ac=ac, local_batch=lbs)
     total = sum(per_rank.values())
     limit = int(per_core_gib * GIB)
+    layouts = what_fits(built, limit=limit, global_batch=tc.training.global_batch_size)
     return {
         "label": label, "world_size": world_size, "parameters": n_params,
         "published_parameters": published_params,
         "parameters_vs_published": (n_params / published_params - 1) if published_params else None,
         "local_parameters_per_rank": local, "data_parallel_shard": parallel_dims.dp_shard,
+        "tensor_parallel": tp, "activation_checkpoint": activation_checkpoint_mode(tc), "local_batch_size": lbs,
         "fsdp_units": {"largest_outside_blocks": max(other_units, default=0), "largest_block": largest_block},
         "per_rank_bytes": per_rank, "activation_terms": act, "total_bytes": total,
         "per_core_limit_bytes": limit, "fits": total <= limit,
         "overflow": [] if total <= limit else _overflow(per_rank, limit),
+        "layouts": layouts, "smallest_fitting_layout": next((row for row in layouts if row["fits"]), None),
     }
+
+
+def per_rank_terms(built: dict, *, tp: int, ac: str, local_batch: int) -> tuple[dict, dict]:
+    """One rank's six terms (bytes) and the activation terms for a layout, from a meta build's figures (`built`):
+    the parameters it holds (every parameter is sharded over all the ranks, by FSDP and tensor parallel together,
+    so their count per rank is the same at any degree), its FSDP units' sizes (each gathered over the
+    data-parallel ranks, under tensor parallel a 1/tp slice of it)."""
+    shape, world_size, local, compute = (built[k] for k in ("shape", "world_size", "local", "compute"))
+    r = REDUCE_BYTES
+    act = activation_estimate(shape, batch=local_batch, seq_len=built["seq_len"], compute_bytes=compute, ac=ac,
+                              loss_chunks=built["loss_chunks"], tp=tp)
+    k = 2 if world_size > 1 else 1
+    unit = (built["outside_blocks"] + built["largest_block"]) // tp
+    cast = unit // world_size * compute if compute != 4 else 0  # the local shard cast for the all-gather
+    grad_unit = max(shape["vocab_size"] * shape["hidden_size"], built["largest_block"]) // tp
+    per_element = compute + r + r / world_size if world_size > 1 else max(compute + r, 2 * r)
+    return {"parameters": local * 4, "gradients": local * 4, "optimizer_state": local * 8,
+            "gathered_blocks": k * unit * compute + cast, "gradient_buffers": int(grad_unit * per_element),
+            "activations": act["total"]}, act
+
+
+AC_MODES = ("none", "selective", "full")  # least recompute first
+LOCAL_BATCHES = (4, 2, 1)  # most sequences a rank first
+
+
+def what_fits(built: dict, *, limit: int, global_batch: int) -> list[dict]:
+    """Every layout of the same ranks, in the order a run would prefer it: the fewest tensor-parallel ranks (each
+    adds collectives inside every layer), then the least recompute, then the most sequences a rank (fewer
+    micro-steps); each with its per-rank total and whether it fits `limit`. Tensor-parallel degrees: those dividing
+    the ranks and the model's heads, key/value heads and MLP width; local batches: those the global batch splits
+    into (any, for -1)."""
+    shape, world = built["shape"], built["world_size"]
+    widths = [shape.get(k) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                                     "moe_intermediate_size")]
+    rows = []
+    for tp in (t for t in (1, 2, 4, 8, 16) if world % t == 0 and all(not w or w % t == 0 for w in widths)
+               and built["seq_len"] % t == 0):
+        dp = world // tp
+        for ac in AC_MODES:
+            for lb in LOCAL_BATCHES:
+                if global_batch > 0 and global_batch % (lb * dp):
+                    continue
+                per_rank, _ = per_rank_terms(built, tp=tp, ac=ac, local_batch=lb)
+                total = sum(per_rank.values())
+                rows.append({"tensor_parallel": tp, "data_parallel": dp, "activation_checkpoint": ac,
+                             "local_batch_size": lb, "total_bytes": total, "fits": total <= limit})
+    return rows
+
+
+def layout_flags(row: dict) -> str:
+    return (f"--tensor_parallel_degree {row['tensor_parallel']} --activation_checkpoint "
+            f"{row['activation_checkpoint']} --local_batch_size {row['local_batch_size']}")
+
+
+def format_layouts(r: dict) -> str:
+    """The what-fits table: per-rank GiB of each tensor-parallel degree x activation checkpointing (rows) at each
+    local batch (columns), and the layout a run would pick."""
+    rows = r["layouts"]
+    if not rows:
+        return ""
+    batches = sorted({row["local_batch_size"] for row in rows})
+    lines = [f"[dry run] what fits {r['per_core_limit_bytes'] / GIB:.1f} GiB per core at {r['world_size']} ranks "
+             f"(GiB per rank; * fits):",
+             "    TP  data-par  AC         " + "".join(f"  batch {b:<3d}" for b in batches)]
+    for tp, ac in dict.fromkeys((row["tensor_parallel"], row["activation_checkpoint"]) for row in rows):
+        cells = {row["local_batch_size"]: row for row in rows
+                 if (row["tensor_parallel"], row["activation_checkpoint"]) == (tp, ac)}
+        dp = r["world_size"] // tp
+        lines.append(f"    {tp:<3d} {dp:<9d} {ac:<10s} " + "".join(
+            f"  {cells[b]['total_bytes'] / GIB:8.2f}{'*' if cells[b]['fits'] else ' '}" if b in cells else
+            f"  {'-':>9s}" for b in batches))
+    pick = r["smallest_fitting_layout"]
+    lines.append(f"[dry run] smallest layout that fits: {layout_flags(pick)}" if pick else
+                 "[dry run] no layout of these ranks fits: more ranks (--dry_run_ranks), a shorter --seq_len")
+    return "\n".join(lines)
 
 
 def _overflow(per_rank: dict, limit: int) -> list[str]:
@@ -161,12 +238,14 @@ def format_table(r: dict) -> str:
     rows = [f"[dry run] {r['label']}: {r['parameters'] / 1e9:.3f} B parameters"
             + (f" (published {r['published_parameters'] / 1e9:.1f} B, {100 * r['parameters_vs_published']:+.2f}%)"
                if r["published_parameters"] else ""),
-            f"[dry run] per rank at {r['world_size']} ranks (FSDP shard {r['data_parallel_shard']}):"]
+            f"[dry run] per rank at {r['world_size']} ranks (FSDP shard {r['data_parallel_shard']}, tensor parallel "
+            f"{r['tensor_parallel']}, activation checkpointing {r['activation_checkpoint']}, local batch "
+            f"{r['local_batch_size']}):"]
     for name, b in r["per_rank_bytes"].items():
         rows.append(f"    {name:16s} {b / GIB:9.3f} GiB")
     rows.append(f"    {'total':16s} {r['total_bytes'] / GIB:9.3f} GiB of {r['per_core_limit_bytes'] / GIB:.1f} GiB"
                 f" per core: {'fits' if r['fits'] else 'DOES NOT FIT'}")
-    return "\n".join(rows)
+    return "\n".join(rows + ([format_layouts(r)] if r.get("layouts") else []))
 
 
 def finish(r: dict, *, out_dir, results: dict, per_core_gib: float) -> dict:
@@ -176,8 +255,10 @@ def finish(r: dict, *, out_dir, results: dict, per_core_gib: float) -> dict:
     write_results(out_dir, {**results, "versions": versions(), "dry_run": r})
     check_published(r)
     if not r["fits"]:
+        pick = r.get("smallest_fitting_layout")
         raise UserError(f"the plan does not fit {per_core_gib:g} GiB per core at {r['world_size']} ranks: "
-                        f"{r['total_bytes'] / GIB:.2f} GiB needed: " + ", ".join(r["overflow"]))
+                        f"{r['total_bytes'] / GIB:.2f} GiB needed: " + ", ".join(r["overflow"])
+                        + (f"; a layout that fits: {layout_flags(pick)}" if pick else ""))
     return r
 
 
@@ -209,7 +290,7 @@ def check_fits(shape: dict, *, local_batch: int, seq_len: int, dtype: str, world
     try:
         state = parameter_estimate(shape) * 16 // world_size
         acts = activation_estimate(shape, batch=local_batch, seq_len=seq_len, compute_bytes=_bytes(dtype),
-                                   full_ac=True)["total"] // tp  # sequence parallel: each rank its part
+                                   ac="full", tp=tp)["total"]
     except (KeyError, TypeError):  # a config.json without these numbers: the load refuses it later, by name
         return
     if device_type == "cpu":
