@@ -8,8 +8,8 @@ seeded random HF folder of a larger shape), trained with `--hf_checkpoint`. For 
     of its own, forked from rank 0);
   - measured on rank 0, over training steps after a warm-up step (each figure the median of
     --measured_steps steps; --measured_steps_one_rank at one rank), on torchtitan's Trainer built by
-    the example's own `build_trainer_config` (FSDP over gloo, full activation checkpointing, chunked
-    loss, `--dtype`):
+    the example's own `build_trainer_config` (FSDP over gloo, `--activation_checkpoint`: full by default,
+    `--tensor_parallel_degree` above one rank, chunked loss, `--dtype`):
       parameters, gradients, optimizer state: bytes of the local shards (numel x element size): exact;
       gathered, gradient buffers, activations: from the CPU allocator's own record of every allocation
         and free during forward + backward (torch.profiler with profile_memory: c10's CPU allocator
@@ -28,6 +28,8 @@ Ratios are measured / estimated: 1.00 means exact, above 1 the model underestima
     python bench/bench_memory_model.py --out_dir runs/bench/memory_model        # 3 to 5 minutes (2-core CPU)
     python bench/bench_memory_model.py --preset tiny --out_dir runs/bench/mm    # the test's setting, about 1 minute
     python bench/bench_memory_model.py --ranks 2 --sizes tiny_untied --dtype bfloat16 --out_dir runs/bench/mm_bf16
+    python bench/bench_memory_model.py --ranks 1 --activation_checkpoint selective --out_dir runs/bench/mm_sel
+    python bench/bench_memory_model.py --preset tiny --ranks 2 --tensor_parallel_degree 2 --out_dir runs/bench/mm_tp2
 
 results.json: `rows` (one per size and world size: every term estimated, measured and their ratio, the
 activation phases, what was live at the step's peak), `sizes`. Results: docs/memory-model.md.
@@ -89,6 +91,11 @@ class Config:
         **cli.bounds(0, 1000)})
     dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "compute dtype (FSDP mixed precision), as the example's --dtype"})
+    activation_checkpoint: Literal["full", "selective", "none"] = field(default="full", metadata={
+        "help": "the example's --activation_checkpoint in every measured run"})
+    tensor_parallel_degree: int = field(default=1, metadata={
+        "help": "the example's --tensor_parallel_degree at world sizes above 1 (it must divide them)",
+        **cli.bounds(1, 64)})
     measure_here: bool = field(default=False, metadata={
         "help": "internal: measure in this process (the benchmark launches itself so under torchrun above 1 rank)"})
 
@@ -122,7 +129,9 @@ def main(cfg: Config) -> dict:
     above = _sizes(cfg, cfg.sizes_above_one_rank) if cfg.sizes_above_one_rank else sizes
     for s in sizes:  # written once here; every measuring process reads them
         write_model(s, out_dir / "models" / s)
-    common = ["--local_batch_size", str(cfg.local_batch_size), "--seq_len", str(cfg.seq_len), "--dtype", cfg.dtype]
+    common = ["--local_batch_size", str(cfg.local_batch_size), "--seq_len", str(cfg.seq_len), "--dtype", cfg.dtype,
+              "--activation_checkpoint", cfg.activation_checkpoint,
+              "--tensor_parallel_degree", str(cfg.tensor_parallel_degree)]
     runs = [(s, n) for n in ranks for s in (sizes if n == 1 else above)]
     measured: dict[int, dict] = {n: {} for n in ranks}
     for n in ranks:
@@ -163,7 +172,8 @@ def main(cfg: Config) -> dict:
                                    ("total", "total", ".2f"), ("act_mib", "act MiB", ".1f"),
                                    ("peak_mib", "peak MiB", ".1f")])
     table += ("\nratios: measured / dry-run estimate, per rank (rank 0); "
-              f"{cfg.local_batch_size} x {cfg.seq_len} tokens per rank, {cfg.dtype}")
+              f"{cfg.local_batch_size} x {cfg.seq_len} tokens per rank, {cfg.dtype}, activation checkpointing "
+              f"{cfg.activation_checkpoint}, tensor parallel {cfg.tensor_parallel_degree} above one rank")
     results = {"config": cfg, "sizes": {s: {**SIZES[s]} for s in sizes},
                "baseline": "the dry run's figures for the same size, world size and batch, computed in the same run",
                "method": {"tensors": "parameters, gradients, optimizer state: local shard bytes (numel x element size)",
@@ -317,7 +327,8 @@ def measure_all(cfg: Config) -> dict:
     config = lifecycle.guarded(example.RECIPE).config  # the recipe's flags and the guards'
     configs = {s: config(hf_checkpoint=str(write_model(s, out_dir / "models" / s)), steps=2, export=False,
                          device="cpu", dtype=cfg.dtype, local_batch_size=cfg.local_batch_size, seq_len=cfg.seq_len,
-                         dry_run_ranks=1)
+                         dry_run_ranks=1, activation_checkpoint=cfg.activation_checkpoint,
+                         tensor_parallel_degree=cfg.tensor_parallel_degree if world > 1 else 1)
                for s in _sizes(cfg)}
     # The dry run's figures for the same settings, before this process has a process group: at one rank from
     # this process; above one rank (one size a launch) from rank 0's child, which plans while this measures.

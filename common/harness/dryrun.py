@@ -12,6 +12,7 @@ buffers, activations), each at its own peak; the formulas and their measured err
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -162,11 +163,12 @@ def per_rank_terms(built: dict, *, tp: int, ac: str, local_batch: int) -> tuple[
     r = REDUCE_BYTES
     act = activation_estimate(shape, batch=local_batch, seq_len=built["seq_len"], compute_bytes=compute, ac=ac,
                               loss_chunks=built["loss_chunks"], tp=tp)
-    k = 2 if world_size > 1 else 1
+    dp = world_size // tp  # FSDP's ranks: it gathers and reduces over these only
+    k = 2 if dp > 1 else 1
     unit = (built["outside_blocks"] + built["largest_block"]) // tp
-    cast = unit // world_size * compute if compute != 4 else 0  # the local shard cast for the all-gather
+    cast = unit // dp * compute if compute != 4 else 0  # the local shard cast for the all-gather
     grad_unit = max(shape["vocab_size"] * shape["hidden_size"], built["largest_block"]) // tp
-    per_element = compute + r + r / world_size if world_size > 1 else max(compute + r, 2 * r)
+    per_element = compute + r + r / dp if dp > 1 else max(compute + r, 2 * r)
     return {"parameters": local * 4, "gradients": local * 4, "optimizer_state": local * 8,
             "gathered_blocks": k * unit * compute + cast, "gradient_buffers": int(grad_unit * per_element),
             "activations": act["total"]}, act
@@ -268,6 +270,56 @@ def check_published(r: dict, tolerance: float = 0.01) -> None:
         raise UserError(f"{r['label']}: built model has {r['parameters'] / 1e9:.3f} B parameters, "
                         f"{100 * r['parameters_vs_published']:+.1f}% off the published "
                         f"{r['published_parameters'] / 1e9:.1f} B")
+
+
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # torchtitan saves the float32 weights (4) and AdamW's two moments (8)
+
+
+def checkpoint_plan(parameters: int, cfg, have: int = 0, shape: dict | None = None) -> dict:
+    """The disk a run's saves take at their peak in OUT_DIR: the resumable checkpoints it keeps (--keep_checkpoints
+    of its --checkpoint_every saves, or a stop's one save), one more while the newest is written and before
+    torchtitan removes the oldest, and the HF export; less the `have` whole checkpoints already there. A tied
+    embedding (`shape`'s tie_word_embeddings) is saved under both its names, its weights twice (measured: the tiny
+    Qwen3's 9.8 M parameters, 157.0 MB a checkpoint; 12 bytes a parameter and the embedding again: 156.5 MB)."""
+    tied = shape["vocab_size"] * shape["hidden_size"] if shape and shape.get("tie_word_embeddings") else 0
+    per_checkpoint = parameters * CHECKPOINT_BYTES_PER_PARAMETER + tied * 4
+    export = parameters * (4 if cfg.dtype == "float32" else 2) if cfg.export else 0  # checkpoint.export_dtype
+    saves = cfg.steps // cfg.checkpoint_every + 1 if cfg.checkpoint_every else 1  # + a stop's save
+    kept = min(saves, cfg.keep_checkpoints) if cfg.keep_checkpoints else saves
+    peak = kept + (1 if cfg.keep_checkpoints and saves > kept else 0)
+    return {"checkpoint_bytes": per_checkpoint, "checkpoints_kept": kept, "peak_checkpoints": peak,
+            "export_bytes": export, "existing_checkpoints": have,
+            "needed_bytes": max(peak - have, 0) * per_checkpoint + export}
+
+
+def free_bytes(folder: Path) -> tuple[int, Path]:
+    """The free space of the filesystem that holds `folder` (its nearest existing parent), and that folder."""
+    import shutil
+
+    folder = Path(folder)
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free, folder
+
+
+def format_disk(plan: dict, out_dir) -> str:
+    free, where = free_bytes(out_dir)
+    return (f"[dry run] disk: {plan['peak_checkpoints']} checkpoint(s) of {plan['checkpoint_bytes'] / GIB:.1f} GiB at "
+            f"the peak (--keep_checkpoints, --checkpoint_every) + the export {plan['export_bytes'] / GIB:.1f} GiB = "
+            f"{plan['needed_bytes'] / GIB:.1f} GiB in OUT_DIR (free on this machine's {where}: {free / GIB:.1f} GiB; "
+            "the run checks its own before the launch)")
+
+
+def check_disk(out_dir, plan: dict) -> None:
+    """One UserError when OUT_DIR's filesystem lacks the room `plan` (checkpoint_plan) needs."""
+    free, where = free_bytes(out_dir)
+    if plan["needed_bytes"] > free:
+        raise UserError(
+            f"not enough disk for this run's saves: {plan['needed_bytes'] / GIB:.1f} GiB needed in {out_dir} "
+            f"({plan['peak_checkpoints']} checkpoint(s) of {plan['checkpoint_bytes'] / GIB:.2f} GiB at the peak, "
+            f"{plan['existing_checkpoints']} already there, + the export {plan['export_bytes'] / GIB:.2f} GiB) and "
+            f"{where} has {free / GIB:.1f} GiB free: free space, lower --keep_checkpoints (at least 2, 0 keeps all), "
+            "or choose another --out_dir")
 
 
 def parameter_estimate(shape: dict) -> int:

@@ -47,6 +47,11 @@ class Guards:
     checkpoint_every: int = field(default=0, metadata={
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
                 "command resumes from the latest", **cli.bounds(0, 10**7)})
+    keep_checkpoints: int = field(default=2, metadata={
+        "help": "resumable checkpoints kept in OUT_DIR/checkpoint, the newest (torchtitan's keep_latest_k; 0: all). "
+                "Each holds the float32 weights and AdamW state, 12 bytes a parameter (a 4B model: 48 GB): the "
+                "free space for this many and the export is checked before the launch",
+        **cli.bounds(2, 10**6, also=(0,), why="torchtitan keeps at least 2: the newest may still be being written")})
     time_limit: str = field(default=None, metadata={  # `str`, not optional: "" and "none" are refused, not "no limit"
         "help": "stop before this budget ends, with a checkpoint (exit 75; the same command resumes): minutes (90) "
                 "or an end time with its zone (2026-12-02T18:00:00Z: a capacity block's end)"})
@@ -176,6 +181,10 @@ def preflight(recipe: Recipe, cfg) -> Inputs:
                           world_size=launcher.planned_world_size(cfg),
                           device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib,
                           tp=cfg.tensor_parallel_degree)
+        out_dir = Path(cfg.out_dir).resolve()  # room for the checkpoints kept and the export, before the launch
+        dryrun.check_disk(out_dir, dryrun.checkpoint_plan(dryrun.parameter_estimate(found.shape), cfg,
+                                                          have=len(resume.whole_checkpoints(out_dir)),
+                                                          shape=found.shape))
     return found
 
 
@@ -286,6 +295,7 @@ class GuardHooks(Hooks):
     def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
         cfg = self.cfg
         tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
+        tc.checkpoint.keep_latest_k = cfg.keep_checkpoints
         self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; segments.json
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
         if cfg.profile:  # torchtitan's profiler, traces in OUT_DIR/profile_traces
@@ -399,7 +409,9 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
                        published_params=published, label=label)
     if ranks:
         return r
+    disk = dryrun.checkpoint_plan(r["parameters"], cfg, shape=shape)
+    print(dryrun.format_disk(disk, out_dir), flush=True)
     return dryrun.finish(r, out_dir=out_dir, per_core_gib=cfg.per_core_gib, results={
-        "script": recipe.name, "config": cfg, "model_shape": shape,
+        "script": recipe.name, "config": cfg, "model_shape": shape, "disk": disk,
         "projection": dryrun.project(cfg, tc, shape, cfg.dry_run_ranks)})
 
