@@ -1,7 +1,7 @@
 """examples/train_native_qwen3.py with slowed guard components, for the stop tests: the same recipe, flags and run
 (common.harness.lifecycle.run), launched the way users launch it (python, the scripts' own launch, torchrun), with
 a checkpoint manager whose stop save sleeps SLOW_STOP_SAVE_S seconds before torchtitan's save (a large model's save
-on a shared file system, at no CPU cost) and a validator whose held-out batches take SLOW_EVAL_BATCH_S seconds more
+on a shared file system, at no CPU cost; every resumable save's write SLOW_SAVE_S seconds more) and a validator whose held-out batches take SLOW_EVAL_BATCH_S seconds more
 (a long evaluation). Both are read from this test script's environment, which torchrun passes on to the workers.
 
     SLOW_STOP_SAVE_S=31 python tests/slow_native_qwen3.py --nproc_per_node 2 --steps 8 --out_dir OUT
@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 from common.harness import lifecycle  # noqa: E402
 
 STOP_SAVE_S = float(os.environ.get("SLOW_STOP_SAVE_S", "0"))
+SAVE_S = float(os.environ.get("SLOW_SAVE_S", "0"))  # every resumable save, periodic ones too
 EVAL_BATCH_S = float(os.environ.get("SLOW_EVAL_BATCH_S", "0"))
 
 
@@ -38,6 +39,11 @@ class SlowHooks(lifecycle.GuardHooks):
                 if self.stop is not None and self.stop.stopped_at == curr_step:
                     time.sleep(STOP_SAVE_S)
                 return super()._save(curr_step, last_step)
+
+            def dcp_save(self, *args, to_hf: bool = False, **kwargs):  # the write itself: timed as the save
+                if not to_hf:
+                    time.sleep(SAVE_S)
+                return super().dcp_save(*args, to_hf=to_hf, **kwargs)
 
         class SlowGate(validator.gate_class):
             def __call__(self, done: int, have: bool) -> bool:

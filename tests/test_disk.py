@@ -11,7 +11,7 @@ MIB = 2**20
 
 
 def _cfg(**kw):
-    return SimpleNamespace(**{"dtype": "float32", "export": True, "steps": 10, "checkpoint_every": 0,
+    return SimpleNamespace(**{"dtype": "float32", "export": True, "steps": 10, "checkpoint_every": "0",
                               "keep_checkpoints": 2, **kw})
 
 
@@ -19,11 +19,11 @@ def test_the_plan_counts_the_checkpoints_kept_one_being_written_and_the_export()
     p = 1_000_000
     stop_only = dryrun.checkpoint_plan(p, _cfg())  # no periodic saves: a stop's one checkpoint
     assert stop_only["peak_checkpoints"] == 1 and stop_only["needed_bytes"] == 12 * p + 4 * p
-    kept2 = dryrun.checkpoint_plan(p, _cfg(checkpoint_every=2))  # 6 saves, 2 kept, a third while it is written
+    kept2 = dryrun.checkpoint_plan(p, _cfg(checkpoint_every="2"))  # 6 saves, 2 kept, a third while it is written
     assert (kept2["checkpoints_kept"], kept2["peak_checkpoints"]) == (2, 3)
-    every = dryrun.checkpoint_plan(p, _cfg(checkpoint_every=2, keep_checkpoints=0))  # all 6 kept
+    every = dryrun.checkpoint_plan(p, _cfg(checkpoint_every="2", keep_checkpoints=0))  # all 6 kept
     assert every["peak_checkpoints"] == 6 and every["needed_bytes"] == 6 * 12 * p + 4 * p
-    resumed = dryrun.checkpoint_plan(p, _cfg(checkpoint_every=2, dtype="bfloat16", export=True), have=2)
+    resumed = dryrun.checkpoint_plan(p, _cfg(checkpoint_every="2", dtype="bfloat16", export=True), have=2)
     assert resumed["needed_bytes"] == 1 * 12 * p + 2 * p  # two already there; a bfloat16 export
     assert dryrun.checkpoint_plan(p, _cfg(export=False))["export_bytes"] == 0
     tied = dryrun.checkpoint_plan(p, _cfg(), shape={"vocab_size": 1000, "hidden_size": 10, "tie_word_embeddings": True})

@@ -284,7 +284,8 @@ def checkpoint_plan(parameters: int, cfg, have: int = 0, shape: dict | None = No
     tied = shape["vocab_size"] * shape["hidden_size"] if shape and shape.get("tie_word_embeddings") else 0
     per_checkpoint = parameters * CHECKPOINT_BYTES_PER_PARAMETER + tied * 4
     export = parameters * (4 if cfg.dtype == "float32" else 2) if cfg.export else 0  # checkpoint.export_dtype
-    saves = cfg.steps // cfg.checkpoint_every + 1 if cfg.checkpoint_every else 1  # + a stop's save
+    every = 1 if cfg.checkpoint_every == "auto" else int(cfg.checkpoint_every)  # auto: at most every step
+    saves = cfg.steps // every + 1 if every else 1  # + a stop's save
     kept = min(saves, cfg.keep_checkpoints) if cfg.keep_checkpoints else saves
     peak = kept + (1 if cfg.keep_checkpoints and saves > kept else 0)
     return {"checkpoint_bytes": per_checkpoint, "checkpoints_kept": kept, "peak_checkpoints": peak,

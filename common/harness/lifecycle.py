@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Protocol
 
 from common import cli, device, export
-from common.harness import dryrun, launcher, pilot, reshard, resume, stops, verifier
+from common.errors import UserError
+from common.harness import dryrun, interval, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import explain_failure, check_outputs, check_settings, compare_losses, \
     format_loss_comparison, logit_check, read_reference_losses, whole_history
 from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_eval_flags, eval_dataset, eval_rows
@@ -34,6 +35,16 @@ from common.recipe import Hooks, Inputs, Recipe, inputs, train
 @dataclass
 class Guards:
     """The flags of the guards, the same for every training recipe."""
+
+    def validate(self) -> None:
+        every = self.checkpoint_every
+        if every != "auto" and not (every.isdigit() and int(every) <= 10**7):
+            raise UserError(f"--checkpoint_every takes a number of steps (0 to 10000000) or auto, got {every!r}")
+        if every == "auto" and not (self.mean_hours_between_interruptions and self.storage_gb_per_s):
+            raise UserError("--checkpoint_every auto needs --mean_hours_between_interruptions (how often this box is "
+                            "taken away: your own record) and --storage_gb_per_s (OUT_DIR's write bandwidth, for the "
+                            "interval before the first save is measured)")
+        super().validate()
     eval_every: int = field(default=0, metadata={
         "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on data training never "
                 "reads: the corpus's validation.jsonl, a folder's validation split, else c4_validation from the Hub",
@@ -44,9 +55,24 @@ class Guards:
     eval_dataset_path: str | None = field(default=None, metadata={
         "help": "with --eval_every: a local folder of held-out JSON lines (its validation*.jsonl files), for training "
                 "data without a validation split; without it such a run streams c4's validation split from the Hub"})
-    checkpoint_every: int = field(default=0, metadata={
+    checkpoint_every: str = field(default="0", metadata={
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
-                "command resumes from the latest", **cli.bounds(0, 10**7)})
+                "command resumes from the latest. auto: the interval that loses the least expected work, from the "
+                "measured save and step times and --mean_hours_between_interruptions (Young's sqrt(2 x save x MTBI); "
+                "before the first save, the checkpoint's size over --storage_gb_per_s), printed and in results.json",
+        "metavar": "N|auto"})
+    mean_hours_between_interruptions: float | None = field(default=None, metadata={
+        "help": "with --checkpoint_every auto: how often, on average, this kind of box is taken away or fails, in "
+                "hours (your own record: AWS publishes none for on-demand, only frequency bands for spot)",
+        **cli.bounds(above=0.0, high=1e6)})
+    storage_gb_per_s: float | None = field(default=None, metadata={
+        "help": "OUT_DIR's write bandwidth, GB/s, all ranks together: the planned save time (checkpoint size over "
+                "it) for --checkpoint_every auto before a save is measured, and the stop-notice verdict before one",
+        **cli.bounds(above=0.0, high=1e5)})
+    stop_notice_s: float = field(default=120.0, metadata={
+        "help": "the warning a stop comes with (EC2 spot: 120 s; SLURM: its --signal's lead): the run says whether a "
+                "stop (the rest of a step or held-out batch, then the save) fits it, as soon as a save is measured. "
+                "--stop_margin_s is the same room kept before --time_limit", **cli.bounds(above=0.0, high=1e6)})
     keep_checkpoints: int = field(default=2, metadata={
         "help": "resumable checkpoints kept in OUT_DIR/checkpoint, the newest (torchtitan's keep_latest_k; 0: all). "
                 "Each holds the float32 weights and AdamW state, 12 bytes a parameter (a 4B model: 48 GB): the "
@@ -294,7 +320,8 @@ class GuardHooks(Hooks):
 
     def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
         cfg = self.cfg
-        tc.checkpoint.interval = cfg.checkpoint_every or cfg.steps + 1
+        every = int(cfg.checkpoint_every) if cfg.checkpoint_every != "auto" else 0  # auto: GuardedCheckpointer's
+        tc.checkpoint.interval = every or cfg.steps + 1
         tc.checkpoint.keep_latest_k = cfg.keep_checkpoints
         self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; segments.json
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
@@ -324,6 +351,10 @@ class GuardHooks(Hooks):
         from common.trainer import as_trainer_config, same_fields
 
         made, cfg, dev = self.components(), self.cfg, self.dev
+        self.saves = interval.SaveWatch(
+            every=cfg.checkpoint_every, mtbi_h=cfg.mean_hours_between_interruptions,
+            planned_save_s=planned_save_s(shape, cfg), notice_s=cfg.stop_notice_s, comm_timeout_s=cfg.comm_timeout_s,
+            price_per_hour=cfg.price_per_hour, evaluates=bool(cfg.eval_every), is_main=dev.is_main)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
         peak = self.peak["value"]
         metrics = same_fields(
@@ -381,6 +412,7 @@ class GuardHooks(Hooks):
         out = {"load_check": self.load_check or None, "eval_losses": eval_rows(mp, self.eval_path),
                "stopped": self.stop.stopped(out_dir), "rank_logs": launcher.launch_logs(out_dir), **report}
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run
+        out.update(self.saves.results())  # the auto interval and the stop-notice verdict
         if cfg.compare_losses:  # over the whole curve, steps before a resume included
             history = self.history(trainer)
             out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
@@ -392,6 +424,17 @@ class GuardHooks(Hooks):
             if cfg.compare_losses:
                 print(format_loss_comparison(out["loss_comparison"]), flush=True)
         return out
+
+
+def planned_save_s(shape: dict, cfg) -> float | None:
+    """A checkpoint's size over --storage_gb_per_s (None without it, or for a config.json without the numbers)."""
+    if not cfg.storage_gb_per_s:
+        return None
+    try:
+        size = dryrun.checkpoint_plan(dryrun.parameter_estimate(shape), cfg, shape=shape)["checkpoint_bytes"]
+    except (KeyError, TypeError):
+        return None
+    return size / (cfg.storage_gb_per_s * 1e9)
 
 
 def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dict:
@@ -411,7 +454,15 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
         return r
     disk = dryrun.checkpoint_plan(r["parameters"], cfg, shape=shape)
     print(dryrun.format_disk(disk, out_dir), flush=True)
+    projection = dryrun.project(cfg, tc, shape, cfg.dry_run_ranks)
+    notice = None
+    if projection and cfg.storage_gb_per_s:  # a step at the assumed MFU, the save over the stated bandwidth
+        notice = interval.stop_verdict(
+            step_s=projection["seconds"] / projection["steps"], batch_s=0.0, evaluates=False,
+            save_s=disk["checkpoint_bytes"] / (cfg.storage_gb_per_s * 1e9), notice_s=cfg.stop_notice_s,
+            comm_timeout_s=cfg.comm_timeout_s, save_source=f"planned at {cfg.storage_gb_per_s:g} GB/s")
+        print(interval.format_verdict(notice).replace("[stop notice]", "[dry run] stop notice:"), flush=True)
     return dryrun.finish(r, out_dir=out_dir, per_core_gib=cfg.per_core_gib, results={
-        "script": recipe.name, "config": cfg, "model_shape": shape, "disk": disk,
-        "projection": dryrun.project(cfg, tc, shape, cfg.dry_run_ranks)})
+        "script": recipe.name, "config": cfg, "model_shape": shape, "disk": disk, "projection": projection,
+        "stop_safety": notice})
 

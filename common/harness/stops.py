@@ -125,7 +125,8 @@ class StopControl:
         self.first_at = 0.0
         self.stopped_at: int | None = None
         self.save_s: list[float] = []
-        self.step_s = 0.0  # the longest step measured (an evaluation's time not included)
+        self.steps_s: list[float] = []  # each step of this process (an evaluation's and a save's time not included)
+        self.step_s = 0.0  # the longest step measured
         self.eval_s = 0.0  # the longest evaluation measured
         self.batch_s = 0.0  # the pace of the last evaluation: seconds a held-out batch
         self._last = time.monotonic()  # when the last step's work (its save, its evaluation) ended
@@ -206,6 +207,7 @@ class StopControl:
         counting the evaluation due at this step. A stop makes this step the one saved and ends the loop
         (GuardedTrainer); after the last step nothing is left to stop: the run finishes."""
         now = time.monotonic()
+        self.steps_s.append(now - self._last)
         self.step_s, self._last = max(self.step_s, now - self._last), now
         if step >= self.trainer.config.training.steps:
             return

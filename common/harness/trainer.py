@@ -6,8 +6,9 @@ common/harness/lifecycle.py:
 - `GuardedMetrics` (the metrics processor): each step's loss into losses.jsonl, the device's memory peak of each
   step read before torchtitan resets it, the run's FLOPs per token and peak in torchtitan's MFU, the held-out
   losses into eval_losses.jsonl;
-- `GuardedCheckpointer` (the checkpoint manager): the stop save of the step the ranks stopped at, each save timed,
-  the last step's save only with --export, the state a resume starts from (the reshard debug switch);
+- `GuardedCheckpointer` (the checkpoint manager): the stop save of the step the ranks stopped at, each save timed
+  (the stop-safety verdict after it), --checkpoint_every auto's save steps, the last step's save only with
+  --export, the state a resume starts from (the reshard debug switch);
 - `GuardedValidator` (the validator): no evaluation after a stop, a stop between held-out batches, one pass over the
   held-out data;
 - `NeuronActivityProfiler` (the profiler, on Trainium): the Neuron activity in the traces.
@@ -127,12 +128,13 @@ class GuardedCheckpointer(CheckpointManager):
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
         self.guard_config = config
-        self.stop = None
+        self.stop = self.watch = None
         self.saved_at: int | None = None  # the step of this process's last resumable save
 
-    def follow(self, stop) -> None:
-        """The run's stop control: a stop agreed at a step makes that step a save step."""
-        self.stop = stop
+    def follow(self, stop, watch=None) -> None:
+        """The run's stop control (a stop agreed at a step makes that step a save step) and its save watch
+        (common/harness/interval.py: the auto interval, the stop-safety verdict after each measured save)."""
+        self.stop, self.watch = stop, watch
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         if last_step:
@@ -141,6 +143,8 @@ class GuardedCheckpointer(CheckpointManager):
             return False  # its --checkpoint_every save was the stop's too
         if self.stop is not None and self.stop.stopped_at == curr_step:
             return True
+        if self.watch is not None and self.watch.auto:  # --checkpoint_every auto: the interval from measured costs
+            return self.enable and self.watch.due(curr_step, self.saved_at)
         return super()._should_save(curr_step, last_step)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -150,6 +154,8 @@ class GuardedCheckpointer(CheckpointManager):
             self.saved_at = curr_step
             if self.stop is not None:
                 self.stop.saved(curr_step, time.monotonic() - t0)
+            if self.watch is not None:
+                self.watch.saved()
         return saved
 
     def _load(self, step: int = -1) -> bool:
@@ -258,7 +264,8 @@ def guarded_trainer(config_class: type) -> type:
             self.guards = guards
             self.first_step: int | None = None
             guards.stop.follow(self)
-            self.checkpointer.follow(guards.stop)
+            guards.saves.follow(guards.stop)
+            self.checkpointer.follow(guards.stop, guards.saves)
             if config.validator.enable:
                 self.validator.follow(guards.stop)
             if hasattr(self.dataloader, "follow"):  # the reshard guard's loader: the step, for its debug trace
@@ -273,6 +280,7 @@ def guarded_trainer(config_class: type) -> type:
             first = self.first_step is None
             if first:  # this process's first step: step 1, or the one after the resumed step
                 self.first_step = self.step
+                self.guards.saves.started_after = self.step - 1
                 self.metrics_processor.start_at(self.step)
                 if self.step == 1:
                     self.guards.check_logits(self)  # the loaded weights against transformers' load of them

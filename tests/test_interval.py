@@ -1,0 +1,90 @@
+"""--checkpoint_every auto and the stop-notice verdict: Young's interval and the verdict from fixed durations fed
+through the run's own StopControl (a known interval, the verdict flipping at its boundary), and one stop of a run
+whose every save is slowed (tests/slow_native_qwen3.py) to three times its notice."""
+from __future__ import annotations
+
+import math
+import signal
+
+from common.harness import interval
+from common.harness.stops import EXIT_STOPPED, StopControl
+from conftest import ROOT, assert_clean_error, example_command, read_results, run_example
+from stop_helpers import finish, start, wait_for_step
+
+
+def test_youngs_interval_in_steps():
+    # a 60 s save, an interruption a day on average: sqrt(2 x 60 x 86400) = 3220 s of training, 322 steps of 10 s
+    assert interval.young_interval_steps(60, 10, 86400) == 322
+    assert interval.young_interval_steps(1, 100, 1) == 1  # never below one step
+    f = interval.interval_facts(322, save_s=60, step_s=10, mtbi_s=86400, save_source="measured", price_per_hour=36)
+    assert f["expected_lost_s_per_interruption"] == 1610 and math.isclose(f["cost_lost_per_interruption"], 16.1)
+    assert math.isclose(f["save_overhead"], 60 / 3280)
+
+
+def test_the_verdict_flips_at_its_boundary():
+    fits = interval.stop_verdict(step_s=30, batch_s=5, save_s=90, notice_s=120, comm_timeout_s=600,
+                                 save_source="measured", evaluates=True)
+    assert fits["fits"] and fits["worst_s"] == 120 and fits["advice"] == []
+    short = interval.stop_verdict(step_s=30, batch_s=5, save_s=90, notice_s=119.9, comm_timeout_s=600,
+                                  save_source="measured", evaluates=True)
+    assert not short["fits"] and "a notice of at least 120 s" in short["advice"][0]
+    assert "faster storage" in short["advice"][-1]
+    # a held-out batch longer than a step is the worst case before the save (a stop skips a due evaluation)
+    batch = interval.stop_verdict(step_s=10, batch_s=40, save_s=80, notice_s=119, comm_timeout_s=600,
+                                  save_source="measured", evaluates=True)
+    assert batch["worst_s"] == 120 and any("--eval_steps" in a for a in batch["advice"])
+    timeout = interval.stop_verdict(step_s=1, batch_s=0, save_s=100, notice_s=900, comm_timeout_s=100,
+                                    save_source="measured", evaluates=False)
+    assert not timeout["fits"] and timeout["fits_notice"] and "--comm_timeout_s above" in timeout["advice"][0]
+
+
+def test_the_auto_interval_from_the_run_s_measured_durations():
+    stop = StopControl(end=None, margin_s=120, is_main=False)
+    watch = interval.SaveWatch(every="auto", mtbi_h=2, planned_save_s=20, notice_s=120, comm_timeout_s=600,
+                               price_per_hour=None, evaluates=False, is_main=False)
+    watch.follow(stop)
+    assert not watch.due(5, None)  # no step measured yet: no interval
+    stop.steps_s = [30.0, 10.0, 10.0, 12.0]  # step 1 compiles: the median of the others, 10 s
+    # before a save is measured: the planned 20 s, sqrt(2 x 20 x 7200) = 537 s, 54 steps
+    assert watch.due(54, None) and not watch.due(53, None)
+    assert watch.interval["save_source"] == "planned" and watch.interval["every_steps"] == 54
+    stop.save_s = [40.0]  # measured: sqrt(2 x 40 x 7200) = 759 s, 76 steps, counted from the last save
+    watch.saved()
+    assert watch.interval["every_steps"] == 76 and watch.interval["save_source"] == "measured"
+    assert watch.due(54 + 76, 54) and not watch.due(54 + 75, 54)
+    assert watch.verdict["fits"] and watch.verdict["worst_s"] == 30.0 + 40.0 - 18.0  # the longest step after step 1
+
+
+def test_auto_needs_its_two_figures(tmp_path):
+    proc = run_example("train_native_qwen3.py", "--checkpoint_every", "auto", "--out_dir", str(tmp_path / "o"),
+                       check=False)
+    assert_clean_error(proc, "--checkpoint_every auto needs --mean_hours_between_interruptions")
+    proc = run_example("train_native_qwen3.py", "--checkpoint_every", "often", "--out_dir", str(tmp_path / "o"),
+                       check=False)
+    assert_clean_error(proc, "--checkpoint_every takes a number of steps (0 to 10000000) or auto, got 'often'")
+
+
+def test_a_save_three_times_longer_than_the_notice_is_reported_as_soon_as_it_is_measured(tmp_path, monkeypatch):
+    """Every save slowed by 3 s, a notice of 1 s, --checkpoint_every auto; SIGTERM once step 3 is logged: the warning
+    comes after the first save, the stop still saves and exits 75, and results.json holds the verdict and the
+    interval with its inputs."""
+    out = tmp_path / "o"
+    cmd = [str(ROOT / "tests" / "slow_native_qwen3.py") if a.endswith("train_native_qwen3.py") else a
+           for a in example_command("train_native_qwen3.py", "--steps", "8", "--no-export", "--seq_len", "64",
+                                    "--checkpoint_every", "auto", "--mean_hours_between_interruptions", "0.001",
+                                    "--storage_gb_per_s", "0.1", "--stop_notice_s", "1", "--out_dir", str(out))]
+    monkeypatch.setenv("SLOW_SAVE_S", "3")  # read when the command starts
+    proc = start(cmd, tmp_path / "log")
+    wait_for_step(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    text = finish(proc)
+    assert proc.returncode == EXIT_STOPPED, text[-3000:]
+    res = read_results(out)
+    v = res["stop_safety"]
+    assert not v["fits"] and v["save_source"] == "measured" and v["save_s"] >= 3 >= 3 * v["notice_s"], v
+    assert "[stop notice] a stop needs" in text and "WARNING it does not fit" in text
+    assert text.index("WARNING it does not fit") < text.index("[stop] SIGTERM")  # said before the stop came
+    f = res["checkpoint_interval"]
+    assert f["save_source"] == "measured" and f["every_steps"] == interval.young_interval_steps(
+        f["save_s"], f["step_s"], f["mean_time_between_interruptions_s"])
+    assert res["stopped"]["reason"] == "SIGTERM"
