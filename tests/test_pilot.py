@@ -62,6 +62,19 @@ def test_native_pilot_fields(shared_run):
     _check_pilot(shared_run("native_tiny_2_ranks")[1], ranks=2)
 
 
+def test_the_time_to_step_1_is_split_into_its_phases(shared_run):
+    """The 2-rank run from HF weights (under torchrun: its checks, a plan, a load check) and the 1-rank run from
+    random weights: each phase of the command's time to the end of step 1, in the order a run goes through them."""
+    order = ["launch", "imports", "checks", "plan", "device", "build", "load", "load check", "first step"]
+    two = shared_run("native_tiny_2_ranks")[1]["time_to_first_step"]
+    assert list(two["phases"]) == order
+    assert all(v >= 0 for v in two["phases"].values()) and two["phases"]["first step"] > 0
+    assert abs(two["total_s"] - sum(two["phases"].values())) < 1e-6
+    assert all(two["longest_over_ranks"][k] >= v for k, v in two["phases"].items())
+    one = shared_run("native_tiny")[1]["time_to_first_step"]
+    assert list(one["phases"]) == order and one["phases"]["launch"] == 0  # one process, no launch of its own
+
+
 def test_hf_backend_pilot_fields_and_the_same_flops_as_the_native_model(shared_run):
     """The same tiny Qwen3 counts the same FLOPs per token through torchtitan's Transformers backend and its own
     model (torchtitan's own count for the backend is about a hundredth of it)."""

@@ -380,8 +380,11 @@ def torchrun_stop_flags() -> list[str]:
 def worker_env(environ, marker: Path, deadline: float | None) -> dict:
     """The workers' environment: where a stop is reported, and this launch's deadline; a DEADLINE this process
     inherited is not this launch's and is dropped."""
-    env = {k: v for k, v in environ.items() if k != DEADLINE}
+    from common.harness.phases import COMMAND_START, process_start
+
+    env = {k: v for k, v in environ.items() if k not in (DEADLINE, COMMAND_START)}
     env[SELF_LAUNCHED] = str(marker)
+    env[COMMAND_START] = repr(process_start())  # the workers count their time to step 1 from the user's command
     if deadline:
         env[DEADLINE] = repr(deadline)
     return env

@@ -27,6 +27,7 @@ from common.harness import dryrun, interval, launcher, pilot, reshard, resume, s
 from common.harness.checks import explain_failure, check_outputs, check_settings, compare_losses, \
     format_loss_comparison, logit_check, read_reference_losses, whole_history
 from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_eval_flags, eval_dataset, eval_rows
+from common.harness.phases import Phases, format_line as phases_line
 from common.harness.preflight import require_stack, wants_neuron
 from common.processes import die_with_parent
 from common.recipe import Hooks, Inputs, Recipe, inputs, train
@@ -55,6 +56,10 @@ class Guards:
     eval_dataset_path: str | None = field(default=None, metadata={
         "help": "with --eval_every: a local folder of held-out JSON lines (its validation*.jsonl files), for training "
                 "data without a validation split; without it such a run streams c4's validation split from the Hub"})
+    disk_check: bool = field(default=True, metadata={
+        "help": "before the launch, check that OUT_DIR's filesystem has room for the checkpoints kept and the "
+                "export; --no-disk_check for storage whose free space the OS does not report (some network and "
+                "object-store mounts)"})
     checkpoint_every: str = field(default="0", metadata={
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
                 "command resumes from the latest. auto: the interval that loses the least expected work, from the "
@@ -202,15 +207,16 @@ def preflight(recipe: Recipe, cfg) -> Inputs:
     launcher.check_tp_split(found.shape, cfg.tensor_parallel_degree, cfg.seq_len)
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
         eval_dataset(found.dataset, cfg.eval_dataset_path, read=True)
+    if found.shape and cfg.disk_check:  # room for the checkpoints kept and the export, before the launch
+        out_dir = Path(cfg.out_dir).resolve()
+        dryrun.check_disk(out_dir, dryrun.checkpoint_plan(dryrun.parameter_estimate(found.shape), cfg,
+                                                          have=len(resume.whole_checkpoints(out_dir)),
+                                                          shape=found.shape))
     if found.shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
         dryrun.check_fits(found.shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                           world_size=launcher.planned_world_size(cfg),
                           device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib,
                           tp=cfg.tensor_parallel_degree)
-        out_dir = Path(cfg.out_dir).resolve()  # room for the checkpoints kept and the export, before the launch
-        dryrun.check_disk(out_dir, dryrun.checkpoint_plan(dryrun.parameter_estimate(found.shape), cfg,
-                                                          have=len(resume.whole_checkpoints(out_dir)),
-                                                          shape=found.shape))
     return found
 
 
@@ -231,10 +237,13 @@ class Checked:
     world_size: int
     end: float | None  # --time_limit as a time
     launch: bool  # the scripts' own launch starts torchrun with this command
+    phases: Phases | None = None  # the time to step 1, marked as it goes (common/harness/phases.py)
 
 
 def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     """The guarded run: the out_dir held, then a dry run, or check -> launch -> train."""
+    phases = Phases()
+    phases.mark("imports")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
     pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)  # flags alone: refused before the out_dir exists
@@ -245,6 +254,8 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     if cfg.dry_run:
         return dry_run(recipe, cfg, out_dir)
     checked = check(recipe, cfg, out_dir)  # every input, before a launch: one error line, not one per rank
+    checked.phases = phases
+    phases.mark("checks")
     if checked.launch:
         raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, checked.end))
     return train_guarded(recipe, cfg, checked, hooks or GuardHooks)
@@ -292,8 +303,11 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
         planned_gib = pilot.planned_gib_in_a_child(
             lambda: dry_run(recipe, cfg, checked.out_dir, ranks=checked.world_size)["total_bytes"],
             device.resolve_device_type(cfg.device), key=checked.record)
+    phases = checked.phases or Phases()
+    phases.mark("plan")
     dev = device.setup(cfg.device, lnc=cfg.lnc, timeout_s=cfg.comm_timeout_s,
                        neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, checked.out_dir))
+    phases.mark("device")
     try:
         launcher.check_same_stack()  # several hosts: the same packages on each, before anything is built
         results = train(recipe, cfg, dev, checked.out_dir, checked.found,
@@ -314,6 +328,7 @@ class GuardHooks(Hooks):
 
     def __init__(self, recipe: Recipe, cfg, checked: Checked, stop: stops.StopControl, planned_gib: float | None):
         self.recipe, self.cfg, self.found, self.record, self.stop = recipe, cfg, checked.found, checked.record, stop
+        self.phases = checked.phases or Phases()
         self.planned_gib = planned_gib
         self.load_check, self.profile, self.compile_cache, self.started = None, None, None, time.time()
         self.losses_path = self.eval_path = None
@@ -369,7 +384,9 @@ class GuardHooks(Hooks):
             config.validator = same_fields(made["validator"].Config, tc.validator)
         if self.profile and "Neuron" in self.profile["activities"]:
             config.profiler = same_fields(made["profiler"].Config, tc.profiler)
-        return config.build(guards=self)
+        built = config.build(guards=self)
+        self.phases.mark("build")
+        return built
 
     # ---- called by GuardedTrainer, at their points in the loop ---------------------------------------------------
     def check_settings(self, trainer) -> None:
@@ -413,6 +430,7 @@ class GuardHooks(Hooks):
                "stopped": self.stop.stopped(out_dir), "rank_logs": launcher.launch_logs(out_dir), **report}
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run
         out.update(self.saves.results())  # the auto interval and the stop-notice verdict
+        out["time_to_first_step"] = self.phases.result()  # a collective
         if cfg.compare_losses:  # over the whole curve, steps before a resume included
             history = self.history(trainer)
             out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
@@ -421,6 +439,7 @@ class GuardHooks(Hooks):
             if warning := pilot.mfu_warning(report):
                 print(warning, file=sys.stderr, flush=True)
             print(pilot.format_line(report), flush=True)
+            print(phases_line(out["time_to_first_step"]), flush=True)
             if cfg.compare_losses:
                 print(format_loss_comparison(out["loss_comparison"]), flush=True)
         return out
@@ -443,6 +462,9 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
     import torch
 
     device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
+    from common import torchtitan_fixes  # after the routing: torchtitan binds its device at import
+
+    torchtitan_fixes.quiet_known_noise()  # the plan (a training run's child too) prints what training would not
     found = recipe.dry_run_inputs(cfg, out_dir) if hasattr(recipe, "dry_run_inputs") else Inputs()
     target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.dry_run_ranks)
     tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)

@@ -282,11 +282,14 @@ def guarded_trainer(config_class: type) -> type:
                 self.first_step = self.step
                 self.guards.saves.started_after = self.step - 1
                 self.metrics_processor.start_at(self.step)
+                self.guards.phases.mark("load")  # torchtitan's train() loaded the weights or the checkpoint
                 if self.step == 1:
                     self.guards.check_logits(self)  # the loaded weights against transformers' load of them
+                    self.guards.phases.mark("load check")
             super().train_step(data_iterator)  # ends in the metrics' log: loss, memory peak, MFU
             if first:
                 self.guards.compile_cache.first_step()
+                self.guards.phases.mark("first step")
             # The step's end: the ranks agree whether to stop; a stop makes this step a save step (torchtitan's save
             # comes next) and skips its evaluation.
             self.guards.stop.step_ended(self.step)
