@@ -199,6 +199,8 @@ class Run:
     steady_step_s: float | None = None
     warmup_steps_excluded: int | None = None
     compile_or_warmup_s: float | None = None
+    to_first_step_s: float | None = None  # the command to the end of step 1 (time_to_first_step)
+    first_step_phases: dict = field(default_factory=dict)
     steady_tokens_per_s: float | None = None
     steady_tokens_per_s_per_rank: float | None = None
     run_tokens_per_s: float | None = None  # the whole run's figure (first step included), from older scripts too
@@ -408,6 +410,11 @@ def load_run(run_dir: str, label: str) -> Run:
     run.steady_step_s = f.number(timing.get("steady_step_s"), "timing.steady_step_s", SECONDS)
     w = f.number(timing.get("warmup_steps_excluded"), "timing.warmup_steps_excluded", COUNT)
     run.warmup_steps_excluded = int(w) if w is not None else None
+    first = d.get("time_to_first_step") if isinstance(d.get("time_to_first_step"), dict) else {}
+    run.to_first_step_s = f.number(first.get("total_s"), "time_to_first_step.total_s", SECONDS)
+    phases = first.get("phases") if isinstance(first.get("phases"), dict) else {}
+    run.first_step_phases = {str(k)[:40]: n for k, v in phases.items()
+                             if (n := f.number(v, f"time_to_first_step.phases.{str(k)[:40]}", SECONDS)) is not None}
     warm_up = f.number(timing.get("compile_or_warmup_s"), "timing.compile_or_warmup_s", SIGNED_SECONDS)
     run.compile_or_warmup_s = None if warm_up is None else max(warm_up, 0.0)  # an older file's step 1 that was faster
     run.steady_tokens_per_s = f.number(timing.get("steady_tokens_per_s"), "timing.steady_tokens_per_s",
@@ -529,7 +536,8 @@ def _fmt_tokens(r: Run) -> str:
 
 COLUMNS = ("run", "script", "preset", "device", "world size", "steps", "first loss", "last loss", "first step s",
            "steady step s", "tokens/s", "MFU", "peak / planned GiB", "torch", "torchtitan", "transformers")
-DETAIL_COLUMNS = ("run", "last held-out loss", "warm-up steps excluded", "compile/warm-up s", "tokens/s per rank",
+DETAIL_COLUMNS = ("run", "last held-out loss", "command to step 1 s", "warm-up steps excluded", "compile/warm-up s",
+                  "tokens/s per rank",
                   "FLOPs/token", "peak FLOP/s per device (source)", "memory measured by", "stopped", "cost",
                   "profile trace")
 
@@ -557,7 +565,7 @@ def detail_rows(runs: list[Run]) -> list[list[str]]:
     for r in runs:
         peak = MISSING if r.peak_flops is None else _fmt(r.peak_flops) + (
             f" ({r.peak_flops_source})" if r.peak_flops_source else "")
-        rows.append([r.label, _fmt_loss(r.eval_losses[-1] if r.eval_losses else None),
+        rows.append([r.label, _fmt_loss(r.eval_losses[-1] if r.eval_losses else None), _fmt(r.to_first_step_s),
                      str(r.warmup_steps_excluded) if r.warmup_steps_excluded is not None else MISSING,
                      _fmt(r.compile_or_warmup_s), _fmt(r.steady_tokens_per_s_per_rank), _fmt(r.flops_per_token),
                      peak, r.measured_by or MISSING, r.stopped or MISSING, r.cost or MISSING, _fmt_traces(r)])
@@ -572,6 +580,8 @@ def _footnotes(runs: list[Run]) -> list[str]:
     notes += [f"{r.label}: MFU left out by the run: {r.mfu_note}" for r in runs if r.mfu_note]
     if any(not r.memory_comparable for r in runs):
         notes.append("not comparable: a profiled run (--profile), whose peak memory holds the profiler's buffers")
+    notes += [f"{r.label}: command to step 1: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.first_step_phases.items())
+              for r in runs if r.first_step_phases]
     for r in runs:
         if r.size_changes:
             notes.append(f"{r.label}: resumed on another world size (--reshard): " + ", ".join(
