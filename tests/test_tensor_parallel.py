@@ -1,6 +1,6 @@
 """--tensor_parallel_degree and --activation_checkpoint. One chain of the native script from the tiny Qwen3's HF
 weights: tensor parallel 2 on 2 ranks stopped, resumed on 1 rank (--reshard) and stopped, resumed at tensor parallel
-2 to the end and exported; against one uninterrupted rank without activation checkpointing, the same global batch.
+2 to the end, evaluated on held-out data and exported; against one uninterrupted rank without activation checkpointing, the same global batch.
 The load check and the export check read whole-vocabulary logits from the sharded model (the run fails otherwise).
 Activation checkpointing against none on torchtitan's own model, in-process; the layout rules without training."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ def chain(tmp_path_factory, prepared_assets) -> dict:
     refused = run_example("train_native_qwen3.py", *RUN, *weights, "--out_dir", str(out), check=False)
     s2 = _stop(example_command("train_native_qwen3.py", *run, "--activation_checkpoint", "none"), out, root / "log2",
                s1 + 1)
-    run_example("train_native_qwen3.py", *run, *tp2)
+    run_example("train_native_qwen3.py", *run, *tp2, "--eval_every", "5", "--eval_steps", "1")  # held-out at step 5
     return {"one": read_results(one), "chain": read_results(out), "stops": (s1, s2), "refused": refused,
             "first_log": (root / "log1").read_text()}
 
@@ -64,6 +64,7 @@ def test_tensor_parallel_stopped_and_resumed_on_one_rank_trains_as_one_rank(chai
     worst = max(abs(a - b) for a, b in zip(losses, one["losses"]))
     assert len(losses) == 5 and worst <= LOSS_BOUND, (worst, losses, one["losses"])
     assert "[load check] max abs logit diff" in chain["first_log"]  # step 1 of the sharded model (else it fails)
+    assert [row["step"] for row in res["eval_losses"]] == [5]  # the held-out loss of the tensor-parallel model
     check = res["export_check"]  # the export of a tensor-parallel run, re-read by transformers
     assert check["passed"] and check["max_abs_logit_diff"] <= 1e-5 and not check["missing_keys"], check
 
