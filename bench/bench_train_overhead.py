@@ -14,6 +14,9 @@ process alternate (ours, stock, then stock, ours, ...), `--repeats` of each:
     train_moe_nki.py the baseline is torchtitan's own MoE and RoPE (`--stock`: what the stock entry
     point would run); ours has the grouped-expert op and NKIRoPE, with the preset's float32 expert
     matmuls (torchtitan's experts run bfloat16).
+Time to step 1: the command's start (the process spawned) to the end of step 1, the same hook's first call;
+`ours_over_stock_to_first_step` is what the script's checks, plan and load check add before training (the plan is
+cached per configuration: a repeat after the first finds it).
 Step time: per-step timestamps from the same hook in both (`MetricsProcessor.log`, called once at
 the end of every step), step 1 left out (warm-up), the median over the remaining steps of a
 process, then the median over the repeats. tokens/s = tokens per step / step time.
@@ -111,6 +114,10 @@ def main(cfg: Config) -> dict:
                      "tokens_per_step": s["ours"]["tokens_per_step"],
                      "flops_per_token_ours": s["ours"]["flops_per_token"],
                      "flops_per_token_stock": s["stock"]["flops_per_token"],
+                     "ours_to_first_step_s": s["ours"]["to_first_step_s"]["median"],
+                     "stock_to_first_step_s": s["stock"]["to_first_step_s"]["median"],
+                     "ours_over_stock_to_first_step": cb.ratio(s["ours"]["to_first_step_s"]["median"],
+                                                               s["stock"]["to_first_step_s"]["median"]),
                      "ours_process_s": s["ours"]["process_wall_s"]["median"],
                      "stock_process_s": s["stock"]["process_wall_s"]["median"],
                      "first_losses": {"ours": s["ours"]["first_losses"], "stock": s["stock"]["first_losses"]},
@@ -130,7 +137,10 @@ def main(cfg: Config) -> dict:
                                    ("ours_tokens_per_s", "ours tok/s", ".0f"),
                                    ("stock_tokens_per_s", "stock tok/s", ".0f"),
                                    ("ours_mfu_measured_pct", "ours MFU %", ".1f"),
-                                   ("stock_mfu_measured_pct", "stock MFU %", ".1f")])
+                                   ("stock_mfu_measured_pct", "stock MFU %", ".1f"),
+                                   ("ours_to_first_step_s", "ours to step 1 s", ".1f"),
+                                   ("stock_to_first_step_s", "stock to step 1 s", ".1f"),
+                                   ("ours_over_stock_to_first_step", "ours / stock to step 1", ".2f")])
     table += (f"\n{threads} thread(s) per process; peak: measured float32 matmul {peak_measured / 1e9:.1f} GFLOP/s "
               f"(median of {len(matmul)}); nominal {nominal['flops'] / 1e9:.1f} GFLOP/s = {nominal['how']}")
     for r in rows:

@@ -211,7 +211,7 @@ def run_training(mode: str, script: str, args: list[str], timing_file: Path, *, 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "--local-ranks-filter=0", *inner]
     timing_file.unlink(missing_ok=True)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=training_env(threads), capture_output=True, text=True,
                           timeout=timeout)
     wall = time.perf_counter() - t0
@@ -223,6 +223,7 @@ def run_training(mode: str, script: str, args: list[str], timing_file: Path, *, 
                            f"\n--- stderr\n{proc.stderr[-5000:]}")
     record = json.loads(timing_file.read_text())
     record["process_wall_s"] = wall
+    record["to_first_step_s"] = record["first_step_end_wall"] - started  # the command to the end of step 1
     return record
 
 
@@ -260,7 +261,7 @@ def alternate_training(runs: dict[str, tuple], *, repeats: int, out_dir: Path, t
                                   out_dir / "timings" / f"{tag}.json", nproc=run.nproc, threads=threads,
                                   log_dir=out_dir / "logs", launcher_flags=tuple(run.launcher_flags))
             s = step_stats(record)
-            s["process_wall_s"] = record["process_wall_s"]
+            s["process_wall_s"], s["to_first_step_s"] = record["process_wall_s"], record["to_first_step_s"]
             stats[name].append(s)
             return s["step_s"]
         return call
@@ -279,6 +280,7 @@ def training_summary(stats: list[dict]) -> dict:
             "cpu_step_s": summary([s["cpu_step_s"] for s in stats]),
             "tokens_per_s": summary([s["tokens_per_s"] for s in stats]),
             "process_wall_s": summary([s["process_wall_s"] for s in stats]),
+            "to_first_step_s": summary([s["to_first_step_s"] for s in stats]),
             "tokens_per_step": stats[0]["tokens_per_step"], "flops_per_token": stats[0]["flops_per_token"],
             "first_losses": stats[0]["losses"][:3] if stats[0]["losses"] else None}
 

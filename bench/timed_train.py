@@ -74,6 +74,7 @@ def install_timer(fix_hf_rotary: bool) -> None:
     log, train = MetricsProcessor.log, Trainer.train
 
     def timed_log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None, *a, **k):
+        RECORD.setdefault("first_step_end_wall", time.time())  # the command's time to step 1 (common_bench)
         RECORD["times"].append(time.perf_counter())
         RECORD["cpu_times"].append(time.process_time())
         RECORD["steps"].append(int(step))

@@ -92,7 +92,8 @@ def test_bench_train_overhead(tmp_path):
     r = run_bench("bench_train_overhead.py", tmp_path)
     (row,) = r["rows"]
     for key in ("ours_step_ms", "stock_step_ms", "ours_over_stock", "ours_tokens_per_s", "stock_tokens_per_s",
-                "ours_mfu_measured_pct", "stock_mfu_measured_pct", "ours_mfu_nominal_pct"):
+                "ours_mfu_measured_pct", "stock_mfu_measured_pct", "ours_mfu_nominal_pct", "ours_to_first_step_s",
+                "stock_to_first_step_s", "ours_over_stock_to_first_step"):
         assert finite(row[key]), (key, row[key])
     assert finite(r["peak_flops"]["measured"]) and finite(r["peak_flops"]["nominal"]["flops"])
     # the same model, data and batch on both sides: the same losses
