@@ -88,3 +88,22 @@ def test_killed_export_leaves_a_complete_folder_or_none(tmp_path, prepared_asset
             assert json.loads((export / "config.json").read_text())["qwen3_recipes_versions"]["loop"]
             AutoModelForCausalLM.from_pretrained(export)
             assert (export / "tokenizer.json").is_file()
+
+
+def test_a_run_starting_anew_over_a_finished_run_says_it_replaces_it(tmp_path, capsys, monkeypatch):
+    """A finished run's folder (results.json, not stopped) and no checkpoint to resume: the rerun says it replaces
+    the results and the export; a stopped run's folder (which it would resume) and an empty one say nothing."""
+    import json
+
+    from common.harness import lifecycle, stops
+
+    monkeypatch.delenv(stops.SELF_LAUNCHED, raising=False)
+    lifecycle.say_replaced(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"stopped": {"reason": "SIGTERM"}}))
+    lifecycle.say_replaced(tmp_path)
+    assert capsys.readouterr().out == ""
+    (tmp_path / "results.json").write_text(json.dumps({"stopped": None, "losses": [1.0]}))
+    (tmp_path / "hf_export").mkdir()
+    lifecycle.say_replaced(tmp_path)
+    out = capsys.readouterr().out
+    assert out.startswith(f"[rerun] {tmp_path} holds a finished run's results") and "and its hf_export" in out

@@ -289,8 +289,27 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     end = stops.deadline(cfg.time_limit)
     found = preflight(recipe, cfg)
     record = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
-    resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.reshard)  # the same run, steps left
+    resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.reshard)  # the same run, steps left
+    if resumed is None and launcher.is_rank_zero():
+        say_replaced(out_dir)
     return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
+
+
+def say_replaced(out_dir: Path) -> None:
+    """A run starting anew in a folder that holds a finished run's results says so: this run replaces them (and the
+    export), which a rerun of the same command would otherwise do without a word."""
+    import json
+
+    path = out_dir / "results.json"
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(old, dict) and not old.get("stopped") and not os.environ.get(stops.SELF_LAUNCHED):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+        export = " and its hf_export" if (out_dir / "hf_export").is_dir() else ""
+        print(f"[rerun] {out_dir} holds a finished run's results (results.json of {when}): this run starts anew and "
+              f"replaces them{export}; choose another --out_dir to keep both", flush=True)
 
 
 def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
