@@ -32,7 +32,8 @@ def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes:
     """Activation bytes per rank for one micro-batch (docs/memory-model.md) of the model an HF config.json dict
     describes. `ac`: torchtitan's activation checkpointing, none, selective or full. `loss_chunks`: the chunks of
     torchtitan's ChunkedLossWrapper (1: the whole logits at once). `tp`: the tensor-parallel degree, with sequence
-    parallel on (torchtitan's default): every activation, the logits too, is split over the `tp` ranks."""
+    parallel on (torchtitan's default): the checkpointed activations and the logits are split over the `tp` ranks,
+    the layer being recomputed in the backward is not (measured)."""
     c, tokens = compute_bytes, batch * seq_len
     d, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     heads = shape["num_attention_heads"]
@@ -52,7 +53,12 @@ def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes:
     kept = {"full": layers * tokens * d * c // tp, "selective": layers * selective, "none": layers * saved}[ac]
     chunk = tokens // max(loss_chunks, 1) * vocab // tp
     loss_work = max(chunk * (c + 12), chunk * 8 + vocab * d * c // tp) + tokens * d * (c + 4) // tp
-    decoder_work = {"full": saved, "selective": saved - selective, "none": 0}[ac] + in_flight
+    if tp > 1:  # the vocabulary-parallel cross entropy holds one more float32 copy of a chunk's logit slice
+        loss_work += chunk * 4  # (measured at TP 2: the loss phase 1.26 of the estimate without it)
+    # The layer in its backward is held whole under tensor parallel: measured at TP 2, the decoder's backward took
+    # 1.7 to 2.1 times its 1/tp share (0.9 to 1.1 of the whole layer's)
+    decoder_work = ({"full": saved, "selective": saved - selective, "none": 0}[ac] + in_flight - batch * seq_len
+                    * seq_len * 4) * tp + batch * seq_len * seq_len * 4
     return {"checkpointed_or_kept": kept, "loss_working_set": loss_work, "recomputed_layer": decoder_work,
             "loss_phase": kept + loss_work, "decoder_backward_phase": kept + decoder_work,
             "total": kept + max(loss_work, decoder_work)}
