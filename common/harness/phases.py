@@ -11,8 +11,8 @@ command started; otherwise this process) to the end of step 1, in named phases, 
     load check   step 1 of a run from HF weights: the built model's logits against transformers' load
     first step   this process's first training step (on an accelerator: its compile)
 
-results.json `time_to_first_step` has them (rank 0's, and each phase's longest over the ranks), and the pilot line
-its total.
+results.json `time_to_first_step` has them (rank 0's, and each phase's longest over the ranks), and rank 0 prints
+them in a `[step 1]` line after the `[pilot]` line.
 """
 from __future__ import annotations
 
@@ -65,4 +65,4 @@ class Phases:
 
 def format_line(r: dict) -> str:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
-    return f"[pilot] command to the end of step 1: {r['total_s']:.1f} s ({parts})"
+    return f"[step 1] the command to the end of step 1: {r['total_s']:.1f} s ({parts})"
