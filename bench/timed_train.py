@@ -119,7 +119,7 @@ def run_stock(example, args: list[str]) -> None:
     tc, _notes = recipe.trainer_config(cfg, dev, out_dir, found)
     # The scripts keep torchtitan's checkpointer on so that a stop can save any step (common/harness/resume.py), and
     # save nothing at the end without --export; torchtitan's own loop would write a last save: off, as before.
-    tc.checkpoint.enable = bool(getattr(cfg, "export", False) or getattr(cfg, "checkpoint_every", 0))
+    tc.checkpoint.enable = bool(getattr(cfg, "export", False) or getattr(cfg, "checkpoint_every", "0") != "0")
     # The example stages its tokenizer into OUT_DIR/hf_assets; torchtitan reads the source folder.
     tc.hf_assets_path = str(found.hf_folder or found.tokenizer_dir)
     _PREPARED["config"] = tc
