@@ -207,17 +207,26 @@ def preflight(recipe: Recipe, cfg) -> Inputs:
     launcher.check_tp_split(found.shape, cfg.tensor_parallel_degree, cfg.seq_len)
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
         eval_dataset(found.dataset, cfg.eval_dataset_path, read=True)
-    if found.shape and cfg.disk_check:  # room for the checkpoints kept and the export, before the launch
+    parameters = dryrun.parameter_estimate(found.shape) if found.shape else published_parameters(recipe, cfg)
+    if parameters and cfg.disk_check:  # room for the checkpoints kept and the export, before the launch
         out_dir = Path(cfg.out_dir).resolve()
-        dryrun.check_disk(out_dir, dryrun.checkpoint_plan(dryrun.parameter_estimate(found.shape), cfg,
-                                                          have=len(resume.whole_checkpoints(out_dir)),
-                                                          shape=found.shape))
+        dryrun.check_disk(out_dir, dryrun.checkpoint_plan(int(parameters), cfg, shape=found.shape,
+                                                          have=len(resume.whole_checkpoints(out_dir))))
     if found.shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
         dryrun.check_fits(found.shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                           world_size=launcher.planned_world_size(cfg),
                           device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib,
                           tp=cfg.tensor_parallel_degree)
     return found
+
+
+def published_parameters(recipe: Recipe, cfg) -> float | None:
+    """The published parameter count of a preset whose shape has no config.json here (a torchtitan flavor: its
+    model card's figure, `describe`), for the disk check; None where there is none."""
+    try:
+        return recipe.describe(cfg, {})[1] if hasattr(recipe, "describe") else None
+    except (KeyError, TypeError):
+        return None
 
 
 def _dataset_folder(dataset: str, dataset_path: str | None) -> str | None:
