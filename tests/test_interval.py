@@ -69,9 +69,11 @@ def test_a_save_three_times_longer_than_the_notice_is_reported_as_soon_as_it_is_
     comes after the first save, the stop still saves and exits 75, and results.json holds the verdict and the
     interval with its inputs."""
     out = tmp_path / "o"
+    # an interruption every 3.6 ms: sqrt(2 x save x MTBI) is under 0.2 s, so the interval is one step at any step
+    # time above that, and the first save (after step 1) comes before the signal, on a fast machine or a busy one
     cmd = [str(ROOT / "tests" / "slow_native_qwen3.py") if a.endswith("train_native_qwen3.py") else a
            for a in example_command("train_native_qwen3.py", "--steps", "8", "--no-export", "--seq_len", "64",
-                                    "--checkpoint_every", "auto", "--mean_hours_between_interruptions", "0.001",
+                                    "--checkpoint_every", "auto", "--mean_hours_between_interruptions", "0.000001",
                                     "--storage_gb_per_s", "0.1", "--stop_notice_s", "1", "--out_dir", str(out))]
     monkeypatch.setenv("SLOW_SAVE_S", "3")  # read when the command starts
     proc = start(cmd, tmp_path / "log")
