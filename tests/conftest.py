@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -179,6 +180,57 @@ def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_in_process(script: str, *args: str, cwd: Path | None = None,
+                   env: dict | None = None) -> subprocess.CompletedProcess:
+    """An example's command line run in this test process, as `python examples/SCRIPT ARGS` runs it: the script
+    itself as `__main__` (its own `if __name__ == "__main__":` entry, not a function the test picks), with its
+    arguments in sys.argv, its stdout and stderr captured, its exit code from SystemExit; a traceback that escapes
+    it is its stderr with exit code 1, as the interpreter would print it. For the refusals and checks that end before
+    a launch or a build (a training run that a test reads, signals or kills runs as a process: run_example,
+    start_python), without a fresh interpreter's seconds of imports. What the run changes in this process is put
+    back: the environment, the folder, sys.argv, sys.path, the signal handlers and the root logger's handlers. The
+    repository's modules stay imported from one run to the next (a copied example runs as a process: run_python)."""
+    import io
+    import logging
+    import runpy
+    import traceback
+
+    path = str(ROOT / "examples" / script)
+    saved_env, saved_cwd, saved_argv, saved_path = dict(os.environ), os.getcwd(), sys.argv, list(sys.path)
+    saved_sigs = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
+                                                   signal.SIGUSR2)}
+    root_handlers = list(logging.getLogger().handlers)
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        os.chdir(cwd or ROOT)
+        sys.argv = [path, *args]
+        sys.path[0:0] = [os.path.dirname(path)]  # as python puts the script's folder first
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # torchrun's error handler cannot enable faulthandler on a captured stderr (it has no file descriptor)
+            warnings.filterwarnings("ignore", "Unable to enable fault handler")
+            try:
+                runpy.run_path(path, run_name="__main__")
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+            except BaseException:  # what the interpreter prints for an exception that escapes a script
+                traceback.print_exc()
+                rc = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        for s, handler in saved_sigs.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        logging.getLogger().handlers[:] = root_handlers
+    return subprocess.CompletedProcess([sys.executable, path, *args], rc, out.getvalue(), err.getvalue())
 
 
 def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, torchrun: int = 0,
