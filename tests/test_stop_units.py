@@ -16,16 +16,34 @@ import pytest
 
 from common.errors import UserError
 from common.harness import launcher, stops
-from conftest import ROOT, assert_clean_error, run_example, script_env
+from conftest import ROOT, assert_clean_error, run_example, run_in_process, script_env
 from stop_helpers import SCRIPT, alive
 
 
 @pytest.mark.parametrize("text", ["", " ", "none", "soon"])
 def test_a_time_limit_that_is_not_minutes_or_an_end_time_is_one_error_line(tmp_path, text):
-    proc = run_example(SCRIPT, "--steps", "1", "--no-export", "--time_limit", text, "--out_dir", str(tmp_path),
-                       check=False)
+    proc = run_in_process(SCRIPT, "--steps", "1", "--no-export", "--time_limit", text, "--out_dir", str(tmp_path))
     assert_clean_error(proc, f"--time_limit {text!r} is neither minutes (90) nor an end time")
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_lock_whose_named_holder_has_ended_says_its_processes_still_hold_the_folder(tmp_path):
+    """A self-launched run's torchrun and workers inherit the launcher's lock: when the launcher is gone (killed) and
+    they still save, the refusal says so instead of naming a dead pid as the holder."""
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid of this host that has ended
+    lock = tmp_path / launcher.LOCK
+    lock.write_text(f"pid {dead.pid} on {socket.gethostname()} since 2026-12-06 05:00:00 UTC: python x.py\n")
+    with open(lock) as held:  # held by "its workers": another open file description of this process
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UserError, match=f"pid {dead.pid} has ended, but the processes it started .* still hold"):
+            launcher.hold_out_dir(tmp_path)
+        lock.write_text(f"pid {os.getpid()} on {socket.gethostname()} since 2026-12-06 05:00:00 UTC: python x.py\n")
+        with pytest.raises(UserError) as alive_holder:  # a holder that runs is named as it is, nothing added
+            launcher.hold_out_dir(tmp_path)
+        assert "has ended" not in str(alive_holder.value) and f"pid {os.getpid()} on" in str(alive_holder.value)
 
 
 def test_the_launchers_deadline_is_read_only_by_its_own_workers(monkeypatch, tmp_path):

@@ -208,8 +208,8 @@ def hold_out_dir(out_dir: Path, node_rank: int = 0) -> None:
     except BlockingIOError:
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said which"
         os.close(fd)
-        raise UserError(f"--out_dir {out_dir} is in use by another run ({one_line(holder)}): wait for it to end, "
-                        "or choose another --out_dir") from None
+        raise UserError(f"--out_dir {out_dir} is in use by another run ({one_line(holder)}){_holder_gone(holder)}: "
+                        "wait for it to end, or choose another --out_dir") from None
     try:
         _check_own_lock(fd, path)  # read under the lock: no other run is writing it now
     except UserError:
@@ -219,6 +219,22 @@ def hold_out_dir(out_dir: Path, node_rank: int = 0) -> None:
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
                   f"{shlex.join([Path(sys.executable).name, *sys.argv])}\n".encode(), 0)
     _held.append(fd)
+
+
+def _holder_gone(holder: str) -> str:
+    """What to add when the lock line names a process of this host that has ended: the processes it started (a
+    self-launch's torchrun and workers inherit the lock) still hold the folder, as while a stop's save finishes."""
+    match = re.match(r"pid ([0-9]+) on (\S+) since", holder)
+    if not match or match[2] != socket.gethostname():
+        return ""
+    try:
+        os.kill(int(match[1]), 0)
+    except ProcessLookupError:
+        return (f"; pid {match[1]} has ended, but the processes it started (its torchrun and workers) still hold "
+                "the folder, saving or ending")
+    except (PermissionError, OverflowError):
+        pass
+    return ""
 
 
 def _refuse_lock(path: Path, what: str) -> UserError:
