@@ -11,8 +11,9 @@ Every value from a results file is untrusted. The data travels as JSON inside a
 that element; the page's script builds every cell with textContent, never as HTML; and a
 Content-Security-Policy allows only the page's own script and style (by hash), no network at all.
 The Reproduce block quotes every value, and shows a row's rerun command only when its `run_args` are a plain
-list of the script's flags that its parser accepts (`rerun`); the page is written only as a new file or over a
-page this module wrote (GENERATOR, check_target), never over a results file it read, never through a symbolic
+list of the script's flags that its parser accepts (`rerun`). The page is meant to be shared: this machine's home
+folder and the set-up's cache are written as `~` and `$QWEN3_RECIPES_CACHE` wherever a value names them. The page
+is written only as a new file or over a page this module wrote (GENERATOR, check_target), never over a results file it read, never through a symbolic
 link, and a FIFO of that name is never opened.
 """
 from __future__ import annotations
@@ -53,14 +54,44 @@ def _cells(values: list) -> list:
     return [v if v is None or type(v) is str or type(v) is int else _cell(v) for v in values]
 
 
-def _column(df, name: str) -> list:
-    """Column `name` of `df` as the page's cells (`_cell` of each value), or nulls where `df` has no such column."""
+def _local_prefixes() -> list[tuple[str, str]]:
+    """This machine's folders a shared page should not show, longest first, with what stands for them: the set-up's
+    cache (judge models, assets) and the home folder (a user name)."""
+    cache = os.environ.get("QWEN3_RECIPES_CACHE") or str(Path.home() / ".cache" / "qwen3-trainium-recipes")
+    pairs = [(os.path.abspath(cache), "$QWEN3_RECIPES_CACHE"), (str(Path.home()), "~")]
+    return sorted({p: s for p, s in pairs if p not in ("", "/")}.items(), key=lambda ps: -len(ps[0]))
+
+
+def shareable(text, prefixes: list[tuple[str, str]]):
+    """`text` with each local folder of `prefixes` (a path beginning there) written as what stands for it."""
+    if type(text) is not str:
+        return text
+    for prefix, stand_in in prefixes:
+        if prefix in text:
+            text = text.replace(prefix + "/", stand_in + "/").replace(prefix + '"', stand_in + '"')
+            text = stand_in if text == prefix else text
+    return text
+
+
+def _shell_word(word: str) -> str:
+    """One word of a command a user may copy, quoted (shlex.quote); a path in the home folder as `~/` and the rest
+    quoted, so that the shell of whoever copies it finds it in their own home, and this one's is not shown."""
+    home = str(Path.home())
+    if home not in ("", "/") and word.startswith(home + "/"):
+        return "~/" + shlex.quote(word[len(home) + 1:])
+    return shlex.quote(word)
+
+
+def _column(df, name: str, prefixes: list[tuple[str, str]] = ()) -> list:
+    """Column `name` of `df` as the page's cells (`_cell` of each value, local folders as `shareable` writes them),
+    or nulls where `df` has no such column."""
     if name not in df.columns:
         return [None] * len(df)
     series = df[name]
     if series.dtype == "float64":  # Python floats: a cell where finite, else null (as _cell)
         return [v if math.isfinite(v) else None for v in series.tolist()]
-    return _cells(series.tolist())
+    cells = _cells(series.tolist())
+    return [shareable(v, prefixes) for v in cells] if prefixes else cells
 
 
 def rankings_data(rankings) -> dict | None:
@@ -86,13 +117,16 @@ def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None, ran
     for args in run_args:  # a run's rows share their flags: each distinct text parsed once
         if isinstance(args, str) and args not in commands:
             argv = rerun(args) if rerun else None
-            commands[args] = shlex.join(["python", "generate_compat_check.py", *argv]) if argv else None
+            commands[args] = " ".join(map(_shell_word, ["python", "generate_compat_check.py", *argv])) if argv else None
     rerun_cells = [commands.get(args) if isinstance(args, str) else None for args in run_args]
     run_py = df["run_py"].tolist() if "run_py" in df.columns else [None] * len(df)
     text_cells = [texts.setdefault(t, len(texts)) if isinstance(t, str) and t else None for t in run_py]
-    rows = [list(row) for row in zip(*(_column(df, c) for c in PAGE_COLUMNS), rerun_cells, text_cells)]
-    return {"columns": [*PAGE_COLUMNS, "rerun", "run_py"], "rows": rows, "texts": list(texts),
-            "selected": list(selected), "sources": sources, "rankings": rankings_data(rankings),
+    local = _local_prefixes()  # a page is meant to be shared: this machine's cache and home folders not named
+    rows = [list(row) for row in zip(*(_column(df, c, local) for c in PAGE_COLUMNS),
+                                     rerun_cells, text_cells)]
+    return {"columns": [*PAGE_COLUMNS, "rerun", "run_py"], "rows": rows,
+            "texts": [shareable(t, local) for t in texts], "selected": list(selected),
+            "sources": [shareable(str(s), local) for s in sources], "rankings": rankings_data(rankings),
             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -383,9 +383,10 @@ def _as_written(table, schema):
     columns = []
     for field in schema:
         col = column(field.name, field.type)
-        if field.name == "wall_s_precise" and field.name not in table.column_names and "wall_s" in table.column_names \
-                and pa.types.is_floating(table.column("wall_s").type):  # earlier files: the seconds were wall_s
-            col = table.column("wall_s")
+        if field.name == "wall_s_precise" and "wall_s" in table.column_names \
+                and pa.types.is_floating(table.column("wall_s").type):  # earlier files: the seconds were wall_s,
+            seconds = table.column("wall_s").cast(pa.float64())  # kept where a row has no wall_s_precise of its own
+            col = seconds if field.name not in table.column_names else pc.coalesce(col.cast(pa.float64()), seconds)
         elif field.name == "wall_s" and pa.types.is_floating(col.type):
             col = pc.round(pc.if_else(pc.is_finite(col), col, pa.scalar(None, col.type)))
         elif field.name == "tested_at" and pa.types.is_timestamp(col.type):
