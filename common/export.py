@@ -260,6 +260,7 @@ def one_shot(request: dict) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = f"{Path(__file__).resolve().parent.parent}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    request = {**request, "parent": os.getpid()}  # the check dies with this process (a stop signal, a kill)
     proc = subprocess.run([sys.executable, "-m", "common.export", json.dumps(request)], env=env, capture_output=True,
                           text=True)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()] or ["?"]
@@ -357,8 +358,15 @@ def verify_to(export_dir: Path, reference: Path, out: Path, files: bool, check_r
 
 def _main(argv: list[str] | None = None) -> int:
     """`one_shot`'s process: one check, its request (JSON: export_dir, reference, out, files) the one argument;
-    exit 2 and an `error:` line for a folder it refuses."""
+    exit 2 and an `error:` line for a folder it refuses. With `parent` (a pid) in the request, it ends as soon as that
+    process does (however it ends), instead of running on alone."""
     request = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    if request.get("parent"):
+        import signal
+
+        from common.processes import die_with_parent
+
+        die_with_parent(signal.SIGTERM, parent_pid=int(request["parent"]))()
     try:
         verify_to(Path(request["export_dir"]), Path(request["reference"]), Path(request["out"]), request["files"])
     except UserError as e:

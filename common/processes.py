@@ -1,6 +1,6 @@
 """Processes a script starts: they die with it (`die_with_parent`), and a fork is made only where it is safe
-(`fork_is_safe`). The compatibility check's ranks and the harness's forked children (the export verifier, the dry
-run's plan) use them; the training core starts no process of its own.
+(`fork_is_safe`). The compatibility check's ranks, the harness's forked children (the export verifier, the dry
+run's plan) and the core's export check process (`python -m common.export`) use them.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ its own workers, the grace a torchrun gives its workers' stop save, and the dry-
 that forked it. The runs that stop: tests/test_stop.py, tests/test_stop_one_process.py."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -187,3 +188,28 @@ def test_a_multi_node_launch_checks_efa_and_node_0_before_torchrun(tmp_path, mon
     proc = run_example(SCRIPT, *two, "--node_rank", "1", "--out_dir", str(tmp_path / "o2"), check=False)
     assert "[launch] node 1 of 2: waiting for node 0 at 127.0.0.1:1 (up to 2 s" in proc.stdout, proc.stdout[-2000:]
     assert_clean_error(proc, "node 1 of 2: node 0's endpoint 127.0.0.1:1 did not accept a connection in 2 s")
+
+
+def test_the_cores_export_check_ends_with_the_run_that_started_it(tmp_path):
+    """`python -m common.export` (the core's export and load check, a process of its own) is told its parent: when the
+    run is gone (a stop signal or a kill during the check) it ends too, instead of checking on under pid 1. Here the
+    run is a process that starts the check and is gone at once: the check ends before its first line of output (on
+    its own, this request prints one error line, the folder does not exist, or a traceback if it broke)."""
+    import json
+
+    request = {"export_dir": str(tmp_path / "no_export"), "reference": str(tmp_path / "ref.pt"),
+               "out": str(tmp_path / "check.json"), "files": True}
+    starter = ("import json, os, subprocess, sys\n"
+               "r = json.loads(sys.argv[1]); r['parent'] = os.getpid()\n"
+               "err = open(sys.argv[2], 'w')\n"
+               "p = subprocess.Popen([sys.executable, '-m', 'common.export', json.dumps(r)], stderr=err)\n"
+               "print(p.pid, flush=True)\n"
+               "os._exit(0)\n")
+    err = tmp_path / "check.err"
+    run = subprocess.run([sys.executable, "-c", starter, json.dumps(request), str(err)],
+                         env={**script_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    check = int(run.stdout.split()[0])
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(check).wait(timeout=300)  # ended by its parent-death check, not left running
+    assert not alive([check])
+    assert err.read_text() == "", err.read_text()  # it never got to the check
