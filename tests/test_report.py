@@ -283,3 +283,29 @@ def test_a_profiled_run_links_its_traces_and_compares_no_memory(tmp_path, capsys
     assert "passwd>)" not in md and "deleted_trace.json.gz>)" not in md  # named in the notes as text, not linked
     assert "not a path inside the run's folder: not linked" in text and "moved or deleted" in text
     assert report.load_run(str(run), "p").memory_ratio is None  # panel 4 says "profiled: not comparable"
+
+
+def test_a_cpu_mfu_is_against_the_best_peak_measured_on_the_machine_and_marked_indicative(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """The CPU peak is the best measured on this machine so far (kept in the cache folder): a run that starts while
+    the machine is busy measures lower and keeps the earlier figure, a faster measurement raises it. The pilot line
+    and the report mark a CPU run's MFU as indicative."""
+    from common import paths
+    from common.harness import pilot
+
+    monkeypatch.setattr(paths, "CACHE_DIR", tmp_path / "cache" / "assets")
+    assert pilot.best_cpu_peak(5e10, "float32", 1) == (5e10, 1)
+    assert pilot.best_cpu_peak(2e10, "float32", 1) == (5e10, 2)  # a busy machine's measurement: the best stays
+    assert pilot.best_cpu_peak(8e10, "float32", 1) == (8e10, 3)
+    assert pilot.best_cpu_peak(1e10, "bfloat16", 1) == (1e10, 1)  # another dtype: a figure of its own
+    peak = pilot.peak_flops("cpu", "float32", None)
+    assert peak["indicative"] is True and peak["value"] >= 8e10 and "best of 4 measurement(s)" in peak["source"]
+    line = pilot.format_line({"timing": {"first_step_s": 2.0, "steady_step_s": 1.0, "steady_tokens_per_s": 256},
+                              "flops_per_token": 1e6, "mfu": 0.1, "peak_flops_per_device": peak,
+                              "memory": {"peak_gib": [1.0], "planned_gib": 2.0}, "cost": None})
+    assert "MFU 0.100 (CPU: indicative) of" in line, line
+    data = _with()
+    data["peak_flops_per_device"] = {**data["peak_flops_per_device"], "indicative": True}
+    run = make_run(tmp_path / "runs", "cpu", data)
+    assert report.main([str(run), "--out", str(tmp_path / "r.png")]) == 0
+    assert "cpu: MFU indicative: a CPU run" in capsys.readouterr().out

@@ -214,6 +214,7 @@ class Run:
     memory_comparable: bool = True  # false: a profiled run, whose peak holds the profiler's buffers
     measured_by: str | None = None
     mfu_note: str | None = None  # why the run wrote no MFU (an impossible one: above 1, or no positive peak)
+    mfu_indicative: bool = False  # a CPU run's: its steps' wall time moves with the machine's load
     traces: list[tuple[str, float | None]] = field(default_factory=list)  # (path, bytes) of --profile's traces
     stopped: str | None = None
     size_changes: list[tuple[int, int, int]] = field(default_factory=list)  # (first step, ranks before, after)
@@ -428,6 +429,7 @@ def load_run(run_dir: str, label: str) -> Run:
     if isinstance(pf, dict):
         run.peak_flops = f.number(pf.get("value"), "peak_flops_per_device.value", PEAK_FLOPS)
         run.peak_flops_source = f.text(pf.get("source"), "peak_flops_per_device.source")
+        run.mfu_indicative = pf.get("indicative") is True
     else:
         run.peak_flops = f.number(pf, "peak_flops_per_device", PEAK_FLOPS)
     peak = memory.get("peak_gib")
@@ -578,6 +580,8 @@ def _footnotes(runs: list[Run]) -> list[str]:
         notes.append("* tokens/s over the whole run, first step included: that results.json has no steady figure "
                      "(`timing`)")
     notes += [f"{r.label}: MFU left out by the run: {r.mfu_note}" for r in runs if r.mfu_note]
+    notes += [f"{r.label}: MFU indicative: a CPU run, whose steps' wall time moves with whatever else the machine runs"
+              for r in runs if r.mfu_indicative and r.mfu is not None]
     if any(not r.memory_comparable for r in runs):
         notes.append("not comparable: a profiled run (--profile), whose peak memory holds the profiler's buffers")
     notes += [f"{r.label}: command to step 1: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.first_step_phases.items())
