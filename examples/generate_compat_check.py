@@ -10,6 +10,7 @@
 # and, for the Neuron stack's preflight before a Trainium run, from the harness:
 #   common/harness/__init__.py common/harness/preflight.py
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
+# In the same layout: compat_check/ beside this script, common/ beside it or one folder up.
 """The Trainium model-compatibility protocol: a short, reproducible generation run per model, kept in Parquet.
 
 It mirrors the protocol behind the public dataset aws-neuron/torch-neuronx-model-support, for both its tasks:
@@ -85,6 +86,10 @@ from common import cli, device, paths  # noqa: E402
 from common.errors import UserError, one_line  # noqa: E402
 from common.processes import die_with_parent  # noqa: E402
 from common.results import versions, write_results  # noqa: E402
+if importlib.util.find_spec("compat_check") is None:  # a copy without the folder beside the script
+    print("error: compat_check not found: put the folder compat_check/ (examples/compat_check/ in the repository) in "
+          f"the folder of this script, {Path(__file__).resolve().parent}", file=sys.stderr)
+    sys.exit(2)
 from compat_check import compile_audit, judge as judging, measure, processes, rows, sizing, training  # noqa: E402
 
 # The installed stack's check before a Trainium run, where common/harness/ was copied with common/.

@@ -1,11 +1,12 @@
 # Copy with this file the core (it trains and exports):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/losses.py common/export.py common/torchtitan_fixes.py common/recipe.py
-#   common/trainer.py
+#   common/trainer.py common/processes.py
 #   examples/hf_backend/ (the whole folder: __init__.py, fixes.py)
+# in the same layout: hf_backend/ beside this script, common/ beside it or one folder up
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
-#   common/processes.py common/harness/ (the whole folder)
+#   common/harness/ (the whole folder)
 """Train the model transformers' `AutoModelForCausalLM` builds, with torchtitan's Transformers
 modeling backend: public weights in, HF safetensors out.
 
@@ -51,6 +52,10 @@ from common import checkpoint, cli, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
 from common.results import atomic_write_text  # noqa: E402
+if importlib.util.find_spec("hf_backend") is None:  # a copy without the folder beside the script
+    print("error: hf_backend not found: put the folder hf_backend/ (examples/hf_backend/ in the repository) in "
+          f"the folder of this script, {Path(__file__).resolve().parent}", file=sys.stderr)
+    sys.exit(2)
 from hf_backend import fixes as hf_fixes  # noqa: E402
 
 

@@ -1,11 +1,11 @@
 # Copy with this file the core (it trains and exports):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/losses.py common/export.py common/torchtitan_fixes.py common/recipe.py
-#   common/trainer.py
+#   common/trainer.py common/processes.py
 #   common/kernels/ (the whole folder: the RoPE and grouped-expert ops, their NKI branches, registry entries)
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
-#   common/processes.py common/harness/ (the whole folder)
+#   common/harness/ (the whole folder)
 """Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
 
 The third path of the AWS guide: Qwen3-30B-A3B cut to 4 layers and 64 experts (top_k 4) so

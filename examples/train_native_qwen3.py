@@ -1,10 +1,10 @@
 # Copy with this file the core (it trains and exports):
 #   common/__init__.py common/errors.py common/cli.py common/device.py common/paths.py common/results.py
 #   common/checkpoint.py common/losses.py common/export.py common/torchtitan_fixes.py common/recipe.py
-#   common/trainer.py
+#   common/trainer.py common/processes.py
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
-#   common/processes.py common/harness/ (the whole folder)
+#   common/harness/ (the whole folder)
 """Train torchtitan's own Qwen3, chosen through `config.model_spec`, and export HF safetensors.
 
 The second path of the AWS guide: start from torchtitan's `qwen3_32b` builder (torchtitan

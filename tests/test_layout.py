@@ -2,6 +2,7 @@
 them set-up tooling, and example lines stay readable (at most 120 characters)."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -130,3 +131,22 @@ def test_the_copy_sizes_in_docs_layout_are_the_closures():
         core, full = closure(example, core_only=True), closure(example)
         row = f"| `examples/{example.name}` | {count_lines(core):,} | {count_lines(full):,} |"
         assert row in text, f"docs/layout.md has no row {row}: run python -m tools.closure and copy its figures"
+
+
+@pytest.mark.parametrize("script, package", [("train_hf_backend.py", "hf_backend"),
+                                             ("generate_compat_check.py", "compat_check")])
+def test_a_copy_without_its_package_beside_the_script_says_where_it_goes(tmp_path, script, package):
+    """A flat project (the script at its root, the header's examples/PACKAGE/ mirrored as examples/PACKAGE/): one
+    `error:` line naming the folder and where it goes, exit 2, not a ModuleNotFoundError traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copytree(ROOT / "common", tmp_path / "common")
+    shutil.copytree(ROOT / "examples" / package, tmp_path / "examples" / package)
+    shutil.copy(ROOT / "examples" / script, tmp_path / script)
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip() == (f"error: {package} not found: put the folder {package}/ (examples/{package}/ in "
+                                   f"the repository) in the folder of this script, {tmp_path.resolve()}")

@@ -13,8 +13,8 @@ Content-Security-Policy allows only the page's own script and style (by hash), n
 The Reproduce block quotes every value, and shows a row's rerun command only when its `run_args` are a plain
 list of the script's flags that its parser accepts (`rerun`). The page is meant to be shared: this machine's home
 folder and the set-up's cache are written as `~` and `$QWEN3_RECIPES_CACHE` wherever a value names them. The page
-is written only as a new file or over a page this module wrote (GENERATOR, check_target), never over a results file it read, never through a symbolic
-link, and a FIFO of that name is never opened.
+is written only as a new file or over a page this module wrote (GENERATOR, check_target), never over a results file
+it read, never through a symbolic link, and a FIFO of that name is never opened.
 """
 from __future__ import annotations
 
