@@ -190,7 +190,8 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
     it is its stderr with exit code 1, as the interpreter would print it. For the refusals and checks that end before
     a launch or a build (a training run that a test reads, signals or kills runs as a process: run_example,
     start_python), without a fresh interpreter's seconds of imports. What the run changes in this process is put
-    back: the environment, the folder, sys.argv, sys.path, the signal handlers and the root logger's handlers. The
+    back: the environment, the folder, sys.argv, sys.path, the signal handlers, the root logger's handlers and the
+    out_dir lock the run took (released, as its process's end would release it). The
     repository's modules stay imported from one run to the next (a copied example runs as a process: run_python)."""
     import io
     import logging
@@ -202,6 +203,9 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
     saved_sigs = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
                                                    signal.SIGUSR2)}
     root_handlers = list(logging.getLogger().handlers)
+    from common.harness import launcher
+
+    held = len(launcher._held)  # the out_dir locks this process holds (a process's end releases them)
     out, err, rc = io.StringIO(), io.StringIO(), 0
     try:
         if env is not None:
@@ -230,6 +234,8 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
         for s, handler in saved_sigs.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         logging.getLogger().handlers[:] = root_handlers
+        while len(launcher._held) > held:  # the run's lock, released as its process's end would release it
+            os.close(launcher._held.pop())
     return subprocess.CompletedProcess([sys.executable, path, *args], rc, out.getvalue(), err.getvalue())
 
 

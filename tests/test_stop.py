@@ -10,6 +10,7 @@ torchrun's default 30 s before it kills its workers. No process outlives any of 
 tests/test_stop_one_process.py."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -18,7 +19,7 @@ import psutil
 import pytest
 
 from common.harness.stops import EXIT_STOPPED, STOP_GRACE_S
-from conftest import ROOT, assert_clean_error, example_command, read_results, run_example
+from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, run_in_process
 from stop_helpers import (SCRIPT, STEPS, TWO_RANKS, close, finish, no_process_outlives, start, wait_for_step,
                           workers)
 
@@ -84,39 +85,38 @@ def _resumed(out, start_step: int, uninterrupted: dict) -> None:
     assert close(resumed["history"]["losses"], uninterrupted["losses"]), (resumed["history"], uninterrupted["losses"])
 
 
-def test_a_stop_signal_to_the_launcher_or_one_worker_saves_and_the_same_command_resumes(uninterrupted, tmp_path,
-                                                                                         monkeypatch):
-    """Two ranks under the scripts' own launch. SIGTERM to the launcher and its torchrun together after step 3
-    (a host's shutdown), the stop save taking 31 s: torchrun waits for it (the launcher gives it
-    --shutdown-timeout STOP_GRACE_S), every rank stops at one step with a whole checkpoint of it, results.json says
-    so, exit 75 with the resume line and no traceback but torchrun's report of its signal. The same command again
-    resumes there; SIGTERM to its rank-1 worker only, a step later, stops it the same way. The same command a
-    third time trains the remaining steps to the losses of a run that never stopped."""
+def test_a_stop_signal_to_the_launcher_one_worker_or_torchrun_saves_and_the_same_command_resumes(
+        uninterrupted, tmp_path, monkeypatch):
+    """One run of two ranks, stopped three times and resumed each time, one launch per stop:
+
+    1. The scripts' own launch: SIGTERM to the launcher and its torchrun together after step 2 (a host's shutdown),
+       the stop save taking 31 s: torchrun waits for it (the launcher gives it --shutdown-timeout STOP_GRACE_S),
+       every rank stops at one step with a whole checkpoint of it, results.json says so, exit 75 with the resume
+       line and no traceback but torchrun's report of its signal.
+    2. The same command again resumes there; SIGTERM to its rank-1 worker only, a step later, stops it the same way
+       (exit 75, the resume line, no traceback).
+    3. A torchrun of the user's over the same run, started as the docs say (--shutdown-timeout STOP_GRACE_S),
+       resumes there; SIGTERM to torchrun a step later and a stop save of 31 s: the workers stop at one step with a
+       whole checkpoint, rank 0 prints the resume line (its exit, 75, is torchrun's to report: it reports the
+       signal it got itself, non-zero).
+    4. The same torchrun command trains the remaining steps to the losses of a run that never stopped.
+    No process outlives any of the stopped runs."""
     out = tmp_path / "o"
-    args = (*TWO_RANKS, "--out_dir", str(out), "--nproc_per_node", "2")
-    cmd = example_command(SCRIPT, *args)
-    first, code, err = _stop(cmd, out, tmp_path / "log1", 3, "launcher and torchrun", slow_save=monkeypatch)
+    args = (*TWO_RANKS, "--out_dir", str(out))
+    cmd = example_command(SCRIPT, *args, "--nproc_per_node", "2")
+    first, code, err = _stop(cmd, out, tmp_path / "log1", 2, "launcher and torchrun", slow_save=monkeypatch)
     _stopped_cleanly(first, code, err, torchrun_signalled=True)
     second, code, err = _stop(cmd, out, tmp_path / "log2", first["step"] + 1, "one worker")
     _stopped_cleanly(second, code, err)
     assert read_results(out)["resumed_from_step"] == first["step"]
-    run_example(SCRIPT, *args)
-    _resumed(out, second["step"], uninterrupted)
 
-
-def test_a_stop_signal_to_torchrun_saves_and_the_same_command_resumes(uninterrupted, tmp_path, monkeypatch):
-    """The same under a torchrun of the user's, started as the docs say (--shutdown-timeout STOP_GRACE_S), SIGTERM
-    to torchrun after step 3 and a stop save of 31 s: the workers stop at one step with a whole checkpoint, rank 0
-    prints the resume line (its exit, 75, is torchrun's to report: it reports the signal it got itself, non-zero).
-    The same torchrun command resumes to the losses of a run that never stopped."""
-    out = tmp_path / "o"
-    args = (*TWO_RANKS, "--out_dir", str(out))
-    cmd = example_command(SCRIPT, *args, torchrun=2)
-    cmd.insert(cmd.index(str(ROOT / "examples" / SCRIPT)), f"--shutdown-timeout={STOP_GRACE_S}")
-    stopped, code, err = _stop(cmd, out, tmp_path / "log", 3, "launcher", slow_save=monkeypatch)
-    assert code != 0 and f"[stopped] SIGTERM after step {stopped['step']}: checkpoint" in err, err[-3000:]
+    users = example_command(SCRIPT, *args, torchrun=2)
+    users.insert(users.index(str(ROOT / "examples" / SCRIPT)), f"--shutdown-timeout={STOP_GRACE_S}")
+    third, code, err = _stop(users, out, tmp_path / "log3", second["step"] + 1, "launcher", slow_save=monkeypatch)
+    assert code != 0 and f"[stopped] SIGTERM after step {third['step']}: checkpoint" in err, err[-3000:]
+    assert read_results(out)["resumed_from_step"] == second["step"]
     run_example(SCRIPT, *args, torchrun=2)
-    _resumed(out, stopped["step"], uninterrupted)
+    _resumed(out, third["step"], uninterrupted)
 
 
 def _free_port() -> int:
@@ -190,17 +190,21 @@ def test_a_stop_while_torchrun_waits_for_the_other_nodes_exits_75_with_a_line(tm
     assert "[stopped] SIGUSR1 before any worker of this node started" in err, err[-3000:]
 
 
-def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_the_run_is_gone(tmp_path, prepared_assets):
+def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_the_run_is_gone(tmp_path):
     """A --nproc_per_node 2 run of 200 steps holds its out_dir: a second run into it refuses in one line naming the
     holder (the launcher: its pid and command). SIGKILL to the launcher: torchrun gets SIGTERM when its parent dies
     and its workers stop at the next step with a checkpoint, so nothing trains on (without that they would train
-    for minutes, racing any rerun); the OS releases the lock with them. A rerun then resumes, and the loss history
-    has each step once, in order."""
+    for minutes, racing any rerun); the OS releases the lock with them: the product's own lock (what a rerun takes
+    first) is then taken at once, and the loss history has each step once, in order, up to the checkpointed one.
+    (A rerun resuming a SIGTERM stop of two ranks: the test above.)"""
+    from common.harness import launcher
+    from common.harness.checks import read_progress
+
     out = tmp_path / "o"
-    args = ("--no-export", "--nproc_per_node", "2", "--out_dir", str(out))
-    proc = start(example_command(SCRIPT, "--steps", "200", *args), tmp_path / "log")
+    proc = start(example_command(SCRIPT, "--steps", "200", "--no-export", "--seq_len", "64", "--nproc_per_node", "2",
+                                 "--out_dir", str(out)), tmp_path / "log")
     wait_for_step(proc, out, 2)
-    second = run_example(SCRIPT, "--steps", "3", "--no-export", "--out_dir", str(out), check=False)
+    second = run_in_process(SCRIPT, "--steps", "3", "--no-export", "--out_dir", str(out))
     assert_clean_error(second, "is in use by another run", f"pid {proc.pid}", "train_native_qwen3.py")
     family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     assert len(family) >= 3  # torchrun and its two workers
@@ -209,6 +213,12 @@ def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_t
     no_process_outlives(family)
     stopped = read_results(out)["stopped"]
     assert stopped and stopped["reason"] == "SIGTERM", stopped
-    run_example(SCRIPT, "--steps", str(stopped["step"] + 2), *args)
-    history = read_results(out)["history"]["steps"]
-    assert history == list(range(1, stopped["step"] + 3)), history
+    assert (out / "checkpoint" / f"step-{stopped['step']}" / ".metadata").is_file()
+    history = [r["step"] for r in read_progress(out / "losses.jsonl")]
+    assert history == list(range(1, stopped["step"] + 1)), history
+    launcher.hold_out_dir(out)  # refused while any process of the run still held it
+    fd = launcher._held.pop()
+    try:
+        assert (out / ".run.lock").read_text().startswith(f"pid {os.getpid()} on ")
+    finally:
+        os.close(fd)

@@ -6,6 +6,7 @@ anything is built, and --steps at or below the newest checkpoint trains nothing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -16,7 +17,7 @@ import pytest
 
 from common.harness.resume import whole_checkpoints
 from common.harness.stops import DEADLINE, EXIT_STOPPED
-from conftest import assert_clean_error, example_command, read_results, run_example
+from conftest import assert_clean_error, example_command, read_results, run_example, run_in_process
 from stop_helpers import ONE_RANK, SCRIPT, close, finish, start, wait_for_step
 
 
@@ -46,7 +47,7 @@ def test_time_limit_and_a_signal_during_an_evaluation_stop_at_once_and_the_held_
 
     1. --time_limit 0.2 (12 s) with no margin, --eval_steps 100000 (hours of held-out batches): the budget counts
        the evaluation, so the run stops after step 1 without evaluating it (at the step, or at the first held-out
-       batch), within the budget plus the stop save and exit, exit 75.
+       batch), exit 75, no held-out batch evaluated.
     2. Resumed without the limit, 3 held-out batches, each made to last 1.5 s more (tests/slow_native_qwen3.py): step 2 is
        evaluated; SIGTERM once the evaluation of step 4 has begun ends it at the next batch, saves step 4, exit 75.
     3. Resumed again: steps 5 and 6, step 6 evaluated. results.json's eval_losses holds steps 2 and 6, the one of
@@ -55,16 +56,14 @@ def test_time_limit_and_a_signal_during_an_evaluation_stop_at_once_and_the_held_
     _, _, straight = checkpointed
     out = tmp_path / "o"
     run = (*ONE_RANK, "--out_dir", str(out), "--eval_every", "2")
-    started = time.monotonic()
+    # an evaluation of 100000 batches takes hours: run_example's timeout fails a run that started one
     proc = run_example(SCRIPT, *run, "--eval_steps", "100000", "--time_limit", "0.2", "--stop_margin_s", "0",
                        check=False)
-    took = time.monotonic() - started
     assert proc.returncode == EXIT_STOPPED, proc.stdout[-2000:] + proc.stderr[-2000:]
     first = read_results(out)
     assert first["stopped"] == {"reason": "time_limit", "step": 1, "checkpoint": str(out / "checkpoint" / "step-1")}
     assert first["eval_losses"] == [] and "validate step" not in proc.stdout + proc.stderr
     assert "run the same command again" in proc.stdout
-    assert took < 12 + 60, took  # an evaluation of 100000 batches takes hours
 
     monkeypatch.setenv("SLOW_EVAL_BATCH_S", "1.5")
     slow = [str(Path(__file__).with_name("slow_native_qwen3.py")) if a.endswith(SCRIPT) else a
@@ -175,7 +174,7 @@ def test_a_rerun_that_is_not_the_same_run_is_refused(checkpointed, tmp_path, pre
     values = {"other_data": str(_other_data(tmp_path)) if "{other_data}" in changed else "",
               "other_weights": str(_other_weights(tmp_path, prepared_assets)) if "{other_weights}" in changed else ""}
     args = [a.format(**values) for a in changed]
-    proc = run_example(SCRIPT, *run, "--steps", "8", *args, check=False)
+    proc = run_in_process(SCRIPT, *run, "--steps", "8", *args)
     assert_clean_error(proc, "was written by another run, so this one cannot resume it", named,
                        "start anew with another --out_dir")
     assert "hf_export" not in proc.stderr  # the checkpoint's run had --no-export: no weights there to continue from
@@ -186,14 +185,14 @@ def test_a_rerun_that_is_not_the_same_run_is_refused(checkpointed, tmp_path, pre
 @pytest.mark.parametrize("script", ["train_hf_backend.py", "train_moe_nki.py"])
 def test_another_training_script_on_the_same_out_dir_is_refused(checkpointed, script):
     out, _, _ = checkpointed
-    proc = run_example(script, "--steps", "8", "--no-export", "--out_dir", str(out), check=False)
+    proc = run_in_process(script, "--steps", "8", "--no-export", "--out_dir", str(out))
     assert_clean_error(proc, "written by train_native_qwen3.py, this is " + script)
 
 
 def test_steps_at_or_below_the_newest_checkpoint_train_nothing_and_a_larger_steps_continues(checkpointed):
     out, run, _ = checkpointed
     for steps in ("1", "3"):
-        proc = run_example(SCRIPT, *run, "--steps", steps, check=False)
+        proc = run_in_process(SCRIPT, *run, "--steps", steps)
         assert_clean_error(proc, f"nothing to train: {out / 'checkpoint' / 'step-3'} is at step 3 and --steps is "
                                  f"{steps}")
     assert (out / "checkpoint" / "step-3" / ".metadata").is_file()
