@@ -1,20 +1,56 @@
 """bench/: every benchmark runs in its tiny mode, exits 0 and writes results.json with its ratios
 present, finite and positive, and says what they are compared with. The harness is checked, not the
-speed: no test asserts a timing or a ratio's size."""
+speed: no test asserts a timing or a ratio's size.
+
+The training benches and bench_compat_check run as `python bench/BENCH.py --preset tiny ...` runs them: their
+own `__main__` entry, in this test process (run_in_process). What they start with `python` (the training
+runs, the example's command of bench_compat_check) still runs as a process of its own, the command
+unchanged, served by the tests' pre-forked runner (run_python: the same script, without a fresh
+interpreter's seconds of imports), as torchrun's workers already are. The benches that start no python
+command, bench_compat_lookup (its CPU figure is its children's CPU time: its commands must be its own
+children) and bench_compat_page run as a process of their own (run_python), as before."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, run_in_process, run_python, script_env
 
 
-def run_bench(script: str, out_dir, *args: str, timeout: int = 900) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / script), "--preset", "tiny", "--out_dir", str(out_dir), *args]
-    proc = run_python(cmd, timeout=timeout)
+@contextlib.contextmanager
+def python_commands_forked():
+    """While a bench runs in this process: its `subprocess.run([sys.executable, ...], capture_output=True,
+    text=True)` (the commands it times) served by the pre-forked runner, each still a process of its own with
+    the bench's own command line, folder and environment; any other subprocess.run (lscpu) as it is."""
+    real = subprocess.run
+
+    def run(cmd, *args, cwd=None, env=None, timeout=None, **kwargs):
+        if (not args and isinstance(cmd, list) and cmd[0] == sys.executable and cmd[1] not in ("-c", "-u")
+                and kwargs == {"capture_output": True, "text": True}):
+            return run_python(cmd, env=env, cwd=cwd or ROOT, timeout=timeout or 600)
+        return real(cmd, *args, cwd=cwd, env=env, timeout=timeout, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess, "run", run)
+        yield
+
+
+def run_bench(script: str, out_dir, *args: str, in_process: bool = False) -> dict:
+    """`python bench/SCRIPT --preset tiny --out_dir OUT_DIR ARGS`, checks what every bench writes, and returns its
+    results.json. A bench that starts python commands (`in_process`): its __main__ in this process (the environment
+    of a test's command, script_env), its commands forked (python_commands_forked); the others in a process of their
+    own (run_python)."""
+    cmd = [str(ROOT / "bench" / script), "--preset", "tiny", "--out_dir", str(out_dir), *args]
+    if in_process:
+        with python_commands_forked():
+            proc = run_in_process(*cmd, env=script_env())  # an absolute path: run_in_process's examples/ not joined
+    else:
+        proc = run_python([sys.executable, *cmd], timeout=900)
     assert proc.returncode == 0, \
         f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads((out_dir / "results.json").read_text())
@@ -54,9 +90,8 @@ def test_common_bench_alternates_and_takes_medians():
 def test_timed_train_takes_the_rotary_fix_as_a_flag():
     """The Transformers-backend fix is asked for by a flag, never picked from the script's name;
     it belongs to the stock mode (in ours the example applies its own fixes)."""
-    cmd = [sys.executable, str(ROOT / "bench" / "timed_train.py"), "--mode", "ours", "--fix_hf_rotary",
-           "--timing_file", "unused.json", str(ROOT / "examples" / "train_hf_backend.py")]
-    proc = run_python(cmd, timeout=300)
+    proc = run_in_process(str(ROOT / "bench" / "timed_train.py"), "--mode", "ours", "--fix_hf_rotary",
+                          "--timing_file", "unused.json", str(ROOT / "examples" / "train_hf_backend.py"))
     assert proc.returncode == 2 and "--fix_hf_rotary is for --mode stock" in proc.stderr
     sys.path.insert(0, str(ROOT))
     from bench import bench_train_overhead as overhead
@@ -89,7 +124,8 @@ def test_bench_moe(tmp_path):
 
 
 def test_bench_train_overhead(tmp_path):
-    r = run_bench("bench_train_overhead.py", tmp_path)
+    r = run_bench("bench_train_overhead.py", tmp_path, "--extra_args", "--seq_len 8 --local_batch_size 1",
+                  in_process=True)
     (row,) = r["rows"]
     for key in ("ours_step_ms", "stock_step_ms", "ours_over_stock", "ours_tokens_per_s", "stock_tokens_per_s",
                 "ours_mfu_measured_pct", "stock_mfu_measured_pct", "ours_mfu_nominal_pct", "ours_to_first_step_s",
@@ -103,7 +139,8 @@ def test_bench_train_overhead(tmp_path):
 
 
 def test_bench_hf_vs_native(tmp_path):
-    r = run_bench("bench_hf_vs_native.py", tmp_path)
+    r = run_bench("bench_hf_vs_native.py", tmp_path, "--extra_args", "--seq_len 8 --local_batch_size 1 --no-load_check",
+                  in_process=True)
     assert [row["path"] for row in r["rows"]] == ["native", "hf"]
     assert finite(r["hf_over_native"]) and "native Qwen3" in r["compared_with"]
     for row in r["rows"]:
@@ -113,7 +150,7 @@ def test_bench_hf_vs_native(tmp_path):
 
 
 def test_bench_scaling(tmp_path):
-    r = run_bench("bench_scaling.py", tmp_path)
+    r = run_bench("bench_scaling.py", tmp_path, "--seq_len", "8", in_process=True)
     runs = {row["run"]: row for row in r["rows"]}
     assert set(runs) == {"tiny_1p", "small_1p", "tiny_2p"}
     for row in runs.values():
@@ -123,7 +160,7 @@ def test_bench_scaling(tmp_path):
 
 
 def test_bench_compat_check(tmp_path):
-    r = run_bench("bench_compat_check.py", tmp_path)
+    r = run_bench("bench_compat_check.py", tmp_path, in_process=True)
     if r["skipped"]:
         pytest.skip(r["skipped"])
     (row,) = r["rows"]

@@ -1,6 +1,9 @@
 """The dry run's memory model (common/harness/dryrun.py) against a measured CPU training step, term by term:
 bench/bench_memory_model.py in its tiny mode (the tiny Qwen3 tied and the same shape untied at 1 rank,
-the untied one at 2 ranks too; the figures of `--dry_run` for the same settings). Parameters,
+the untied one at 2 ranks too; the figures of `--dry_run` for the same settings), on a smaller batch
+than the preset's: 1 sequence of 32 tokens per rank; 1 measured step at 1 rank (the preset's: every step
+there has the same figures) and 2 at 2 ranks (gathered memory is the smaller of the two: a step in which
+the other rank's timing holds a buffer more is left out). Parameters,
 gradients and optimizer state are read from the tensors; gathered parameters, gradient buffers and
 activations from the CPU allocator's record of the step (method: the benchmark's docstring and
 docs/memory-model.md).
@@ -28,7 +31,8 @@ BANDS = {"gathered_blocks": (0.9, 1.1), "activations": (0.85, 1.15), "activation
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory, prepared_assets):
     out = tmp_path_factory.mktemp("memory_model")
-    cmd = [sys.executable, str(ROOT / "bench" / "bench_memory_model.py"), "--preset", "tiny", "--out_dir", str(out)]
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_memory_model.py"), "--preset", "tiny", "--out_dir", str(out),
+           "--local_batch_size", "1", "--seq_len", "32", "--measured_steps", "2"]
     proc = run_python(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "results.json").read_text())["rows"]
