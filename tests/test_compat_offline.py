@@ -18,7 +18,7 @@ import pytest
 
 from compat_check import lookup, rows
 from tools import prepare_assets as assets, tiny_qwen_vl
-from conftest import ROOT, kill_when, read_results, run_example
+from conftest import ROOT, kill_when, read_results, run_example, run_in_process
 
 SCRIPT = "generate_compat_check.py"
 OFFLINE = ("tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m-instruct", "tiny-qwen-vl")
@@ -190,17 +190,18 @@ def test_lookup_reads_ours_and_public_files(offline_run, tmp_path, capsys):
     _public_schema_file(public, marker)
     assert "exclusion" not in pq.read_schema(public).names
 
-    # the script's subcommand, once as a subprocess ...
-    proc = run_example(SCRIPT, "lookup", str(out), str(public), "--name", "QWEN3", "--task", "text-generation")
+    # the script's subcommand, as the command line runs it (its __main__, in this process: it loads no model) ...
+    proc = run_in_process(SCRIPT, "lookup", str(out), str(public), "--name", "QWEN3", "--task", "text-generation")
+    assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1] == "4 row(s): 4 PASS, 0 FAIL, 0 EXCLUDED (not failures)"  # 2 tiny, 2 public rows
     assert sum("Qwen/Qwen3" in line for line in lines) == 2 and sum("tiny-qwen3" in line for line in lines) == 2
     assert "cores" in lines[0] and "wall_s" in lines[0] and "hbm_peak_gb" in lines[0]
-    proc = run_example(SCRIPT, "lookup", str(out), "--task", "image-text-to-text")
-    assert proc.stdout.splitlines()[-1] == "1 row(s): 1 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
+    proc = run_in_process(SCRIPT, "lookup", str(out), "--task", "image-text-to-text")
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "1 row(s): 1 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
     assert "tiny-qwen-vl" in proc.stdout and "image-text-to-text" in proc.stdout
-    proc = run_example(SCRIPT, "lookup", str(public), "--name", "Qwen3-8B", "--run_py")
-    assert proc.stdout == f"from pathlib import Path\nPath({str(marker)!r}).write_text('executed')\n"
+    proc = run_in_process(SCRIPT, "lookup", str(public), "--name", "Qwen3-8B", "--run_py")
+    assert proc.returncode == 0 and proc.stdout == f"from pathlib import Path\nPath({str(marker)!r}).write_text('executed')\n"
     assert not marker.exists()  # printed, never executed
 
     # ... and the same function in process, for the filters

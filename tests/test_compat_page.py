@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.bench_compat_page import (BrowserMissing, generated_rows, open_browser, wait_ready, write_page,
-                                     write_rows)
+from bench.bench_compat_page import BrowserMissing, generated_rows, open_browser, wait_ready, write_rows
 from compat_check import page, rows
+from conftest import run_in_process
 
 STACK_NEW = {"neuronx_cc": "2.23.6484.0", "library": "transformers", "library_version": "5.16.0",
              "transformers": "5.16.0", "accelerate": "1.15.0", "torch_neuronx": "2.14.3", "torch": "2.14.0",
@@ -66,6 +66,13 @@ def _shown_ids(browser) -> list[str]:
 
 def _console_errors(browser) -> list[dict]:
     return [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+
+
+def write_page(sources: Path, html: Path, *more: str) -> None:
+    """The example's own command, `generate_compat_check.py lookup SOURCES --html PAGE`, run as its __main__ in this
+    process (it reads files and starts nothing: no interpreter's start-up per page)."""
+    proc = run_in_process("generate_compat_check.py", "lookup", str(sources), "--html", str(html), *more)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].startswith(f"page: {html} ("), proc.stderr[-3000:]
 
 
 def _open(browser, path: Path) -> None:
@@ -248,7 +255,6 @@ def _ranked_page(tmp_path: Path, with_rankings: bool = True) -> Path:
     """The ranked fixture of tests/test_compat_rankings.py (rows for some ranked models, a rankings file in another
     order, untested models, a hostile id), plus a record whose task, and a fetched_at, are markup; written by the
     example's own command, `lookup RESULTS --rankings FILE --html PAGE`."""
-    from conftest import run_example
     from test_compat_rankings import ranked_fixture
 
     results, ranks = ranked_fixture(tmp_path / "ranked")
@@ -258,8 +264,7 @@ def _ranked_page(tmp_path: Path, with_rankings: bool = True) -> Path:
                           "downloads": 3, "trending_score": 1, "likes": 0, "fetched_at": HOSTILE[1]})
     ranks.write_text(json.dumps(doc))
     html = tmp_path / "ranked.html"
-    args = ["lookup", str(results), "--html", str(html)] + (["--rankings", str(ranks)] if with_rankings else [])
-    run_example("generate_compat_check.py", *args)
+    write_page(results, html, *(["--rankings", str(ranks)] if with_rankings else []))
     return html
 
 

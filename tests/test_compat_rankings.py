@@ -23,7 +23,7 @@ import pytest
 
 from common.errors import one_line
 from compat_check import lookup, rankings, rows
-from conftest import ROOT, assert_clean_error, example_command, run_example, script_env
+from conftest import ROOT, assert_clean_error, example_command, run_in_process, script_env
 
 SCRIPT = "generate_compat_check.py"
 HOSTILE_ID = "evil/<img src=x onerror=\"window.pwned=1\">"
@@ -259,20 +259,21 @@ def test_lookup_trending_and_downloads_in_the_terminal(tmp_path, capsys):
 
 
 def test_lookup_rankings_errors_are_one_line(tmp_path):
+    """The lookup's command line (its __main__, in this process: it reads files and starts nothing)."""
     results, ranks = ranked_fixture(tmp_path)
-    proc = run_example(SCRIPT, "lookup", str(results), "--view", "trending", check=False)
+    proc = run_in_process(SCRIPT, "lookup", str(results), "--view", "trending")
     assert proc.returncode == 2
     assert_clean_error(proc, "--view trending needs --rankings FILE: write one where the Hub is reachable")
     not_rankings = tmp_path / "not.json"
     not_rankings.write_text("{not json")
-    proc = run_example(SCRIPT, "lookup", str(results), "--rankings", str(not_rankings), check=False)
+    proc = run_in_process(SCRIPT, "lookup", str(results), "--rankings", str(not_rankings))
     assert proc.returncode == 2
     assert_clean_error(proc, f"--rankings {not_rankings} is not a rankings file (JSON or Parquet)")
     page = tmp_path / "page.html"
-    proc = run_example(SCRIPT, "lookup", str(results), "--rankings", str(ranks), "--html", str(ranks), check=False)
+    proc = run_in_process(SCRIPT, "lookup", str(results), "--rankings", str(ranks), "--html", str(ranks))
     assert proc.returncode == 2 and json.loads(ranks.read_text())["generator"] == rankings.GENERATOR
-    proc = run_example(SCRIPT, "lookup", str(results), "--rankings", str(ranks), "--html", str(page))
-    assert proc.stdout.splitlines()[-1] == f"page: {page} (4 rows)"
+    proc = run_in_process(SCRIPT, "lookup", str(results), "--rankings", str(ranks), "--html", str(page))
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == f"page: {page} (4 rows)", proc.stderr
 
 
 def test_rankings_reader_takes_anyones_file(tmp_path):
@@ -424,30 +425,33 @@ def test_rankings_have_an_overall_deadline(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("other", ["port", "host"])
-def test_the_token_goes_only_to_the_endpoint_it_was_given_for(tmp_path, other):
+def test_the_token_goes_only_to_the_endpoint_it_was_given_for(tmp_path):
     """HF_TOKEN is sent to HF_ENDPOINT's origin (scheme, host and port) only: a Link to the next page on another
-    port of the same host, or on another host, is followed without it."""
+    port of the same host, and from there one on another host, are followed without it (one rankings command
+    over three pages)."""
     token = "hf_secret_token_for_the_endpoint_only"
 
-    def second_page(h):
-        h.wfile.write(h.json([{"id": "org/second", "downloads": 1}]))
+    def third_page(h):  # another host
+        h.wfile.write(h.json([{"id": "org/third", "downloads": 1}]))
+
+    def second_page(h):  # the endpoint's host, another port
+        h.wfile.write(h.json([{"id": "org/second", "downloads": 2}], link=f"{other_host.url}/api/models?cursor=3"))
 
     def first_page(h):
-        h.wfile.write(h.json([{"id": "org/first", "downloads": 2}], link=f"{elsewhere.url}/api/models?cursor=2"))
+        h.wfile.write(h.json([{"id": "org/first", "downloads": 3}], link=f"{other_port.url}/api/models?cursor=2"))
 
-    with _Serving(second_page, *(("127.0.0.1",) if other == "port" else ("127.0.0.2",))) as elsewhere:
-        with _Serving(first_page) as hub:
-            env = dict(_env(hub.url), HF_TOKEN=token, NO_PROXY="127.0.0.1,127.0.0.2,localhost")
-            env.pop("HF_HUB_DISABLE_IMPLICIT_TOKEN")
-            proc = _rankings("--task", "text-generation", "--limit", "3", "--out", str(tmp_path / f"{other}.json"),
-                             env=env)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+    with _Serving(third_page, "127.0.0.2") as other_host, _Serving(second_page, "127.0.0.1") as other_port, \
+            _Serving(first_page) as hub:
+        env = dict(_env(hub.url), HF_TOKEN=token, NO_PROXY="127.0.0.1,127.0.0.2,localhost")
+        env.pop("HF_HUB_DISABLE_IMPLICIT_TOKEN")
+        proc = _rankings("--task", "text-generation", "--limit", "5", "--out", str(tmp_path / "r.json"), env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert hub.seen and all(s["headers"].get("authorization") == f"Bearer {token}" for s in hub.seen)
-    assert elsewhere.seen, "the Link to the next page was not followed"
-    assert not any(token in json.dumps(s) for s in elsewhere.seen), elsewhere.seen
-    ids = {m["model_id"] for m in json.loads((tmp_path / f"{other}.json").read_text())["models"]}
-    assert ids == {"org/first", "org/second"}
+    for elsewhere in (other_port, other_host):
+        assert elsewhere.seen, "the Link to the next page was not followed"
+        assert not any(token in json.dumps(s) for s in elsewhere.seen), elsewhere.seen
+    ids = {m["model_id"] for m in json.loads((tmp_path / "r.json").read_text())["models"]}
+    assert ids == {"org/first", "org/second", "org/third"}
 
 
 def test_ranked_ids_with_control_characters_are_told_apart(tmp_path, capsys):

@@ -28,7 +28,7 @@ from common import device, paths
 from common.errors import UserError
 from compat_check import judge as judging, lookup, page, rows, sizing
 from tools import prepare_assets as assets
-from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, script_env
+from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, run_in_process, script_env
 
 SCRIPT = "generate_compat_check.py"
 
@@ -65,8 +65,8 @@ def test_sharded_run_no_plan_and_remote_code(tmp_path, model_assets):
     (remote / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
     models = ",".join(str(p) for p in (moe, gpt2, remote))
-    run_example(SCRIPT, "--models", models, "--cores", "2", "--no_compile", "--out_dir", str(out),
-                "--timeout_s", "300")
+    run_example(SCRIPT, "--models", models, "--cores", "2", "--no_compile", "--new_tokens", "4",
+                "--out_dir", str(out), "--timeout_s", "300")
     by_name = {Path(r["model_id"]).name: r for r in rows.read_table(_only_file(out)).to_dict("records")}
     assert len(by_name) == 3
 
@@ -93,17 +93,19 @@ def test_task_mismatch_and_unreachable_hub_id_are_not_failures(tmp_path, model_a
     out = tmp_path / "out"
     args = ("--task", "image-text-to-text", "--models", "tiny-qwen3,Qwen/Qwen3-0.6B", "--no_compile",
             "--out_dir", str(out))
-    run_example(SCRIPT, *args)
+    proc = run_in_process(SCRIPT, *args)  # nothing loaded nor launched: in this process
+    assert proc.returncode == 0, proc.stderr[-3000:]
     by_id = {r["model_id"]: r for r in rows.read_table(_only_file(out)).to_dict("records")}
     text_model, hub = by_id["tiny-qwen3"], by_id["Qwen/Qwen3-0.6B"]
     assert text_model["result"] == "EXCLUDED" and text_model["task"] == "image-text-to-text"
     assert text_model["exclusion"].startswith("not a vision-language model: model_type 'qwen3'")
     assert hub["result"] == "EXCLUDED" and hub["unavailable"] is True and not hub["error"]
     assert hub["exclusion"].startswith("not fetched") and "LocalEntryNotFoundError" in hub["exclusion"]
-    run_example(SCRIPT, *args)
+    assert run_in_process(SCRIPT, *args).returncode == 0
     assert [(m["model_id"], m["skipped"]) for m in read_results(out)["models"]] == [
         ("tiny-qwen3", True), ("Qwen/Qwen3-0.6B", False)]
-    proc = run_example(SCRIPT, "lookup", str(out))
+    proc = run_in_process(SCRIPT, "lookup", str(out))
+    assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "2 row(s): 0 PASS, 0 FAIL, 2 EXCLUDED (not failures)"
 
 
@@ -151,8 +153,8 @@ def test_bad_flag_values_are_refused_before_any_row(flag, value):
 
 def test_bad_flag_value_is_one_error_line_and_no_row(tmp_path):
     for flag, value in (("--core_memory_gib", "nan"), ("--new_tokens", "1000000000")):
-        proc = run_example(SCRIPT, "--models", "tiny-qwen3", flag, value, "--no_compile", "--out_dir",
-                           str(tmp_path), check=False)
+        proc = run_in_process(SCRIPT, "--models", "tiny-qwen3", flag, value, "--no_compile", "--out_dir",
+                              str(tmp_path))
         assert_clean_error(proc, flag)
         assert proc.returncode == 2 and not list(tmp_path.glob("*.parquet"))
 
@@ -234,14 +236,14 @@ def test_lookup_page_never_replaces_an_input_or_a_file_it_did_not_write(tmp_path
     before = {f: f.read_bytes() for f in (results, notes)}
     for target, why in ((results, "is one of the results files this lookup reads"),
                         (notes, "exists and is not a page this lookup wrote")):
-        proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(target), check=False)
+        proc = run_in_process(SCRIPT, "lookup", str(runs), "--html", str(target))
         assert proc.returncode == 2
         assert_clean_error(proc, f"--html {target} {why}")
     assert {f: f.read_bytes() for f in before} == before
     page_file = tmp_path / "page.html"
     for _ in range(2):  # a new file, then over the page it wrote
-        proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(page_file))
-        assert proc.stdout.splitlines()[-1] == f"page: {page_file} (1 rows)"
+        proc = run_in_process(SCRIPT, "lookup", str(runs), "--html", str(page_file))
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == f"page: {page_file} (1 rows)", proc.stderr
     assert '<meta name="generator" content="qwen3-trainium-recipes compat lookup">' in page_file.read_text()
 
 
@@ -251,14 +253,17 @@ def test_lookup_page_is_never_written_through_a_fifo_or_a_link(tmp_path):
     runs = tmp_path / "runs"
     rows.write_row(runs / "r.parquet", {"model_id": "org/m", "result": "PASS"})
     ours = tmp_path / "ours.html"
-    run_example(SCRIPT, "lookup", str(runs), "--html", str(ours))
+    assert run_in_process(SCRIPT, "lookup", str(runs), "--html", str(ours)).returncode == 0
     fifo, link, dangling = tmp_path / "fifo.html", tmp_path / "link.html", tmp_path / "dangling.html"
     os.mkfifo(fifo)
     link.symlink_to(ours)
     dangling.symlink_to(tmp_path / "nothing.html")
     for target, why in ((fifo, "is a FIFO, not a page this lookup wrote"),
                         (link, "is a symbolic link"), (dangling, "is a symbolic link")):
-        proc = run_example(SCRIPT, "lookup", str(runs), "--html", str(target), check=False, timeout=60)
+        # the FIFO in a process of its own with a time limit (a lookup that opened it would wait forever), the
+        # links in this one
+        proc = (run_example(SCRIPT, "lookup", str(runs), "--html", str(target), check=False, timeout=60)
+                if target == fifo else run_in_process(SCRIPT, "lookup", str(runs), "--html", str(target)))
         assert proc.returncode == 2, (target, proc.stdout[-2000:], proc.stderr[-2000:])
         assert_clean_error(proc, f"--html {target} {why}")
         assert proc.stdout == ""  # refused before any work: no table
@@ -328,7 +333,7 @@ def test_check_never_rewrites_another_scripts_results_json(tmp_path):
     other = tmp_path / "results.json"
     other.write_text(json.dumps({"script": "train_native_qwen3.py", "losses": [1.0]}) + "\n")
     before = other.read_bytes()
-    proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--no_compile", "--out_dir", str(tmp_path), check=False)
+    proc = run_in_process(SCRIPT, "--models", "tiny-qwen3", "--no_compile", "--out_dir", str(tmp_path))
     assert proc.returncode == 2
     assert_clean_error(proc, f"--out_dir {tmp_path} holds a results.json that this script did not write "
                              "(written by train_native_qwen3.py)")
@@ -341,19 +346,19 @@ def test_lookup_prints_run_py_and_paths_as_printable_text(tmp_path, model_assets
     path = tmp_path / "r.parquet"
     run_py = "print('shown')\rimport os; os.remove('x')  # hidden\x1b[2K\n\tpass\n"
     rows.write_row(path, {"model_id": "org/m", "result": "PASS", "run_py": run_py})
-    proc = run_example(SCRIPT, "lookup", str(path), "--run_py")
+    proc = run_in_process(SCRIPT, "lookup", str(path), "--run_py")
     assert proc.stdout == "print('shown')\ufffdimport os; os.remove('x')  # hidden\ufffd[2K\n\tpass\n"
     assert proc.stderr.startswith("warning: run_py holds 2 control character(s)")
 
     nowhere = tmp_path / "no\nwhere\x1b[31m"
-    proc = run_example(SCRIPT, "lookup", str(nowhere), check=False)
+    proc = run_in_process(SCRIPT, "lookup", str(nowhere))
     assert proc.returncode == 2 and "\x1b" not in proc.stderr
     assert proc.stderr.splitlines() == [f"error: {tmp_path}/no\ufffdwhere\ufffd[31m is neither a Parquet file nor "
                                         "a folder of them"]
 
     out = tmp_path / "out\n\x1b[31mred"  # a text model asked for image-text-to-text: EXCLUDED at once
-    proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--task", "image-text-to-text", "--out_dir", str(out))
-    assert "\x1b" not in proc.stdout
+    proc = run_in_process(SCRIPT, "--models", "tiny-qwen3", "--task", "image-text-to-text", "--out_dir", str(out))
+    assert proc.returncode == 0 and "\x1b" not in proc.stdout, proc.stderr[-3000:]
     shown = str(out).replace("\n", "\ufffd").replace("\x1b", "\ufffd")
     assert [line.split()[0] for line in proc.stdout.splitlines() if shown in line] == ["[config]", "[stack]", "[done]"]
 
@@ -425,10 +430,10 @@ def test_write_row_replaces_a_model_and_unions_columns(tmp_path):
 
 
 def test_bad_input_is_one_error_line(tmp_path):
-    assert_clean_error(run_example(SCRIPT, "--cores", "20", "--out_dir", str(tmp_path), check=False),
+    assert_clean_error(run_in_process(SCRIPT, "--cores", "20", "--out_dir", str(tmp_path)),
                        "--cores must be between 0")
-    assert_clean_error(run_example(SCRIPT, "--models", str(tmp_path / "missing"), "--out_dir", str(tmp_path),
-                                   check=False), "is not a folder")
+    assert_clean_error(run_in_process(SCRIPT, "--models", str(tmp_path / "missing"), "--out_dir", str(tmp_path)),
+                       "is not a folder")
     assert not list(tmp_path.glob("*.parquet"))
 
 
@@ -437,8 +442,7 @@ def test_flags_the_model_cannot_follow_are_refused_before_any_row(tmp_path, mode
     """A bad --image or a --cores that the model cannot be split over is the command line's mistake: one error line,
     exit 2, no row (a stored FAIL or EXCLUDED would make the correct rerun say "already recorded")."""
     out = tmp_path / "out"
-    proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--cores", "16", "--no_compile", "--out_dir", str(out),
-                       check=False)
+    proc = run_in_process(SCRIPT, "--models", "tiny-qwen3", "--cores", "16", "--no_compile", "--out_dir", str(out))
     assert proc.returncode == 2
     assert_clean_error(proc, "--cores 16 cannot run tiny-qwen3: no core count in [16] divides its 4 attention")
     not_image = tmp_path / "notimage.png"
@@ -447,8 +451,8 @@ def test_flags_the_model_cannot_follow_are_refused_before_any_row(tmp_path, mode
     cut = tmp_path / "cut.png"  # a PNG whose header opens, its pixels cut off
     cut.write_bytes(photo.read_bytes()[:2000])
     for image in (not_image, cut):
-        proc = run_example(SCRIPT, "--models", "tiny-qwen-vl", "--image", str(image), "--no_compile", "--out_dir",
-                           str(out), check=False)
+        proc = run_in_process(SCRIPT, "--models", "tiny-qwen-vl", "--image", str(image), "--no_compile", "--out_dir",
+                              str(out))
         assert proc.returncode == 2
         assert_clean_error(proc, f"--image {image} is not an image Pillow can read")
     assert not list(out.glob("*.parquet"))
@@ -500,11 +504,13 @@ def test_lookup_and_rankings_start_without_torch(tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('torch imported by a command that needs no device')\n")
     pq.write_table(pa.table({"model_id": ["org/a"], "result": ["PASS"], "tp": [1]}), tmp_path / "rows.parquet")
     env = dict(script_env(), PYTHONPATH=str(tmp_path / "shadow"))
-    for args in (["lookup", str(tmp_path / "rows.parquet")], ["lookup", str(tmp_path / "rows.parquet"), "--html",
-                 str(tmp_path / "p.html")], ["rankings", "--help"]):
+    for args in (["lookup", str(tmp_path / "rows.parquet"), "--html", str(tmp_path / "p.html")],
+                 ["rankings", "--help"]):
         proc = subprocess.run(example_command(SCRIPT, *args), cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, (args, proc.stderr[-2000:])
+        if args[0] == "lookup":  # the terminal's table, and the page
+            assert proc.stdout.splitlines()[-2] == "1 row(s): 1 PASS, 0 FAIL, 0 EXCLUDED (not failures)", proc.stdout
     assert "org/a" in (tmp_path / "p.html").read_text()
 
 
@@ -530,10 +536,11 @@ def test_lookup_reads_a_spark_folder_once_and_names_duplicate_columns(tmp_path, 
     dup = tmp_path / "dup.parquet"
     pq.write_table(pa.Table.from_arrays([pa.array(["org/d"]), pa.array(["PASS"]), pa.array(["FAIL"])],
                                         names=["model_id", "result", "result"]), dup)
-    proc = run_example(SCRIPT, "lookup", str(dup), check=False)
+    proc = run_in_process(SCRIPT, "lookup", str(dup))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert_clean_error(proc, f"{dup} names the column(s) 'result' more than once")
-    proc = run_example(SCRIPT, "lookup", str(dup), str(runs))
+    proc = run_in_process(SCRIPT, "lookup", str(dup), str(runs))
+    assert proc.returncode == 0
     assert proc.stderr.splitlines() == [f"skipped: {dup} names the column(s) 'result' more than once: a results file "
                                         "names each column once (rewrite it with one column of each name)"]
     assert proc.stdout.splitlines()[-1].startswith("2 row(s)")
@@ -637,8 +644,12 @@ def test_a_lock_that_is_a_link_or_a_fifo_is_refused_before_any_model(tmp_path, m
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         lock.symlink_to(user) if kind == "link" else os.mkfifo(lock)
-        proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--no_compile", "--new_tokens", "2",
-                           "--no-judge_single_core", "--out_dir", str(out), check=False)
+        args = ("--models", "tiny-qwen3", "--no_compile", "--new_tokens", "2", "--no-judge_single_core", "--out_dir",
+                str(out))
+        # the FIFO in a process of its own with a time limit (a check that opened it would wait forever), the links
+        # in this one (refused before any model: nothing launched)
+        proc = (run_example(SCRIPT, *args, check=False, timeout=120) if kind == "fifo" else
+                run_in_process(SCRIPT, *args))
         assert proc.returncode == 2, (lock, kind, proc.stderr[-3000:])
         assert_clean_error(proc, f"{lock} is a ")
         assert not [line for line in proc.stdout.splitlines() if line.startswith("[model]")], proc.stdout
