@@ -15,7 +15,29 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import UserError
-from conftest import ROOT, assert_clean_error, run_example
+from conftest import ROOT, assert_clean_error, run_example, run_in_process
+
+
+def run_module_in_process(module: str, *argv: str):
+    """`python -m MODULE ARGV` in this test process: the module's own command-line entry (`_main`, what its
+    `__main__` runs) with ARGV, its stdout and stderr captured; a SystemExit's code or its return value is the exit
+    code, an exception that escapes it is a traceback on stderr and exit code 1, as the interpreter would give."""
+    import contextlib
+    import io
+    import subprocess
+    import sys
+    import traceback
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = importlib.import_module(module)._main(list(argv))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001  as the interpreter prints it
+            traceback.print_exc()
+            rc = 1
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], rc, out.getvalue(), err.getvalue())
 
 
 def _save_qwen3(path):
@@ -170,8 +192,7 @@ CHECKPOINT_ROWS = [
 @pytest.mark.parametrize("make, needle", CHECKPOINT_ROWS, ids=[r[0].__name__ for r in CHECKPOINT_ROWS])
 def test_bad_checkpoint(make, needle, good, tmp_path):
     ckpt = make(good, tmp_path)
-    proc = run_example("train_native_qwen3.py", "--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"),
-                       check=False)
+    proc = run_in_process("train_native_qwen3.py", "--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, needle)
     assert not (tmp_path / "o" / "results.json").exists()
 
@@ -179,7 +200,7 @@ def test_bad_checkpoint(make, needle, good, tmp_path):
 def test_unwritable_out_dir(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    proc = run_example("train_native_qwen3.py", "--out_dir", str(blocker / "out"), check=False)
+    proc = run_in_process("train_native_qwen3.py", "--out_dir", str(blocker / "out"))
     assert_clean_error(proc, f"--out_dir {blocker / 'out'} cannot be written")
 
 
@@ -231,13 +252,13 @@ CLI_ROWS = [
 @pytest.mark.parametrize("script, args, needle", CLI_ROWS, ids=[" ".join([r[0], *r[1]]) for r in CLI_ROWS])
 def test_bad_flag(script, args, needle, tmp_path, prepared_assets):
     """Every `error:` line a flag can cause, as a user types it: one line, exit 2, nothing written."""
-    proc = run_example(script, "--out_dir", str(tmp_path), *args, check=False)
+    proc = run_in_process(script, "--out_dir", str(tmp_path), *args)
     assert_clean_error(proc, needle)
     assert proc.returncode == 2 and not (tmp_path / "results.json").exists()
 
 
 def test_argparse_errors_are_one_line(tmp_path):
-    proc = run_example("train_native_qwen3.py", "--stepz", "3", check=False)
+    proc = run_in_process("train_native_qwen3.py", "--stepz", "3")
     assert_clean_error(proc, "unrecognized arguments: --stepz")
     assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [
         "error: unrecognized arguments: --stepz 3 (see --help)"]
@@ -249,7 +270,7 @@ def test_control_characters_in_a_path_or_flag_cannot_split_or_colour_the_error_l
     hostile = str(tmp_path / "no\nwhere\x1b[31m")
     for args, needle in (((f"--hf_checkpoint", hostile), "no\ufffdwhere\ufffd[31m"),
                          (("--st\reps", "3"), "--st\ufffdeps")):
-        proc = run_example("train_native_qwen3.py", *args, "--out_dir", str(tmp_path / "o"), check=False)
+        proc = run_in_process("train_native_qwen3.py", *args, "--out_dir", str(tmp_path / "o"))
         assert_clean_error(proc, needle)
         assert "\x1b" not in proc.stderr and "\r" not in proc.stderr
         assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1, proc.stderr
@@ -296,7 +317,7 @@ DATASET_ROWS = [
 @pytest.mark.parametrize("name, content", DATASET_ROWS, ids=[r[0] for r in DATASET_ROWS])
 def test_bad_dataset(name, content, tmp_path, prepared_assets):
     folder = _dataset(tmp_path, name, content)
-    proc = run_example("train_native_qwen3.py", "--dataset", str(folder), "--out_dir", str(tmp_path / "o"), check=False)
+    proc = run_in_process("train_native_qwen3.py", "--dataset", str(folder), "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, f"dataset folder {folder}")
     assert not (tmp_path / "o" / "results.json").exists()
 
@@ -305,7 +326,7 @@ def test_malformed_tokenizer(tmp_path, prepared_assets):
     folder = tmp_path / "tok"
     folder.mkdir()
     (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
-    proc = run_example("train_moe_nki.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"), check=False)
+    proc = run_in_process("train_moe_nki.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, "cannot be read as a tokenizer")
 
 
@@ -347,8 +368,7 @@ def test_a_degenerate_tokenizer_is_refused_whatever_its_cache_marker_says(tmp_pa
         assert not target.exists() and marker.is_symlink()
     finally:
         marker.unlink(missing_ok=True)
-    proc = run_example("train_native_qwen3.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"),
-                       check=False)
+    proc = run_in_process("train_native_qwen3.py", "--hf_assets", str(folder), "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, "is not a language model's tokenizer", "encodes to")
 
 
@@ -360,8 +380,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, prep
     Qwen3ForCausalLM(Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                  max_position_embeddings=1024)).save_pretrained(ckpt)
-    proc = run_example("train_native_qwen3.py", "--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"),
-                       check=False)
+    proc = run_in_process("train_native_qwen3.py", "--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, "has 151669 tokens and the model", "only 1000 embedding rows")
 
 
@@ -372,7 +391,7 @@ def test_help_lists_every_flag(script):
     import dataclasses
     import runpy
 
-    proc = run_example(script, "--help", check=False)
+    proc = run_in_process(script, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]
     from common.harness.lifecycle import guarded
 
@@ -402,15 +421,18 @@ NOT_A_FILE_ROWS = [(name, kind) for name in ("model.safetensors", "model.safeten
 @pytest.mark.parametrize("name, kind", NOT_A_FILE_ROWS, ids=[f"{n}-{k}" for n, k in NOT_A_FILE_ROWS])
 def test_checkpoint_validate_refuses_a_fifo_or_folder_where_a_file_is_expected(name, kind, good, tmp_path):
     """A FIFO named like a checkpoint file hung `validate` (the read blocks); a folder of that name was an
-    IsADirectoryError. Each is one line naming it, before anything is opened. The timeout keeps a hang from
-    holding the suite."""
+    IsADirectoryError. Each is one line naming it, before anything is opened. A folder: in this process; a FIFO: a
+    process of its own, whose timeout keeps a hang from holding the suite."""
     import sys
 
     from conftest import run_python
 
     ckpt = _copy(good, tmp_path / "ckpt")
     _not_a_file(ckpt / name, kind)
-    proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(ckpt)], timeout=120)
+    if kind == "fifo":
+        proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(ckpt)], timeout=120)
+    else:
+        proc = run_module_in_process("common.harness.checks", "validate", str(ckpt))
     assert_clean_error(proc, f"{ckpt / name} is {'a FIFO' if kind == 'fifo' else 'a folder'}, not a regular file")
 
 
@@ -418,8 +440,9 @@ def test_checkpoint_validate_refuses_a_fifo_or_folder_where_a_file_is_expected(n
 def test_training_refuses_a_checkpoint_whose_safetensors_is_a_fifo_or_folder(kind, good, tmp_path):
     ckpt = _copy(good, tmp_path / "ckpt")
     _not_a_file(ckpt / "model.safetensors", kind)
-    proc = run_example("train_native_qwen3.py", "--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"),
-                       check=False, timeout=120)
+    args = ("--hf_checkpoint", str(ckpt), "--out_dir", str(tmp_path / "o"))  # a FIFO: a process, its timeout
+    proc = run_example("train_native_qwen3.py", *args, check=False, timeout=120) if kind == "fifo" else \
+        run_in_process("train_native_qwen3.py", *args)  # against a hang
     assert_clean_error(proc, f"{ckpt / 'model.safetensors'} is {'a FIFO' if kind == 'fifo' else 'a folder'}")
     assert not (tmp_path / "o" / "results.json").exists()
 
@@ -490,8 +513,8 @@ def test_export_verify_bad_input_is_one_line(row, prepared_assets, tmp_path):
     if row == "out-a-folder":
         out.mkdir()
         (out / "keep.txt").write_text("someone's")
-    proc = run_python([sys.executable, "-m", "common.harness.verifier", "verify", str(export), "--reference",
-                       str(ref), "--out", str(out)], timeout=300)
+    proc = run_module_in_process("common.harness.verifier", "verify", str(export), "--reference", str(ref),
+                                 "--out", str(out))
     assert_clean_error(proc, needle)
     assert proc.returncode == 2
     if row == "out-a-folder":

@@ -21,7 +21,6 @@ import runpy
 import shutil
 import struct
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -95,9 +94,11 @@ def run_error(check: dict, out_dir: Path) -> str:
 
 
 def export_check(folder: Path, reference: Path, *, tied_expected: bool, tol: float) -> dict:
-    """The export check exactly as export_and_check runs it: the folder re-read by transformers in a
-    fresh process, logits compared with the trained model's."""
-    check = export.verify_export_subprocess(folder, reference)
+    """The export check exactly as the MoE run's export_and_check runs it: the folder re-read by transformers with
+    the run's check (`export.in_process`: the MoE trainer leaves transformers as it is, so its checks run in the
+    trainer's process; common/recipe.py and common/harness/lifecycle.py's check_process), logits compared with the
+    trained model's."""
+    check = export.verify_export_subprocess(folder, reference, check=export.in_process)
     check["passed"] = export.export_check_passed(check, tied_expected=tied_expected, tol=tol)
     check["tolerance"] = tol
     return check
@@ -199,8 +200,8 @@ def moe_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def export_checks(moe_run, tmp_path_factory):
-    """Broken copies of the MoE run's export, each checked by the product's export check; the re-reads
-    run two at a time (each is a fresh process). {case: (check, export folder, ...)}."""
+    """Broken copies of the MoE run's export, each checked by the product's export check as the MoE run checks its
+    export (in its process), one after the other. {case: (check, export folder, ...)}."""
     root = tmp_path_factory.mktemp("broken")
     tol = read_results(moe_run)["export_check"]["tolerance"]
     jobs = {}
@@ -228,13 +229,9 @@ def export_checks(moe_run, tmp_path_factory):
     moe_export_rewrite(folder, shift)
     jobs["experts_permuted"] = folder, ref
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(export_check, f, r, tied_expected=True, tol=tol)
-                   for name, (f, r) in jobs.items()}
-        futures["tokenizer_missing"] = pool.submit(_complete_without_tokenizer, moe_run, root / "tokenizer_missing",
-                                                   tol)
-        return {name: (fut.result() if name == "tokenizer_missing" else (fut.result(), jobs[name][0]))
-                for name, fut in futures.items()}
+    checked = {name: (export_check(f, r, tied_expected=True, tol=tol), f) for name, (f, r) in jobs.items()}
+    checked["tokenizer_missing"] = _complete_without_tokenizer(moe_run, root / "tokenizer_missing", tol)
+    return checked
 
 
 def _complete_without_tokenizer(run_dir: Path, case: Path, tol: float) -> tuple[dict, Path, Path | None]:

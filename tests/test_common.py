@@ -124,51 +124,45 @@ def test_spec_round_trips_through_config_json():
         assert back[key] == value, key
 
 
-NEURON_ORDER_PROBE = """
-import ast, os, sys
-import torch.distributed as dist
-from common import device
-
-def attempt(fn):
-    try:
-        fn()
-        return "reached"
-    except RuntimeError as e:
-        return "refused: " + str(e)
-    except ImportError as e:
-        return "import " + str(e.name)
-
-print(device.resolve_device_type("auto"))          # a launcher's or the compatibility parent's choice
-print(attempt(device.neuron_available))             # a parent asking the runtime: refused on every machine
-print(attempt(device.neuron_runtime))
-device.set_neuron_env(2, "/tmp/neff_cache")
-os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-print(attempt(device.neuron_runtime))               # the environment is set, the worker has no process group yet
-dist.init_process_group("gloo", rank=0, world_size=1)
-print(attempt(device.neuron_runtime))               # both: goes on to torch-neuronx (not installed here)
-dist.destroy_process_group()
-"""
-
-
-def test_torch_neuron_only_after_the_neuron_environment_and_the_process_group(tmp_path):
+def test_torch_neuron_only_after_the_neuron_environment_and_the_process_group(monkeypatch):
     """The Neuron runtime reads NEURON_LOGICAL_NC_CONFIG and the NEFF cache when it starts, and must not start before
     init_process_group: common.device.neuron_runtime(), the one way to torch.neuron, refuses out of order, on CPU as
     on Trainium, so a launcher or parent that asked the runtime would fail the suite here. No stand-in for
-    torch-neuronx: in the right order it reaches the import of torch_neuronx, which this machine lacks."""
-    import subprocess
-    import sys
+    torch-neuronx: in the right order it reaches the import of torch_neuronx, which this machine lacks. In this
+    process, as a fresh one starts: the Neuron environment not set, no launcher variables, no process group; the
+    environment and the process group are put back after."""
+    import torch.distributed as dist
 
-    from conftest import ROOT, script_env
+    def attempt(fn):
+        try:
+            fn()
+            return "reached"
+        except RuntimeError as e:
+            return "refused: " + str(e)
+        except ImportError as e:
+            return "import " + str(e.name)
 
-    proc = subprocess.run([sys.executable, "-c", NEURON_ORDER_PROBE, str(device._free_port())], cwd=ROOT,
-                          env=script_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    choice, available, before_env, before_group, in_order = proc.stdout.splitlines()
-    assert choice == "cpu"
+    assert not dist.is_initialized(), "a process group left over in this test process"
+    monkeypatch.setattr(device, "_neuron_env_set", False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "NEURON_LOGICAL_NC_CONFIG", device.NEFF_CACHE_VAR):
+        monkeypatch.setenv(var, "")  # recorded as it was (or unset), put back after the test
+        monkeypatch.delenv(var)
+    assert device.resolve_device_type("auto") == "cpu"  # a launcher's or the compatibility parent's choice
+    available = attempt(device.neuron_available)  # a parent asking the runtime: refused on every machine
     assert available.startswith("refused: torch.neuron used before the Neuron environment was set"), available
-    assert before_env == available
+    assert attempt(device.neuron_runtime) == available
+    device.set_neuron_env(2, "/tmp/neff_cache")
+    for var, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(device._free_port())
+                           ).items():
+        monkeypatch.setenv(var, value)
+    before_group = attempt(device.neuron_runtime)  # the environment is set, the worker has no process group yet
     assert before_group.startswith("refused: torch.neuron used before this worker's process group exists")
-    assert in_order == "import torch_neuronx"
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        assert attempt(device.neuron_runtime) == "import torch_neuronx"  # both: goes on to torch-neuronx
+    finally:
+        dist.destroy_process_group()
 
 
 def test_torch_neuron_is_reached_only_through_common_device():

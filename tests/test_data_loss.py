@@ -10,10 +10,11 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_clean_error, read_results, run_example, run_python
+from conftest import assert_clean_error, read_results, run_example, run_in_process
+from test_bad_input_matrix import run_module_in_process
 
 SCRIPT = "train_native_qwen3.py"
-SHORT = ("--steps", "2", "--local_batch_size", "1", "--seq_len", "64")
+SHORT = ("--steps", "1", "--local_batch_size", "1", "--seq_len", "64")
 
 
 def _tiny_copy(prepared_assets, dst):
@@ -30,10 +31,10 @@ def test_nonfinite_weights_are_never_ok(prepared_assets, tmp_path):
     tensors = load_file(str(bad / "model.safetensors"))
     tensors["model.norm.weight"][3] = math.nan
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(bad)])
+    proc = run_module_in_process("common.harness.checks", "validate", str(bad))
     assert_clean_error(proc, "NaN or Inf in [model.norm.weight]")
     assert "ok" not in proc.stdout
-    proc = run_example(SCRIPT, "--hf_checkpoint", str(bad), "--out_dir", str(tmp_path / "o"), check=False)
+    proc = run_in_process(SCRIPT, "--hf_checkpoint", str(bad), "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, "NaN or Inf in [model.norm.weight]")
 
 
@@ -42,7 +43,7 @@ def test_index_naming_keys_no_shard_holds_is_refused(prepared_assets, tmp_path):
     keys = list(load_file(str(bad / "model.safetensors")))
     index = {"metadata": {}, "weight_map": {**{k: "model.safetensors" for k in keys}, "model.extra.weight": "model.safetensors"}}
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    proc = run_python([sys.executable, "-m", "common.harness.checks", "validate", str(bad)])
+    proc = run_module_in_process("common.harness.checks", "validate", str(bad))
     assert_clean_error(proc, "does not match its shards", "model.extra.weight")
 
 
@@ -68,12 +69,12 @@ def test_failed_export_keeps_the_good_one(prepared_assets, tmp_path):
 
 
 def test_empty_out_dir_is_refused_and_foreign_folders_are_left_alone(prepared_assets, tmp_path):
-    proc = run_example(SCRIPT, *SHORT, "--out_dir", "", check=False)
+    proc = run_in_process(SCRIPT, *SHORT, "--out_dir", "")
     assert_clean_error(proc, "--out_dir is empty")
     foreign = tmp_path / "checkpoint"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("someone else's")
-    proc = run_example(SCRIPT, *SHORT, "--out_dir", str(tmp_path), check=False)
+    proc = run_in_process(SCRIPT, *SHORT, "--out_dir", str(tmp_path))
     assert_clean_error(proc, "was not made by these scripts")
     assert (foreign / "keep.txt").read_text() == "someone else's"
 
@@ -86,9 +87,9 @@ def test_nan_loss_comparison_is_a_mismatch(tmp_path):
     assert not compare_losses([float("nan"), 10.0], ref, 1e-3)["passed"]
     assert compare_losses([11.0, 10.0], ref, 1e-3)["passed"]
     ref.write_text(json.dumps({"losses": [float("nan"), 0.0]}))
-    proc = run_example(SCRIPT, "--compare_losses", str(ref), "--out_dir", str(tmp_path / "o"), check=False)
+    proc = run_in_process(SCRIPT, "--compare_losses", str(ref), "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, "holds NaN or infinite losses")
-    proc = run_example(SCRIPT, "--loss_tolerance", "nan", "--out_dir", str(tmp_path / "o"), check=False)
+    proc = run_in_process(SCRIPT, "--loss_tolerance", "nan", "--out_dir", str(tmp_path / "o"))
     assert_clean_error(proc, "--loss_tolerance must be a finite number")
 
 
@@ -96,7 +97,7 @@ def test_out_dir_overlapping_the_checkpoint_is_refused(prepared_assets, tmp_path
     ckpt = _tiny_copy(prepared_assets, tmp_path / "ckpt")
     before = sorted(p.name for p in ckpt.iterdir())
     for out in (ckpt, ckpt / "sub", tmp_path):
-        proc = run_example(SCRIPT, "--hf_checkpoint", str(ckpt), "--out_dir", str(out), check=False)
+        proc = run_in_process(SCRIPT, "--hf_checkpoint", str(ckpt), "--out_dir", str(out))
         assert_clean_error(proc, "overlaps --hf_checkpoint")
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
@@ -116,7 +117,7 @@ def test_out_dir_inside_or_around_any_input_is_refused(prepared_assets, tmp_path
                               ((), CACHE_DIR.parent, "overlaps the prepared assets' cache"),
                               (("--dataset", str(data)), data / "out", "overlaps --dataset"),
                               (("--compare_losses", str(ref)), ref.parent, "overlaps --compare_losses")):
-        proc = run_example(SCRIPT, *SHORT, *args, "--out_dir", str(out), check=False)
+        proc = run_in_process(SCRIPT, *SHORT, *args, "--out_dir", str(out))
         assert_clean_error(proc, needle)
     assert not (CACHE_DIR / "runs").exists() and sorted(p.name for p in data.iterdir()) == ["d.jsonl"]
     assert sorted(p.name for p in ref.parent.iterdir()) == ["results.json"]
@@ -142,8 +143,7 @@ def test_a_users_hf_export_rejected_is_refused_before_training(prepared_assets, 
     mine = out / "hf_export.rejected"
     mine.mkdir(parents=True)
     (mine / "notes.txt").write_text("my own")
-    proc = run_example(SCRIPT, *SHORT, "--dtype", "bfloat16", "--export_tolerance", "1e-12", "--out_dir", str(out),
-                       check=False)
+    proc = run_in_process(SCRIPT, *SHORT, "--dtype", "bfloat16", "--export_tolerance", "1e-12", "--out_dir", str(out))
     assert_clean_error(proc, f"{mine} exists and was not made by these scripts")
     assert (mine / "notes.txt").read_text() == "my own" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     assert not (out / "results.json").exists() and not (out / "losses.jsonl").exists()  # nothing trained
@@ -280,11 +280,11 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig_name", ["SIGKILL", "SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig_name", ["SIGKILL", "SIGINT"])
 def test_the_export_verifier_never_outlives_its_parent(prepared_assets, tmp_path, sig_name):
     """A run's check process (`python -m common.export REQUEST`, the load check's or the export check's) is stopped
-    with the process that started it: SIGKILL or SIGTERM to that process (no Python cleanup runs) or Ctrl-C (the
-    parent lives on). Before, a killed run left the verifier running. The check is held inside its import of
+    with the process that started it: SIGKILL to that process (no Python cleanup runs; a SIGTERM, which the parent
+    does not handle, ends it the same way, by the kernel) or Ctrl-C (the parent lives on). Before, a killed run left the verifier running. The check is held inside its import of
     transformers (in the middle of a check) by a `transformers` on PYTHONPATH that records its pid and sleeps: a
     fixture, nothing of the stack replaced."""
     import signal

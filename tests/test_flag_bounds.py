@@ -131,7 +131,10 @@ def test_hostile_values_are_taken_inside_the_bounds_and_refused_in_one_line_outs
     wrong = []
     for f, conv, b in _numeric(mod.Config):
         flag = f"--{f.name}"
-        for text, argv in ((t, a) for t in _hostile(conv, b) for a in ([f"{flag}={t}"], [flag, t])):
+        # `--flag=TEXT` and `--flag TEXT` are the same argparse path unless TEXT starts with '-' (then the second
+        # reads as a flag): both spellings for those, one for the rest (each parse builds the parser: 0.07 s)
+        for text, argv in ((t, a) for t in _hostile(conv, b)
+                           for a in ([flag, t], [f"{flag}={t}"])[: 2 if t.startswith("-") else 1]):
             value = _as(conv, text)
             try:
                 cfg = cli.parse_config(mod.Config, mod.PRESETS, argv, "", default)

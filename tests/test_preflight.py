@@ -4,7 +4,8 @@ without a traceback, and names a required module or keyword that a shadowing tor
 The shadow packages below are fixtures for the check itself (a few files in tmp_path, first on the path of the
 preflight's process); nothing stands in for the Neuron stack. The preflight runs as `python -m common.harness.preflight`
 through the tests' pre-forked runner (tests/prefork.py: torch and transformers already imported, torchtitan and
-nkilib not: `torchtitan=False`); a shadow of transformers needs an interpreter of its own.
+nkilib not: `torchtitan=False`); a shadow of transformers needs an interpreter of its own. Where nothing is shadowed,
+or only nkilib (which nothing here imports), its `main` runs in the test process.
 """
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def _preflight(*args: str, shadow: Path | None = None) -> subprocess.CompletedPr
         (shadow / "common").symlink_to(ROOT / "common", target_is_directory=True)
         cwd = shadow
     return run_python([sys.executable, "-m", "common.harness.preflight", *args], cwd=cwd, timeout=300, torchtitan=False)
+
+
+def _preflight_here(*args: str) -> subprocess.CompletedProcess:
+    """`python -m common.harness.preflight ARGS` in this test process (its `main`, what its `__main__` runs), stdout
+    and stderr captured: for a check with nothing shadowed, or only a package this process has not imported (nkilib,
+    a folder that a test puts first on sys.path)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = preflight.main(list(args))
+    return subprocess.CompletedProcess([sys.executable, "-m", "common.harness.preflight", *args], rc, out.getvalue(),
+                                       err.getvalue())
 
 
 def _fresh_preflight(*args: str, pythonpath: Path) -> subprocess.CompletedProcess:
@@ -67,7 +82,7 @@ def _shadow_torchtitan(root, config_init: str, override_py: str | None = None):
 
 
 def test_cpu_stack_passes_and_prints_the_table():
-    proc = _preflight()
+    proc = _preflight_here()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     header, rule, *rows = proc.stdout.splitlines()
     assert header.split() == ["requirement", "found", "verdict", "used", "by"] and set(rule) == {"-"}
@@ -77,7 +92,7 @@ def test_cpu_stack_passes_and_prints_the_table():
 
 
 def test_trn2_target_names_torch_neuronx_without_a_traceback():
-    line = _error_line(_preflight("--target", "trn2"))
+    line = _error_line(_preflight_here("--target", "trn2"))
     assert "not installed: torch-neuronx" in line and "nkilib" in line
 
 
@@ -233,7 +248,7 @@ def test_a_shadowing_torchtitan_without_a_config_field_is_named_before_anything_
 
 
 @pytest.mark.parametrize("installed", [True, False], ids=["nki-library-build", "a-bare-folder"])
-def test_the_table_names_which_nkilib_is_imported(tmp_path, installed):
+def test_the_table_names_which_nkilib_is_imported(tmp_path, monkeypatch, installed):
     """`nkilib` comes from neuronx-cc (bundled) or from a standalone nki-library build that replaces it: the trn2
     table shows the folder `import nkilib` loads and the distribution that installed it.
     The fixture is an nkilib folder, with or without the dist-info pip writes for nki-library."""
@@ -245,7 +260,12 @@ def test_the_table_names_which_nkilib_is_imported(tmp_path, installed):
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nki-library\nVersion: 2.33.0\n")
         (info / "RECORD").write_text("nkilib/__init__.py,,\nnki_library-2.33.0.dist-info/METADATA,,\n")
         (info / "top_level.txt").write_text("nkilib\n")
-    proc = _preflight("--target", "trn2", shadow=tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # in this process: no nkilib is installed or imported here
+    try:
+        proc = _preflight_here("--target", "trn2")
+    finally:
+        for name in [m for m in sys.modules if m == "nkilib" or m.startswith("nkilib.")]:
+            del sys.modules[name]
     row = next(r for r in proc.stdout.splitlines() if r.startswith("nkilib imported from "))
     owner = "nki-library 2.33.0" if installed else "no installed distribution: a folder on the path"
     assert f"{tmp_path / 'nkilib'} ({owner})" in row and row.split()[-3:] == ["info", "train_moe_nki.py",
@@ -356,10 +376,9 @@ def test_neuron_system_packages_older_than_2331_are_warning_rows(tmp_path):
     folder = _dpkg_query(tmp_path, {
         "aws-neuronx-runtime-lib": RELEASE["not_pip"]["aws-neuronx-runtime-lib"] + "-5d0c7e2a1",
         "aws-neuronx-collectives": PATCH["system"]["aws-neuronx-collectives"] + "-8b3f1a9c4"})
-    env = script_env()
-    env["PATH"] = os.pathsep.join([str(folder), env["PATH"]])
-    proc = run_python([sys.executable, "-m", "common.harness.preflight", "--target", "trn2"], env=env, timeout=300,
-                      torchtitan=False)
+    with pytest.MonkeyPatch.context() as mp:  # in this process, the dpkg-query first on its PATH
+        mp.setenv("PATH", os.pathsep.join([str(folder), os.environ["PATH"]]))
+        proc = _preflight_here("--target", "trn2")
     rows = {r.split()[0]: r for r in proc.stdout.splitlines() if r.startswith("aws-neuronx-")}
     runtime, collectives, driver = (rows[p] for p in ("aws-neuronx-runtime-lib", "aws-neuronx-collectives",
                                                      "aws-neuronx-dkms"))

@@ -24,7 +24,7 @@ from torchtitan.models.common.rope import CosSinRoPE  # noqa: E402
 from common import checkpoint  # noqa: E402
 from common.kernels import rope_module  # noqa: E402
 from tools.prepare_assets import TINY_QWEN3_CONFIG  # noqa: E402
-from conftest import assert_clean_error, read_results, run_example  # noqa: E402
+from conftest import assert_clean_error, read_results, run_example, run_in_process  # noqa: E402
 
 OVERRIDE_LINE = re.compile(r"\[Override\] common\.kernels\.rope_module\.nki_rope\w*: (\S+) CosSinRoPE\.Config -> NKIRoPE\.Config")
 
@@ -98,7 +98,9 @@ def test_rope_parity_default_every_layer(tmp_path, prepared_assets):
 
 
 def test_rope_layers_pattern_replaces_exactly_one(tmp_path, prepared_assets):
-    proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), "--rope_layers", "*layers.1.*")
+    """(Short sequences, one in the model check: the default shapes are test_rope_parity_default_every_layer's.)"""
+    proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), "--rope_layers", "*layers.1.*", "--seq_len", "64",
+                       "--model_batch", "1")
     r = read_results(tmp_path)
     assert r["replacements"] == ["layers.1.attention.rope"]
     assert _override_lines(proc) == ["layers.1.attention.rope"]
@@ -111,7 +113,7 @@ def test_rope_layers_pattern_replaces_exactly_one(tmp_path, prepared_assets):
 ])
 def test_bad_input_is_one_clear_error(tmp_path, args, needles, prepared_assets):
     """(The sequence length the kernel refuses is a row of tests/test_bad_input_matrix.py.)"""
-    proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), *args, check=False)
+    proc = run_in_process("rope_parity.py", "--out_dir", str(tmp_path), *args)
     assert_clean_error(proc, *needles)
     assert not (tmp_path / "results.json").exists()
 
@@ -150,6 +152,6 @@ def test_kernel_rounding_reference(dtype):
 def test_trn2_preset_without_the_stack_names_rope_hfs_module(tmp_path):
     """On a machine without Neuron, the trn2 preset stops in its preflight with one line naming what is missing,
     rope_hf's module included (a fix must bring that module: neuronx-cc's nkilib or nki-library's)."""
-    proc = run_example("rope_parity.py", "--preset", "trn2", "--out_dir", str(tmp_path), check=False)
+    proc = run_in_process("rope_parity.py", "--preset", "trn2", "--out_dir", str(tmp_path))
     assert_clean_error(proc, "not installed: torch-neuronx", "nkilib.core.embeddings.rope_hf")
     assert "blockwise" not in proc.stderr
