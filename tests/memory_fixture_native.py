@@ -4,10 +4,14 @@ tests/test_pilot.py: the same recipe and run (common.harness.lifecycle.run), who
 Like a real allocator's, the fixture's peak is the most allocated since the last `reset_peak_memory_stats` (which
 torchtitan's MetricsProcessor calls after every logged step); each read of it stands for one step's allocations:
 MEMORY_FIXTURE_GIB (comma-separated, the first read first) GiB, the last figure for every later read. With
-"1,7,1,1" step 2 of 4 is the heaviest: a run that reads the peak once, after training, sees 1 GiB; one that
+"1,7,1" step 2 of 3 is the heaviest: a run that reads the peak once, after training, sees 1 GiB; one that
 reads it at every step before torchtitan's reset sees 7.
 
-    MEMORY_FIXTURE_GIB=1,7,1,1 python tests/memory_fixture_native.py --steps 4 --no-export --out_dir OUT
+    MEMORY_FIXTURE_GIB=1,7,1 python tests/memory_fixture_native.py --steps 3 --no-export --out_dir OUT
+
+As `python` runs it (torchtitan imported here, after the route to the CPU) or as the tests' pre-forked runner does
+(tests/prefork.py: torchtitan imported and routed to the CPU shim before this script starts, its modules holding
+that shim): either way the fixture replaces the memory functions of the one shim torchtitan holds.
 """
 from __future__ import annotations
 
@@ -52,6 +56,15 @@ class FixtureMemory:
 _shim = device._cpu_device_module
 device._cpu_device_module = lambda: FixtureMemory(_shim())  # what common.device routes torchtitan to on CPU
 device.peak_memory_bytes = lambda device_type: int(FixtureMemory(_shim())._allocate())  # and reads itself
+
+# torchtitan's modules copy its device module when they are imported: the shim the route gives it (made now, or
+# already there in a pre-forked child) gets the fixture's memory functions in place, seen by every copy.
+device.route_torchtitan_device("cpu")
+import torchtitan.tools.utils as tt_utils  # noqa: E402
+
+_fixture = FixtureMemory(tt_utils.device_module)
+for _name in ("max_memory_allocated", "memory_stats", "reset_peak_memory_stats"):
+    setattr(tt_utils.device_module, _name, getattr(_fixture, _name))
 
 if __name__ == "__main__":
     sys.exit(lifecycle.run(recipe()))

@@ -13,7 +13,7 @@ import pytest
 
 from common.harness import evaluation
 from common.errors import UserError
-from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, run_example
+from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, run_example, run_in_process
 
 STEPS, EVAL_EVERY, EVAL_STEPS, LOCAL_BATCH, SEQ_LEN = 10, 2, 2, 2, 128  # the tiny preset's batch and length
 WINDOW = 32  # tokens: a held-out window found in the training stream is a leak
@@ -110,18 +110,19 @@ def test_held_out_texts_never_occur_in_the_training_stream(native_eval, prepared
 
 
 def test_the_leak_check_catches_held_out_data_that_training_reads(tmp_path, prepared_assets):
-    """The check above fails when the held-out file is the training file, or shares one document with it."""
+    """The check above fails when the held-out file is the training file (its first 300 documents: more than 10
+    steps of 2 x 128 tokens), or shares one document with it."""
     corpus = prepared_assets["corpus"]
+    lines = (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
     same = tmp_path / "same"
     same.mkdir()
-    shutil.copy(corpus / "train.jsonl", same / "train.jsonl")
-    shutil.copy(corpus / "train.jsonl", same / "validation.jsonl")
+    (same / "train.jsonl").write_text("".join(lines[:300]), encoding="utf-8")
+    shutil.copy(same / "train.jsonl", same / "validation.jsonl")
     found = leaks(str(same), prepared_assets["tokenizer"])
     assert any("is a training document" in f for f in found) and any("tokens with the training" in f for f in found)
 
     one = tmp_path / "one"
     one.mkdir()
-    lines = (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
     (one / "train.jsonl").write_text("".join(lines[:300]), encoding="utf-8")
     held = (corpus / "validation.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
     (one / "validation.jsonl").write_text("".join([*held[:5], lines[250]]), encoding="utf-8")
@@ -142,14 +143,14 @@ def test_other_training_paths_record_the_held_out_loss(run, shared_run):
 
 
 def test_bad_eval_flags_are_one_error_line(tmp_path):
-    assert_clean_error(run_example("train_native_qwen3.py", "--eval_every", "-1", "--out_dir", str(tmp_path),
-                                   check=False), "--eval_every must not be negative")
-    assert_clean_error(run_example("train_moe_nki.py", "--eval_every", "2", "--eval_steps", "0", "--out_dir",
-                                   str(tmp_path), check=False), "--eval_steps must be positive")
+    assert_clean_error(run_in_process("train_native_qwen3.py", "--eval_every", "-1", "--out_dir", str(tmp_path)),
+                       "--eval_every must not be negative")
+    assert_clean_error(run_in_process("train_moe_nki.py", "--eval_every", "2", "--eval_steps", "0", "--out_dir",
+                                      str(tmp_path)), "--eval_steps must be positive")
     held_out = tmp_path / "held_out"
     held_out.mkdir()
-    assert_clean_error(run_example("train_native_qwen3.py", "--eval_dataset_path", str(held_out), "--out_dir",
-                                   str(tmp_path / "o"), check=False), "is read only with --eval_every N")
+    assert_clean_error(run_in_process("train_native_qwen3.py", "--eval_dataset_path", str(held_out), "--out_dir",
+                                      str(tmp_path / "o")), "is read only with --eval_every N")
     assert not (tmp_path / "o").exists()  # refused before the out_dir is made
 
 
@@ -258,7 +259,7 @@ def test_held_out_data_is_read_before_anything_is_built(tmp_path, case, needle):
 def test_text_less_held_out_data_is_one_line_before_step_1(tmp_path):
     folder = _held_out(tmp_path / "data", "no text field")
     out = tmp_path / "o"
-    proc = run_example("train_native_qwen3.py", "--steps", "1", "--eval_every", "1", "--eval_dataset_path",
-                       str(folder), "--out_dir", str(out), check=False)
+    proc = run_in_process("train_native_qwen3.py", "--steps", "1", "--eval_every", "1", "--eval_dataset_path",
+                          str(folder), "--out_dir", str(out))
     assert_clean_error(proc, "cannot be read as JSON lines with a 'text' field")
     assert not (out / "losses.jsonl").exists() and not (out / "results.json").exists()

@@ -5,13 +5,12 @@ tests/test_eval.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from common import device
-from conftest import ROOT, assert_clean_error, read_results, run_example, script_env
+from conftest import ROOT, assert_clean_error, read_results, run_example, run_in_process, run_python, script_env
 
 PILOT = ("timing", "flops_per_token", "mfu", "peak_flops_per_device", "memory", "cost")
 
@@ -24,7 +23,8 @@ def _check_pilot(r: dict, *, ranks: int = 1, priced: bool = False) -> None:
     assert t["compile_or_warmup_s"] == pytest.approx(max(t["first_step_s"] - t["steady_step_s"], 0))
     assert t["steady_tokens_per_s_per_rank"] == pytest.approx(t["steady_tokens_per_s"] / ranks)
     peak = r["peak_flops_per_device"]
-    assert peak["value"] > 1e9 and peak["source"].startswith("measured:"), peak  # CPU: a matmul in the process
+    # CPU: the best matmul measured on this machine (CPU time), kept across runs; an MFU against it is indicative
+    assert peak["value"] > 1e9 and peak["source"].startswith("the best of ") and peak["indicative"] is True, peak
     assert 0 < r["mfu"] < 1, r["mfu"]  # a fraction, and not torchtitan's 0.00% against an accelerator's peak
     assert r["mfu"] == pytest.approx(r["flops_per_token"] * t["steady_tokens_per_s"] / (peak["value"] * ranks))
     m = r["memory"]
@@ -143,11 +143,12 @@ def test_the_plan_is_made_in_a_child_after_the_parent_ran_ops_on_several_threads
 
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory, prepared_assets):
-    """The tiny preset, 2 steps, step 2 traced, against a peak of 1e-3 TFLOPS (--peak_tflops's lower bound): at 59
-    MFLOP a token, any step of its 256 tokens under 15 s (here about 1 s, profiled) is more than that peak can do,
-    an MFU above 1."""
+    """The tiny preset at 512-token sequences, 2 steps, step 2 traced, against a peak of 1e-3 TFLOPS (--peak_tflops's
+    lower bound): at about 60 MFLOP a token, any step of its 1,024 tokens under a minute (a few seconds here, profiled;
+    a machine ten times busier stays well under) is more than that peak can do, an MFU above 1."""
     out = tmp_path_factory.mktemp("profiled") / "run"
-    proc = run_example("train_native_qwen3.py", "--steps", "2", "--profile", "--peak_tflops", "0.001",
+    proc = run_example("train_native_qwen3.py", "--steps", "2", "--seq_len", "512", "--profile",
+                       "--peak_tflops", "0.001",
                        "--tensorboard", "--no-export", "--out_dir", str(out))
     return out, read_results(out), proc
 
@@ -335,7 +336,7 @@ def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeyp
     (("--steps", "2", "--profile_freq", "2"), "--profile_freq 2 traces nothing without --profile"),
 ])
 def test_profile_settings_that_would_trace_nothing_are_refused(tmp_path, args, needle):
-    proc = run_example("train_native_qwen3.py", *args, "--out_dir", str(tmp_path / "o"), check=False)
+    proc = run_in_process("train_native_qwen3.py", *args, "--out_dir", str(tmp_path / "o"))
     assert proc.returncode == 2
     assert_clean_error(proc, needle)
     assert not (tmp_path / "o").exists()
@@ -384,13 +385,12 @@ def test_the_neuron_profiler_asks_for_the_neuron_activity(tmp_path):
 def test_the_reported_device_peak_is_the_heaviest_step_not_the_last(tmp_path):
     """torchtitan's MetricsProcessor resets the device's peak memory after every logged step, so a peak read once
     after training is the last window's. With a fixture memory reader in place of the project's CPU shim
-    (tests/memory_fixture_native.py: the peak resets as a device allocator's does, step 2 of 4 allocates 7 GiB and
+    (tests/memory_fixture_native.py: the peak resets as a device allocator's does, step 2 of 3 allocates 7 GiB and
     the others 1 GiB), results.json's memory.peak_gib is the heaviest step's 7 GiB."""
-    env = {**script_env(), "MEMORY_FIXTURE_GIB": "1,7,1,1"}
+    env = {**script_env(), "MEMORY_FIXTURE_GIB": "1,7,1"}
     out = tmp_path / "o"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_fixture_native.py"), "--steps", "4",
-                           "--no-export", "--out_dir", str(out)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_python([sys.executable, str(ROOT / "tests" / "memory_fixture_native.py"), "--steps", "3",
+                       "--no-export", "--out_dir", str(out)], cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     memory = json.loads((out / "results.json").read_text())["memory"]
     assert memory["peak_gib"] == [7.0], memory
