@@ -3,7 +3,8 @@ checked here independently of the scripts' own export check:
   - tied dense: the tiny Qwen3 preset of train_native_qwen3.py (embedding and lm_head shared; the
     10-step run the script's own tests read, conftest.SHARED_RUNS);
   - odd dense: a seeded transformers Qwen3 with head_dim (24) != hidden / heads (16), one KV head,
-    untied embeddings, RoPE theta 5e5 and RMSNorm eps 1e-5, trained with --hf_checkpoint;
+    untied embeddings, RoPE theta 5e5 and RMSNorm eps 1e-5, trained with --hf_checkpoint on a folder of JSON lines
+    (--dataset); its export holds exactly the source's tensors, each of its shape;
   - reduced MoE: train_moe_nki.py at the AWS guide's reduced routing (4 layers, 64 experts, top-4) with a
     small hidden size.
 For each: the safetensors headers (no zero-length or empty entry, offsets inside the file), the index
@@ -53,8 +54,13 @@ def exports(tmp_path_factory, prepared_assets, shared_run):
     root = tmp_path_factory.mktemp("export_matrix")
     src = root / "odd_src"
     _save_odd_qwen3(src)
+    data = root / "data"  # --dataset also takes any folder of JSON lines with a text field
+    data.mkdir()
+    (data / "part-0.jsonl").write_text("".join(
+        json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20}) + "\n"
+        for i in range(20)))
     runs = {
-        "odd_dense": ("train_native_qwen3.py", "--hf_checkpoint", str(src)),
+        "odd_dense": ("train_native_qwen3.py", "--hf_checkpoint", str(src), "--dataset", str(data)),
         "reduced_moe": ("train_moe_nki.py", "--preset", "tiny", "--num_layers", "4", "--num_experts", "64",
                         "--top_k", "4"),
     }
@@ -147,6 +153,26 @@ def test_odd_shape_survives_the_round_trip(exports):
     r = reread["odd_dense"]
     assert r["max_weight_change_from_source"] > 1e-4  # trained, not a copy of the source
     assert r["max_abs_logit_diff_default_rope_theta"] > 100 * TOL
+
+
+def test_odd_shape_exports_exactly_the_source_tensors_after_training_on_a_folder_of_json_lines(exports):
+    """The odd model trained on --dataset FOLDER (the run's record names that folder): its export holds the source's
+    tensors, no more and no fewer, each of the source's shape and dtype (untied: lm_head.weight among them)."""
+    from safetensors import safe_open
+
+    folders, _results, _reread = exports
+    record = json.loads((folders["odd_dense"] / "checkpoint" / "run.json").read_text())  # what a resume compares
+    assert str(folders["odd_dense"].parent / "data") in record["dataset"], record["dataset"]
+
+    def tensors(folder: Path) -> dict:
+        out = {}
+        for f in folder.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as st:
+                out.update({k: (st.get_slice(k).get_shape(), st.get_slice(k).get_dtype()) for k in st.keys()})
+        return out
+
+    source, exported = tensors(folders["odd_dense"].parent / "odd_src"), tensors(folders["odd_dense"] / "hf_export")
+    assert exported == source and "lm_head.weight" in source
 
 
 def test_moe_export_routing_shape(exports):

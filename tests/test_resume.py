@@ -1,5 +1,6 @@
 """Resume after a kill: a run killed with SIGKILL resumes from its last torchtitan checkpoint
-with the same command and then produces the losses of an uninterrupted run; an HF export killed
+with the same command and then produces the losses of an uninterrupted run, never from a model-only save newer
+than that checkpoint; an HF export killed
 half-way leaves the previous complete export (or nothing), never a half-written folder."""
 from __future__ import annotations
 
@@ -11,46 +12,51 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT, kill_after_checkpoint, read_results, run_example, script_env
 
 SCRIPT = "train_native_qwen3.py"
-RUN = ("--steps", "8", "--checkpoint_every", "2", "--no-export", "--seed", "3", "--seq_len", "64")
+# The shared tiny run's training (conftest.SHARED_RUNS["native_tiny"]: the tiny preset, 10 steps; its held-out
+# losses, TensorBoard and loss comparison change nothing it trains), saved every 4 steps and exported.
+RUN = ("--preset", "tiny", "--steps", "10", "--checkpoint_every", "4")
 
 
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, prepared_assets):
-    run_example(SCRIPT, *RUN, "--out_dir", str(tmp_path / "straight"))
-    straight = read_results(tmp_path / "straight")
-    assert straight["steps"] == list(range(1, 9)) and straight["resumed_from_step"] == 0
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, shared_run) -> dict:
+    """RUN SIGKILLed once its step-4 checkpoint is complete; in its checkpoint folder then a model-only save of the
+    last step (torchtitan's last save, which the export moves to OUT_DIR/hf_export: a run killed between the two
+    leaves it there; here the shared tiny run's export, which is that folder plus config and tokenizer); then the
+    same command again, to the end."""
+    tiny, straight = shared_run("native_tiny")
+    out = tmp_path_factory.mktemp("resume") / "killed"
+    kill_after_checkpoint(SCRIPT, *RUN, out_dir=out, step=4)
+    last = out / "checkpoint" / "step-10"
+    shutil.copytree(tiny / "hf_export", last)
+    model_only = (last / "model.safetensors.index.json").is_file() and not (last / ".metadata").exists()
+    proc = run_example(SCRIPT, *RUN, "--out_dir", str(out))  # the same command
+    return {"straight": straight, "model_only": model_only, "proc": proc, "resumed": read_results(out)}
 
-    killed = tmp_path / "killed"
-    kill_after_checkpoint(SCRIPT, *RUN, out_dir=killed, step=4)
-    run_example(SCRIPT, *RUN, "--out_dir", str(killed))  # the same command
-    resumed = read_results(killed)
+
+def test_resume_after_sigkill_matches_uninterrupted_run(killed):
+    straight, resumed = killed["straight"], killed["resumed"]
+    assert straight["steps"] == list(range(1, 11)) and straight["resumed_from_step"] == 0
     start = resumed["resumed_from_step"]
-    assert start >= 4 and resumed["steps"] == list(range(start + 1, 9)), resumed["steps"]
+    assert start >= 4 and resumed["steps"] == list(range(start + 1, 11)), resumed["steps"]
     expected = straight["losses"][start:]
     assert max(abs(a - b) for a, b in zip(resumed["losses"], expected)) <= 1e-5, (resumed["losses"], expected)
     # losses.jsonl keeps the killed run's steps: the whole curve (results, loss.png) spans the kill
-    assert resumed["history"]["steps"] == list(range(1, 9))
+    assert resumed["history"]["steps"] == list(range(1, 11))
     assert max(abs(a - b) for a, b in zip(resumed["history"]["losses"], straight["losses"])) <= 1e-5
 
 
-def test_rerun_never_resumes_from_a_model_only_or_partial_save(tmp_path, prepared_assets):
-    """torchtitan's last save is a model-only HF save (an index, no .metadata) that the export moves to
-    OUT_DIR/hf_export; a run killed before that leaves it in OUT_DIR/checkpoint (made here from the export, which
-    is that folder plus config and tokenizer). The same command again removes it, resumes from the last whole
-    checkpoint, and trains the last steps again."""
-    run = ("--steps", "4", "--checkpoint_every", "2", "--seed", "3", "--out_dir", str(tmp_path))
-    run_example(SCRIPT, *run)
-    first = read_results(tmp_path)
-    last = tmp_path / "checkpoint" / "step-4"
-    shutil.copytree(tmp_path / "hf_export", last)
-    assert (last / "model.safetensors.index.json").is_file() and not (last / ".metadata").exists()
-    proc = run_example(SCRIPT, *run)
-    again = read_results(tmp_path)
-    assert "step-4 is not a whole checkpoint" in proc.stdout
-    assert again["resumed_from_step"] == 2 and again["steps"] == [3, 4], again["steps"]
-    assert max(abs(a - b) for a, b in zip(again["losses"], first["losses"][2:])) <= 1e-5
+def test_rerun_never_resumes_from_a_model_only_or_partial_save(killed):
+    """The killed run's folder with a model-only save of step 10 (an index, no .metadata) after its whole step-4
+    checkpoint: the same command removes it, says so, and resumes from the last whole checkpoint (the losses above:
+    the uninterrupted run's)."""
+    assert killed["model_only"]
+    assert "step-10 is not a whole checkpoint" in killed["proc"].stdout
+    assert killed["resumed"]["resumed_from_step"] in (4, 8) and killed["resumed"]["steps"][-1] == 10
 
 
 _EXPORT_LOOP = r"""

@@ -1,14 +1,14 @@
-"""Smoke and contract tests for examples/train_native_qwen3.py (issue: foundation)."""
+"""Smoke and contract tests for examples/train_native_qwen3.py (issue: foundation). The round trip of a
+non-default shape (untied, head_dim != hidden / heads, grouped-query attention) trained on a folder of JSON lines:
+tests/test_export_matrix.py (odd_dense)."""
 from __future__ import annotations
 
 import json
 import re
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, read_results, run_example
+from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, read_results, run_example, run_in_process
 
 SCRIPT = "train_native_qwen3.py"
 GOLDEN = GOLDEN_DIR / "train_native_qwen3.tiny.json"
@@ -49,42 +49,6 @@ def test_torchrun_two_ranks_fsdp_over_gloo(shared_run):
     assert res["export_check"]["passed"] is True, res["export_check"]
 
 
-def _save_odd_qwen3(path):
-    """A Qwen3 saved by transformers with a non-default shape: untied embeddings,
-    head_dim (24) != hidden/heads (16), grouped-query attention (4 heads, 2 kv heads)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                      max_position_embeddings=1024, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    model = Qwen3ForCausalLM(cfg).float()
-    model.save_pretrained(path)
-    return load_file(str(path / "model.safetensors"))
-
-
-def test_round_trip_non_default_shape(tmp_path, prepared_assets):
-    src = tmp_path / "src"
-    source = _save_odd_qwen3(src)
-    data = tmp_path / "data"  # --dataset also takes any folder of JSON lines with a text field
-    data.mkdir()
-    (data / "part-0.jsonl").write_text("".join(
-        json.dumps({"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20}) + "\n"
-        for i in range(20)))
-    out = tmp_path / "run"
-    run_example(SCRIPT, "--hf_checkpoint", str(src), "--steps", "1", "--lr", "0", "--seq_len", "128",
-                "--dataset", str(data), "--out_dir", str(out))
-    res = read_results(out)
-    assert res["export_check"]["passed"], res["export_check"]
-    assert res["export_check"]["tied_lm_head"] is False
-    exported = {}
-    for f in (out / "hf_export").glob("*.safetensors"):
-        exported.update(load_file(str(f)))
-    assert set(exported) == set(source)
-    for key, tensor in source.items():
-        assert torch.equal(exported[key], tensor), key
-
-
 def test_pretrained_beats_random(tiny_run, tmp_path):
     """The tiny run's export (10 steps) loaded back: its first loss is well below the random init's, and the load
     check passes. (The HF load into FSDP shards over 2 processes: test_torchrun_two_ranks_fsdp_over_gloo.)"""
@@ -98,16 +62,9 @@ def test_pretrained_beats_random(tiny_run, tmp_path):
     assert pretrained_first < random_first - 0.4, (pretrained_first, random_first)
 
 
-@pytest.fixture(scope="module")
-def good_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("good_ckpt")
-    _save_odd_qwen3(path)
-    return path
-
-
 def test_missing_neuron(tmp_path):
     """The script's own preflight: torch-neuronx, and none of the kernels it never calls."""
-    proc = run_example(SCRIPT, "--device", "neuron", "--out_dir", str(tmp_path), check=False)
+    proc = run_in_process(SCRIPT, "--device", "neuron", "--out_dir", str(tmp_path))
     assert_clean_error(proc, "not installed: torch-neuronx (")
     assert "nki" not in proc.stderr and "rope" not in proc.stderr and "moe" not in proc.stderr, proc.stderr
 
@@ -142,7 +99,7 @@ def test_compare_losses_reports_the_first_differing_step(tiny_run, tmp_path):
 def test_compare_losses_bad_reference(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    assert_clean_error(run_example(SCRIPT, "--out_dir", str(tmp_path / "o"), "--compare_losses", str(bad), check=False),
+    assert_clean_error(run_in_process(SCRIPT, "--out_dir", str(tmp_path / "o"), "--compare_losses", str(bad)),
                        "not a JSON file with a 'losses' list")
 
 
