@@ -289,7 +289,8 @@ def test_a_cpu_mfu_is_against_the_best_peak_measured_on_the_machine_and_marked_i
                                                                                            capsys):
     """The CPU peak is the best measured on this machine so far (kept in the cache folder): a run that starts while
     the machine is busy measures lower and keeps the earlier figure, a faster measurement raises it. The pilot line
-    and the report mark a CPU run's MFU as indicative."""
+    and the report mark a CPU run's MFU as indicative, and its memory (the process's resident set) as not comparable
+    with the plan."""
     from common import paths
     from common.harness import pilot
 
@@ -304,8 +305,13 @@ def test_a_cpu_mfu_is_against_the_best_peak_measured_on_the_machine_and_marked_i
                               "flops_per_token": 1e6, "mfu": 0.1, "peak_flops_per_device": peak,
                               "memory": {"peak_gib": [1.0], "planned_gib": 2.0}, "cost": None})
     assert "MFU 0.100 (CPU: indicative) of" in line, line
-    data = _with()
+    data = _with(memory={"peak_gib": [1.8], "planned_gib": 0.4, "comparable": False, "ratio": None,
+                         "not_comparable": pilot.CPU_NOT_COMPARABLE})
     data["peak_flops_per_device"] = {**data["peak_flops_per_device"], "indicative": True}
     run = make_run(tmp_path / "runs", "cpu", data)
     assert report.main([str(run), "--out", str(tmp_path / "r.png")]) == 0
-    assert "cpu: MFU indicative: a CPU run" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "cpu: MFU indicative: a CPU run" in text
+    row = rows_of(text, ["cpu"])["cpu"]  # a CPU run's resident set is not set against the plan's tensors
+    assert row[report.COLUMNS.index("peak / planned GiB")] == "1.8 / 0.4 (not comparable: CPU)"
+    assert "not comparable: a CPU run, whose peak is the process's resident set" in text

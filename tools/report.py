@@ -211,7 +211,8 @@ class Run:
     peak_gib: float | None = None  # the largest rank's
     planned_gib: float | None = None
     memory_ratio: float | None = None
-    memory_comparable: bool = True  # false: a profiled run, whose peak holds the profiler's buffers
+    memory_comparable: bool = True  # false: a profiled run (the profiler's buffers) or a CPU run (the whole process)
+    memory_unlike: str = "profiled"  # what made it not comparable: "profiled" or "CPU"
     measured_by: str | None = None
     mfu_note: str | None = None  # why the run wrote no MFU (an impossible one: above 1, or no positive peak)
     mfu_indicative: bool = False  # a CPU run's: its steps' wall time moves with the machine's load
@@ -445,6 +446,8 @@ def load_run(run_dir: str, label: str) -> Run:
     run.peak_gib = max(peaks) if peaks else None
     run.planned_gib = f.number(memory.get("planned_gib"), "memory.planned_gib", GIB)
     run.memory_comparable = memory.get("comparable") is not False
+    if not run.memory_comparable and str(memory.get("not_comparable", "")).startswith("CPU"):
+        run.memory_unlike = "CPU"
     if run.memory_comparable:
         run.memory_ratio = f.number(memory.get("ratio"), "memory.ratio", RATIO)
         if memory.get("ratio") is None and run.peak_gib is not None and run.planned_gib:
@@ -512,7 +515,7 @@ def _fmt_memory(r: Run) -> str:
         return MISSING
     text = f"{_fmt(r.peak_gib)} / {_fmt(r.planned_gib)}"
     if not r.memory_comparable:
-        return text + " (not comparable: profiled)"
+        return text + f" (not comparable: {r.memory_unlike})"
     return text + (f" ({r.memory_ratio:.2f}x)" if r.memory_ratio is not None else "")
 
 
@@ -582,8 +585,11 @@ def _footnotes(runs: list[Run]) -> list[str]:
     notes += [f"{r.label}: MFU left out by the run: {r.mfu_note}" for r in runs if r.mfu_note]
     notes += [f"{r.label}: MFU indicative: a CPU run, whose steps' wall time moves with whatever else the machine runs"
               for r in runs if r.mfu_indicative and r.mfu is not None]
-    if any(not r.memory_comparable for r in runs):
+    if any(not r.memory_comparable and r.memory_unlike == "profiled" for r in runs):
         notes.append("not comparable: a profiled run (--profile), whose peak memory holds the profiler's buffers")
+    if any(not r.memory_comparable and r.memory_unlike == "CPU" for r in runs):
+        notes.append("not comparable: a CPU run, whose peak is the process's resident set (Python, libraries, freed "
+                     "memory glibc keeps) where the plan counts tensors")
     notes += [f"{r.label}: command to step 1: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.first_step_phases.items())
               for r in runs if r.first_step_phases]
     for r in runs:
@@ -834,7 +840,8 @@ def draw(runs: list[Run], path: Path) -> None:
     for i, r in enumerate(runs):
         if r.memory_ratio is not None or not r.memory_comparable:
             top = max(v for v in (r.peak_gib, r.planned_gib, 0.0) if v is not None)
-            ax.annotate(f"{r.memory_ratio:.2f}x the plan" if r.memory_comparable else "profiled: not comparable",
+            ax.annotate(f"{r.memory_ratio:.2f}x the plan" if r.memory_comparable else
+                        f"{r.memory_unlike}: not comparable",
                         (i, top), ha="center", va="bottom", fontsize=8, xytext=(0, 14), textcoords="offset points",
                         fontweight="bold")
     ax.set_title("(4) memory per rank: peak of the largest rank (solid) vs planned (hatched)", fontsize=10)

@@ -452,7 +452,7 @@ class GuardHooks(Hooks):
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
                               memory=memory, planned_gib=self.planned_gib,
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
-                              profile=profile)
+                              profile=profile, device_type=dev.device_type)
         report["fallback_ops"] = pilot.fallback_ops(dev.device_type)  # Neuron: ops run on the host CPU
         out = {"load_check": self.load_check or None, "eval_losses": eval_rows(mp, self.eval_path),
                "stopped": self.stop.stopped(out_dir), "rank_logs": launcher.launch_logs(out_dir), **report}

@@ -13,8 +13,10 @@ memory against the plan, and cost. Written into results.json by the three traini
   warning line names the peak and its source). torchtitan's own step lines and TensorBoard get the same two
   numbers (common/harness/trainer.py's GuardedMetrics), and show no MFU for a step where it would be above 1.
 - `memory`: each rank's peak over its steps (the device allocator's peak of each step, read before torchtitan resets
-  it; on CPU the process's peak resident set size) beside the dry run's estimate for the same configuration (`planned_gib`). A
-  profiled run's peak holds the profiler's own buffers: `comparable` is false and there is no ratio.
+  it; on CPU the process's peak resident set size) beside the dry run's estimate for the same configuration
+  (`planned_gib`), with their `ratio` where both count tensors: a profiled run's peak holds the profiler's own
+  buffers, and a CPU run's the whole process (libraries, Python, freed memory kept): `comparable` is false, no
+  ratio, and `not_comparable` says why.
 - `timing.compile_cache`: whether step 1 found the compile cache cold or warm (`compile_cache`).
 - `profile`: with --profile, torchtitan's profiler (torch.profiler) traces the chosen steps into OUT_DIR/profile_traces
   (`apply_profile_settings`, `profile_traces`).
@@ -437,12 +439,17 @@ def cost(price_per_hour: float | None, wall_s: float, steady_tokens_per_s: float
 
 NOT_COMPARABLE = ("profiled run: the peak holds torch.profiler's own buffers (and on Neuron the memory a device "
                   "trace reserves), which the plan does not count")
+CPU_NOT_COMPARABLE = ("CPU run: the peak is the process's resident set (Python, its libraries, about 1 GB with torch, "
+                      "and the freed memory glibc keeps) where the plan counts tensors; the plan's terms are checked "
+                      "against a CPU step's tensors by bench/bench_memory_model.py")
 
 
 def report(rec, *, shape: dict, seq_len: int, world_size: int, peak: dict, memory: dict, planned_gib: float | None,
-           price_per_hour: float | None, compile_cache: dict | None = None, profile: dict | None = None) -> dict:
-    """The pilot fields of results.json. `profile` (profile_traces()): the run was profiled, so its memory is not
-    compared with the plan."""
+           price_per_hour: float | None, compile_cache: dict | None = None, profile: dict | None = None,
+           device_type: str = "cpu") -> dict:
+    """The pilot fields of results.json. Memory is compared with the plan (`ratio`) only where both count the same
+    thing: not for a profiled run (`profile`, profile_traces()), nor on CPU (`device_type`), whose figure is the
+    process's resident set."""
     import psutil
 
     t = timing(rec, world_size)
@@ -453,11 +460,11 @@ def report(rec, *, shape: dict, seq_len: int, world_size: int, peak: dict, memor
     mfu, why = checked_mfu(flops, tps, peak, world_size)
     top = max(memory["peak_gib"])
     wall = time.time() - psutil.Process().create_time()
-    comparable = profile is None
+    unlike = NOT_COMPARABLE if profile is not None else CPU_NOT_COMPARABLE if device_type == "cpu" else None
     out = {"timing": t, "flops_per_token": flops, "mfu": mfu, "mfu_note": why, "peak_flops_per_device": peak,
-           "memory": {**memory, "planned_gib": planned_gib, "comparable": comparable,
-                      "ratio": round(top / planned_gib, 3) if planned_gib and comparable else None,
-                      **({} if comparable else {"not_comparable": NOT_COMPARABLE})},
+           "memory": {**memory, "planned_gib": planned_gib, "comparable": unlike is None,
+                      "ratio": round(top / planned_gib, 3) if planned_gib and unlike is None else None,
+                      **({} if unlike is None else {"not_comparable": unlike})},
            "cost": cost(price_per_hour, wall, tps)}
     if profile is not None:
         out["profile"] = profile
@@ -497,7 +504,9 @@ def format_line(p: dict) -> str:
             f"({t['steady_tokens_per_s']:.0f} tokens/s); {p['flops_per_token'] / 1e6:.1f} MFLOP/token, MFU "
             f"{mfu}{' (CPU: indicative)' if p['peak_flops_per_device'].get('indicative') else ''} of "
             f"{peak / 1e12:.3g} TFLOPS a device; memory {max(m['peak_gib']):.2f} GiB peak vs {planned}"
-            + ("" if m.get("comparable", True) else " (not comparable: a profiled run)")
+            + ("" if m.get("comparable", True) else " (not comparable: a profiled run)"
+               if m.get("not_comparable", "").startswith("profiled") else " (not comparable on CPU: the process's "
+                                                                        "resident set against the plan's tensors)")
             + (f"; cost {p['cost']['run_cost']:.4g} at {p['cost']['price_per_hour']:g}/h" if p["cost"] else "")
             + (f"; {len(p['profile']['traces'])} profile trace(s) in {p['profile']['folder']}"
                if p.get("profile") else "")
