@@ -2,7 +2,7 @@
 present, finite and positive, and says what they are compared with. The harness is checked, not the
 speed: no test asserts a timing or a ratio's size.
 
-The training benches and bench_compat_check run as `python bench/BENCH.py --preset tiny ...` runs them: their
+The training benches and bench_compat_check run as `python bench/<bench>.py --preset tiny ...` runs them: their
 own `__main__` entry, in this test process (run_in_process). What they start with `python` (the training
 runs, the example's command of bench_compat_check) still runs as a process of its own, the command
 unchanged, served by the tests' pre-forked runner (run_python: the same script, without a fresh
