@@ -395,3 +395,30 @@ def test_the_reported_device_peak_is_the_heaviest_step_not_the_last(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     memory = json.loads((out / "results.json").read_text())["memory"]
     assert memory["peak_gib"] == [7.0], memory
+
+
+def test_a_resumed_profiled_run_lists_the_stopped_parts_traces_too(tmp_path):
+    """A profiled run stopped and resumed: results.json lists the stopped part's traces (from its results.json, read
+    before the resumed part replaces it) beside the resumed part's, where each file is still there at its size; a
+    path outside the traces' folder, a changed file, or a step of the resumed part from an older listing is not."""
+    import time
+
+    from common.harness import pilot
+
+    out = tmp_path / "run"
+
+    def trace(step: int, data: bytes = b"trace") -> dict:
+        path = out / pilot.PROFILE_FOLDER / f"iteration_{step}" / "rank0_trace.json.gz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return {"step": step, "path": str(path.relative_to(out)), "bytes": len(data)}
+
+    earlier = {"traces": [trace(2), trace(4), {**trace(3), "bytes": 999}, trace(6, b"older"),
+                          {"step": 1, "path": "../../etc/passwd", "bytes": 1}, {"step": "x"}]}
+    now = time.time()
+    trace(6, b"this part's")
+    p = pilot.profile_traces(out, every=2, steps=[5, 6], since=now - 1, activities="CPU", earlier=earlier)
+    assert p["steps"] == [2, 4, 6], p
+    assert [(t["step"], t["bytes"]) for t in p["traces"]] == [(2, 5), (4, 5), (6, len(b"this part's"))], p
+    fresh = pilot.profile_traces(out, every=2, steps=[1, 2], since=now - 1, activities="CPU", earlier=earlier)
+    assert fresh["steps"] == [2] and [t["step"] for t in fresh["traces"]] == [2], fresh  # no earlier part's step 4

@@ -304,6 +304,17 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
 
 
+def stopped_part(out_dir: Path) -> dict:
+    """The results.json a stopped part of this run left (a resumed run reads it before replacing it), else {}."""
+    import json
+
+    try:
+        old = json.loads((out_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return old if isinstance(old, dict) and old.get("stopped") else {}
+
+
 def say_replaced(out_dir: Path) -> None:
     """A run starting anew in a folder that holds a finished run's results says so: this run replaces them (and the
     export), which a rerun of the same command would otherwise do without a word."""
@@ -448,7 +459,8 @@ class GuardHooks(Hooks):
         rec = mp.record
         memory = pilot.peak_memory(dev.device_type, dev.device, mp.peak_bytes)  # a collective
         profile = pilot.profile_traces(out_dir, every=self.profile["every"], steps=rec.steps, since=self.started,
-                                       activities=self.profile["activities"]) if self.profile else None
+                                       activities=self.profile["activities"],
+                                       earlier=stopped_part(out_dir).get("profile")) if self.profile else None
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
                               memory=memory, planned_gib=self.planned_gib,
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),

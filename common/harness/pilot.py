@@ -202,15 +202,27 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
     return {"every": every, "activities": activities, "note": note}
 
 
-def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activities: str) -> dict:
+def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activities: str,
+                   earlier: dict | None = None) -> dict:
     """results.json's `profile`: the steps traced in this run and the trace files torchtitan wrote for them (each
     rank's, where this host sees them: paths relative to OUT_DIR, with their sizes). `since`: when this run
-    started; an older run's trace of the same step is not listed (2 s allowed for a file system's coarse times)."""
+    started; an older run's trace of the same step is not listed (2 s allowed for a file system's coarse times).
+    `earlier`: the stopped part's `profile` (a resumed run's results.json before this part replaces it): its traces
+    of the steps before this part's, where the file is still there at its size, listed first."""
     from pathlib import Path
 
     folder = Path(out_dir) / PROFILE_FOLDER
     traced = profiled_steps(every, steps[0], steps[-1]) if steps else []
     traces = []
+    for row in ((earlier or {}).get("traces") or []) if steps else []:
+        try:
+            step, rel, size = int(row["step"]), str(row["path"]), int(row["bytes"])
+            path = (Path(out_dir) / rel).resolve()
+            kept = step < steps[0] and path.is_relative_to(folder.resolve()) and path.stat().st_size == size
+        except (TypeError, ValueError, KeyError, OSError):
+            continue
+        if kept:
+            traces.append({"step": step, "path": rel, "bytes": size})
     for step in traced:
         for path in sorted(folder.glob(PROFILE_TRACE.format(step=step))):
             try:
@@ -219,6 +231,7 @@ def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activ
                 continue
             if st.st_mtime >= since - 2:
                 traces.append({"step": step, "path": str(path.relative_to(out_dir)), "bytes": st.st_size})
+    traced = sorted({t["step"] for t in traces if t["step"] < (steps[0] if steps else 1)}) + traced  # earlier parts'
     return {"every": every, "steps": traced, "folder": PROFILE_FOLDER, "traces": traces, "activities": activities,
             "format": "Chrome trace JSON, gzipped (chrome://tracing, ui.perfetto.dev, TensorBoard's profile plugin)"}
 
