@@ -304,28 +304,29 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
 
 
-def stopped_part(out_dir: Path) -> dict:
-    """The results.json a stopped part of this run left (a resumed run reads it before replacing it), else {}."""
+def previous_results(out_dir: Path) -> dict:
+    """The results.json OUT_DIR holds from an earlier run or part of this one, before this run replaces it; {} where
+    there is none or it is not a JSON object."""
     import json
 
     try:
         old = json.loads((out_dir / "results.json").read_text())
     except (OSError, ValueError):
         return {}
-    return old if isinstance(old, dict) and old.get("stopped") else {}
+    return old if isinstance(old, dict) else {}
+
+
+def stopped_part(out_dir: Path) -> dict:
+    """The results.json a stopped part of this run left (a resumed run reads it before replacing it), else {}."""
+    old = previous_results(out_dir)
+    return old if old.get("stopped") else {}
 
 
 def say_replaced(out_dir: Path) -> None:
     """A run starting anew in a folder that holds a finished run's results says so: this run replaces them (and the
     export), which a rerun of the same command would otherwise do without a word."""
-    import json
-
-    path = out_dir / "results.json"
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(old, dict) and not old.get("stopped") and not os.environ.get(stops.SELF_LAUNCHED):
+    old, path = previous_results(out_dir), out_dir / "results.json"
+    if old and not old.get("stopped") and not os.environ.get(stops.SELF_LAUNCHED):
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
         export = " and its hf_export" if (out_dir / "hf_export").is_dir() else ""
         print(f"[rerun] {out_dir} holds a finished run's results (results.json of {when}): this run starts anew and "
