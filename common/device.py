@@ -127,6 +127,43 @@ def _cpu_device_module() -> SimpleNamespace:
                                                        peak_memory_bytes("cpu")))
 
 
+# The TorchNeuron releases from which AWS documents torch.accelerator's memory functions on Neuron: Neuron 2.34.0's
+# (torch-neuronx 2.14.3.1 and 2.13.3.1; https://github.com/aws-neuron/torch-neuronx/releases/tag/v2.34.0: "The
+# torch.accelerator memory functions ... work on Neuron"), by torch line.
+ACCELERATOR_MEMORY_FROM = {(2, 13): (2, 13, 3, 1), (2, 14): (2, 14, 3, 1)}
+
+
+def accelerator_memory_documented(torch_neuronx_version: str | None) -> bool:
+    """Whether this torch-neuronx version is one whose torch.accelerator memory functions AWS documents on Neuron
+    (ACCELERATOR_MEMORY_FROM, and any later torch line)."""
+    import re
+
+    numbers = tuple(int(n) for n in re.findall(r"\d+", (torch_neuronx_version or "").split("+")[0])[:4])
+    if len(numbers) < 2:
+        return False
+    first = ACCELERATOR_MEMORY_FROM.get(numbers[:2])
+    return numbers >= first if first else numbers[:2] > max(ACCELERATOR_MEMORY_FROM)
+
+
+def neuron_peak_memory():
+    """(read, name): how this process's device memory peak is read on Neuron: torch.accelerator's
+    max_memory_allocated where the installed torch-neuronx documents it (accelerator_memory_documented), else
+    torch.neuron's (the 2.33 stack). Both read TorchNeuron's allocator, whose peak torch.neuron's
+    reset_peak_memory_stats resets."""
+    from importlib import metadata
+
+    import torch
+
+    neuron = neuron_runtime()
+    try:
+        version = metadata.version("torch-neuronx")
+    except metadata.PackageNotFoundError:
+        version = None
+    if accelerator_memory_documented(version):
+        return torch.accelerator.max_memory_allocated, "torch.accelerator.max_memory_allocated"
+    return neuron.max_memory_allocated, "torch.neuron.max_memory_allocated"
+
+
 def peak_memory_bytes(device_type: str) -> int:
     """Peak device memory of this process. CPU has no device memory: the peak resident set size."""
     import torch
@@ -134,7 +171,7 @@ def peak_memory_bytes(device_type: str) -> int:
     if device_type == "cuda":
         return int(torch.cuda.max_memory_allocated())
     if device_type == "neuron":
-        return int(neuron_runtime().max_memory_allocated())
+        return int(neuron_peak_memory()[0]())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

@@ -122,15 +122,21 @@ def test_a_neuron_runs_pilot_fields_memory_neff_cache_and_fallback_ops(tmp_path)
     """Two steps of the native script on one NeuronCore, as the runbook's step 4 runs it: the device peak of the
     heaviest step read after a synchronize (not torchtitan's nested-stats 0), the NEFF cache watched where the run
     set TORCH_NEURONX_NEFF_CACHE_DIR (OUT_DIR/neff_cache: a fresh folder, so cold, with .neff files), and the ops
-    TorchNeuron ran on the CPU read in the training process."""
+    TorchNeuron ran on the CPU read in the training process; step 2 profiled, the runtime's trace files under
+    OUT_DIR/profile_traces/neuron and listed; the installed packages for a problem report."""
     out = tmp_path / "o"
     env = {k: v for k, v in os.environ.items() if k != device.NEFF_CACHE_VAR}
     proc = subprocess.run([sys.executable, "examples/train_native_qwen3.py", "--device", "neuron", "--steps", "2",
-                           "--no-export", "--out_dir", str(out)], env=env, capture_output=True, text=True,
-                          timeout=TIME_LIMIT_S)
+                           "--profile", "--no-export", "--out_dir", str(out)], env=env, capture_output=True,
+                          text=True, timeout=TIME_LIMIT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads((out / "results.json").read_text())
     assert max(r["memory"]["peak_gib"]) > 0, r["memory"]
     cache = r["timing"]["compile_cache"]
     assert cache["dir"] == str(out / "neff_cache") and cache["state"] == "cold" and cache["entries_after"] > 0
     assert isinstance(r["fallback_ops"]["ops"], list), r["fallback_ops"]
+    assert r["memory"]["measured_by"].startswith(("torch.neuron.", "torch.accelerator.")), r["memory"]
+    runtime = r["profile"]["neuron_traces"]
+    assert runtime and all(t["path"].startswith("profile_traces/neuron/node0/") for t in runtime), r["profile"]
+    assert any(t["path"].endswith("trace_info.pb") for t in runtime), runtime  # ProfileMode.RUNTIME's file
+    assert any(line.startswith("torch-neuronx==") for line in r["installed"]["pip"]), r["installed"]

@@ -277,9 +277,20 @@ def test_memory_is_read_after_the_neuron_device_finished_its_work():
     body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "step_peak_bytes")
     calls = [(n.lineno, ast.unparse(n.func)) for n in ast.walk(body) if isinstance(n, ast.Call)]
     sync = next(line for line, call in calls if call.endswith("device_module.synchronize"))
-    read = next(line for line, call in calls if call.endswith("device_module.max_memory_allocated"))
+    read = next(line for line, call in calls if call == "neuron_peak_memory")
     guard = next(n for n in ast.walk(body) if isinstance(n, ast.If))
     assert "neuron" in ast.unparse(guard.test) and sync < read
+
+
+@pytest.mark.parametrize("version, documented", [
+    ("2.14.3.0.7631", False), ("2.14.3.1.1234", True), ("2.13.3.1", True), ("2.13.3.0", False),
+    ("2.14.4.0", True), ("2.15.0", True), ("2.12.9", False), (None, False), ("2.14.3", False)])
+def test_torch_accelerator_memory_is_read_from_the_torchneuron_that_documents_it(version, documented):
+    """Neuron 2.34.0's TorchNeuron (2.14.3.1, 2.13.3.1) documents torch.accelerator's memory functions on Neuron;
+    2.33's (2.14.3.0) does not, and its peak is read with torch.neuron's."""
+    from common.device import accelerator_memory_documented
+
+    assert accelerator_memory_documented(version) is documented
 
 
 def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeypatch, profiled_run):
@@ -350,16 +361,29 @@ import torch
 from common import device
 dev = device.setup("cpu")
 from torchtitan.tools.profiler import Profiler
+from dataclasses import dataclass
 from common.harness.trainer import NeuronActivityProfiler
 from common.trainer import same_fields
+
+class OnCpu(NeuronActivityProfiler):  # no torch_neuronx here: its NeuronConfig is what this test cannot build
+    @dataclass(kw_only=True, slots=True)
+    class Config(NeuronActivityProfiler.Config):
+        pass
+
+    def neuron_config(self, folder, *, device_mode):
+        asked.append((folder, device_mode))
+
+asked = []
 config = Profiler.Config(enable_profiling=True, save_traces_folder="t", profile_freq=2, profiler_warmup=1)
-neuron = same_fields(NeuronActivityProfiler.Config, config)  # as pilot.apply_profile_settings sets it on Neuron
+neuron = same_fields(OnCpu.Config, config, device_mode=True)  # as GuardHooks.build sets it on Neuron
 assert isinstance(neuron, Profiler.Config) and type(neuron) is not Profiler.Config
 assert all(getattr(neuron, k) == getattr(config, k) for k in ("save_traces_folder", "profile_freq", "profiler_warmup"))
 folder = tempfile.mkdtemp()
 profile = torch.profiler.profile
 with neuron.build(global_step=0, base_folder=folder) as prof:
     activities = sorted(a.name for a in prof.torch_profiler.activities)
+    assert asked == [(folder + "/t/neuron/node0", True)], asked  # the runtime's traces under the run, per node
+    import os; assert os.path.isdir(asked[0][0])
     for _ in range(2):
         torch.randn(64, 64) @ torch.randn(64, 64)
         prof.step()
@@ -395,6 +419,33 @@ def test_the_reported_device_peak_is_the_heaviest_step_not_the_last(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     memory = json.loads((out / "results.json").read_text())["memory"]
     assert memory["peak_gib"] == [7.0], memory
+
+
+def test_a_neuron_profiles_runtime_files_are_listed_and_device_mode_needs_profile(tmp_path):
+    """On Neuron, results.json `profile.neuron_traces` lists the runtime's files under profile_traces/neuron (each
+    process's folder whole, written by this run: an older run's file is left out); --profile_device alone is refused
+    before anything runs."""
+    import os
+    import time
+
+    from common.harness import pilot
+
+    out = tmp_path / "run"
+    pid_dir = out / pilot.PROFILE_FOLDER / pilot.NEURON_TRACES / "node0" / "i-0abc_pid_42" / "20261206"
+    pid_dir.mkdir(parents=True)
+    old = pid_dir / "old.ntff"
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 3600,) * 2)
+    now = time.time()
+    for name in ("trace_info.pb", "ntrace.pb"):
+        (pid_dir / name).write_bytes(b"pb")
+    p = pilot.profile_traces(out, every=2, steps=[1, 2], since=now, activities="CPU and Neuron (PrivateUse1)")
+    assert [t["path"].rsplit("/", 1)[1] for t in p["neuron_traces"]] == ["ntrace.pb", "trace_info.pb"], p
+    assert p["neuron_traces"][0]["path"].startswith("profile_traces/neuron/node0/i-0abc_pid_42/")
+    assert "neuron_traces" not in pilot.profile_traces(out, every=2, steps=[2], since=now, activities="CPU")
+    proc = run_in_process("train_native_qwen3.py", "--steps", "2", "--profile_device", "--out_dir", str(tmp_path / "o"))
+    assert_clean_error(proc, "--profile_device traces nothing without --profile")
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_resumed_profiled_run_lists_the_stopped_parts_traces_too(tmp_path):

@@ -389,11 +389,27 @@ def test_neuron_system_packages_older_than_2331_are_warning_rows(tmp_path):
     assert "aws-neuronx" not in _error_line(proc)  # a warning, not an error (the error is the missing torch-neuronx)
 
 
+def test_a_problem_reports_package_lists_are_pip_lists_and_dpkgs(tmp_path, monkeypatch):
+    """results.json `installed` on a Neuron run (what AWS's bug template asks for): every installed distribution as
+    name==version, as pip lists it, and the Neuron OS packages as `dpkg-query -W 'aws-neuronx*'` prints them (a
+    dpkg-query first on PATH that answers that pattern only)."""
+    script = tmp_path / "dpkg-query"
+    script.write_text("#!/bin/sh\n[ \"$1 $2\" = \"-W aws-neuronx*\" ] || exit 2\n"
+                      "printf 'aws-neuronx-collectives\\t2.35.49.0-8b3f1a9c4\\naws-neuronx-runtime-lib\\t2.35.33.0\\n'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path), os.environ["PATH"]]))
+    lists = preflight.installed_lists()
+    assert f"torch=={preflight.installed_version('torch')}" in lists["pip"]
+    assert f"torchtitan=={preflight.installed_version('torchtitan')}" in lists["pip"]
+    assert lists["os"] == ["aws-neuronx-collectives 2.35.49.0-8b3f1a9c4", "aws-neuronx-runtime-lib 2.35.33.0"]
+    assert lists["os_from"] == "dpkg-query -W 'aws-neuronx*'"
+
+
 @pytest.mark.parametrize("version, verdict, found", [
     ("2.31.7.0", "WARN", "2.31.7.0: older than Neuron 2.33.1's"),
     ("2.31.8.0-3c5e", "ok", "2.31.8.0-3c5e"),
     ("1:2.31.8", "ok", "1:2.31.8"),
-    ("2.32.0.0", "ok", "2.32.0.0"),
+    ("2.32.0.0", "WARN", "2.32.0.0: newer than tested (Neuron 2.33.1's)"),
     ("unknown", "WARN", "unknown: cannot be compared"),
 ], ids=["2.33.0", "2.33.1", "epoch", "newer", "unreadable"])
 def test_the_driver_row_compares_the_version_dpkg_reports(tmp_path, monkeypatch, version, verdict, found):

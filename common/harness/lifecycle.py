@@ -28,7 +28,7 @@ from common.harness.checks import explain_failure, check_outputs, check_settings
     format_loss_comparison, logit_check, read_reference_losses, whole_history
 from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_eval_flags, eval_dataset, eval_rows
 from common.harness.phases import Phases, format_line as phases_line
-from common.harness.preflight import require_stack, wants_neuron
+from common.harness.preflight import installed_lists, require_stack, wants_neuron
 from common.processes import die_with_parent
 from common.recipe import Hooks, Inputs, Recipe, inputs, train
 
@@ -139,6 +139,10 @@ class Guards:
         "help": "trace steps with torchtitan's profiler (torch.profiler; the Neuron activity too on trn2) into "
                 "OUT_DIR/profile_traces/iteration_N/rankR_trace.json.gz, Chrome trace format; which steps: "
                 "--profile_freq. The run's memory is then not compared with the plan (the profiler's buffers)"})
+    profile_device: bool = field(default=False, metadata={
+        "help": "with --profile on trn2: the Neuron device's instruction-level traces too (Neuron's ProfileMode.DEVICE, "
+                ".ntff files; reserves about 5 GB of device memory per core); without it the Neuron runtime's "
+                "system trace only. Both go to OUT_DIR/profile_traces/neuron/node<N>"})
     profile_freq: int = field(default=0, metadata={
         "help": "with --profile: trace step N and its multiples, as torchtitan's profiler.profile_freq (the steps "
                 "just before each, 1 to 3, are the profiler's warm-up, so at least 2); 0: the last step (--steps)",
@@ -255,7 +259,7 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     phases.mark("imports")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
-    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps)  # flags alone: refused before the out_dir exists
+    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps, cfg.profile_device)  # flags alone: refused before the out_dir exists
     check_eval_flags(cfg.eval_every, cfg.eval_dataset_path)
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference (a FIFO too) fails before the out_dir exists
@@ -423,7 +427,7 @@ class GuardHooks(Hooks):
         if config.validator.enable:
             config.validator = same_fields(made["validator"].Config, tc.validator)
         if self.profile and "Neuron" in self.profile["activities"]:
-            config.profiler = same_fields(made["profiler"].Config, tc.profiler)
+            config.profiler = same_fields(made["profiler"].Config, tc.profiler, device_mode=cfg.profile_device)
         built = config.build(guards=self)
         self.phases.mark("build")
         return built
@@ -467,6 +471,8 @@ class GuardHooks(Hooks):
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
                               profile=profile, device_type=dev.device_type)
         report["fallback_ops"] = pilot.fallback_ops(dev.device_type)  # Neuron: ops run on the host CPU
+        if dev.device_type == "neuron":  # attach results.json to a problem report: the packages it ran on
+            report["installed"] = installed_lists()
         out = {"load_check": self.load_check or None, "eval_losses": eval_rows(mp, self.eval_path),
                "stopped": self.stop.stopped(out_dir), "rank_logs": launcher.launch_logs(out_dir), **report}
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run

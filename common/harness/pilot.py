@@ -151,12 +151,14 @@ PROFILE_FOLDER = "profile_traces"  # under OUT_DIR (torchtitan's dump folder)
 PROFILE_TRACE = "iteration_{step}/rank*_trace.json.gz"  # torchtitan's names for a step's traces in that folder
 
 
-def check_profile(profile: bool, profile_freq: int, steps: int) -> None:
-    """Settings that would trace nothing, refused before anything runs: --profile_freq without --profile or past
-    --steps, and a traced step with no step before it (torch.profiler's warm-up: without one, the trace torchtitan
-    writes holds its metadata and no step)."""
+def check_profile(profile: bool, profile_freq: int, steps: int, device_mode: bool = False) -> None:
+    """Settings that would trace nothing, refused before anything runs: --profile_freq or --profile_device without
+    --profile, --profile_freq past --steps, and a traced step with no step before it (torch.profiler's warm-up:
+    without one, the trace torchtitan writes holds its metadata and no step)."""
     from common.errors import UserError
 
+    if device_mode and not profile:
+        raise UserError("--profile_device traces nothing without --profile: add --profile")
     if profile_freq and not profile:
         raise UserError(f"--profile_freq {profile_freq} traces nothing without --profile: add --profile")
     if profile and profile_freq > steps:
@@ -198,7 +200,8 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
         if neuron_available():  # GuardHooks.build sets common/harness/trainer.py's NeuronActivityProfiler
             activities = "CPU and Neuron (PrivateUse1)"
     note = (f"profiling: torch.profiler ({activities}) traces step {every}" + (" and its multiples" if every < steps
-            else "") + f" into OUT_DIR/{PROFILE_FOLDER}")
+            else "") + f" into OUT_DIR/{PROFILE_FOLDER}" + (f", the Neuron runtime's traces into OUT_DIR/{PROFILE_FOLDER}/"
+                                                           f"{NEURON_TRACES}" if "Neuron" in activities else ""))
     return {"every": every, "activities": activities, "note": note}
 
 
@@ -232,8 +235,32 @@ def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activ
             if st.st_mtime >= since - 2:
                 traces.append({"step": step, "path": str(path.relative_to(out_dir)), "bytes": st.st_size})
     traced = sorted({t["step"] for t in traces if t["step"] < (steps[0] if steps else 1)}) + traced  # earlier parts'
-    return {"every": every, "steps": traced, "folder": PROFILE_FOLDER, "traces": traces, "activities": activities,
-            "format": "Chrome trace JSON, gzipped (chrome://tracing, ui.perfetto.dev, TensorBoard's profile plugin)"}
+    out = {"every": every, "steps": traced, "folder": PROFILE_FOLDER, "traces": traces, "activities": activities,
+           "format": "Chrome trace JSON, gzipped (chrome://tracing, ui.perfetto.dev, TensorBoard's profile plugin)"}
+    if "Neuron" in activities:
+        out["neuron_traces"] = files_since(folder / NEURON_TRACES, out_dir, since)
+    return out
+
+
+NEURON_TRACES = "neuron"  # OUT_DIR/profile_traces/neuron/node<N>: the Neuron runtime's traces (NeuronActivityProfiler)
+
+
+def files_since(folder, out_dir, since: float) -> list[dict]:
+    """The files under `folder` written by this run (modified at or after `since`, 2 s allowed for a coarse clock):
+    [{"path" (relative to OUT_DIR), "bytes"}], sorted by path. A Neuron profile's files (trace_info.pb, ntrace.pb,
+    .ntff, .neff under one `<instance id>_pid_<pid>/` folder a process) are listed whole: Neuron Explorer wants them
+    uploaded together."""
+    from pathlib import Path
+
+    found = []
+    for path in sorted(Path(folder).rglob("*")):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path.is_file() and st.st_mtime >= since - 2:
+            found.append({"path": str(path.relative_to(out_dir)), "bytes": st.st_size})
+    return found
 
 
 def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
@@ -332,8 +359,13 @@ def peak_memory(device_type: str, device, peak_bytes: int) -> dict:
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())] if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather(every, mine)
-    by = {"cuda": "torch.cuda.max_memory_allocated", "neuron": "torch.neuron.max_memory_allocated"}.get(
-        device_type, "the process's peak resident set size (ru_maxrss): Python, libraries and tensors")
+    if device_type == "neuron":
+        from common.device import neuron_peak_memory
+
+        by = neuron_peak_memory()[1]  # torch.neuron's, or torch.accelerator's where TorchNeuron documents it
+    else:
+        by = "torch.cuda.max_memory_allocated" if device_type == "cuda" else \
+            "the process's peak resident set size (ru_maxrss): Python, libraries and tensors"
     return {"peak_gib": [round(float(t.item()) / GIB, 4) for t in every], "measured_by": by + ", the heaviest step"}
 
 

@@ -226,7 +226,8 @@ def _versions(target: str) -> list[tuple[str, str, str]]:
 
 def _system_row(pkg: str, minimum: str) -> tuple[str, str, str]:
     """An OS package of the Neuron stack against the version of SYSTEM_RELEASE: older is a warning (not an error:
-    the pip stack runs on 2.33.0's packages too, with the hang 2.33.1 fixes)."""
+    the pip stack runs on 2.33.0's packages too, with the hang 2.33.1 fixes); newer is a warning too (a later
+    release's runtime under 2.33.0's pip packages is a pairing nobody tested: keep the table with any report)."""
     requirement = f"{pkg} >= {minimum} ({SYSTEM_RELEASE})"
     have = _system_version(pkg)
     if have is None:
@@ -236,6 +237,8 @@ def _system_row(pkg: str, minimum: str) -> tuple[str, str, str]:
         return requirement, f"{have}: cannot be compared", WARN
     if found < _release_numbers(minimum):
         return requirement, f"{have}: older than {SYSTEM_RELEASE}'s", WARN
+    if found > _release_numbers(minimum):
+        return requirement, f"{have}: newer than tested ({SYSTEM_RELEASE}'s)", WARN
     return requirement, have, OK
 
 
@@ -260,6 +263,27 @@ def _system_version(pkg: str) -> str | None:
         return None
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
     return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def installed_lists() -> dict:
+    """What a Neuron problem report needs beside the preflight table (AWS's bug template asks for the installed
+    Neuron OS packages and pip packages): every installed Python distribution as `name==version` (what `pip list`
+    shows, read from the same metadata without starting pip) and the Neuron OS packages as `dpkg-query -W
+    'aws-neuronx*'` (else `rpm -qa 'aws-neuronx*'`) prints them, one per line; None where neither tool is here."""
+    from importlib import metadata
+
+    pip = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions() if d.metadata["Name"]},
+                 key=str.lower)
+    cmd = (["dpkg-query", "-W", "aws-neuronx*"] if shutil.which("dpkg-query") else
+           ["rpm", "-qa", "aws-neuronx*"] if shutil.which("rpm") else None)
+    system = None
+    if cmd is not None:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            system = [" ".join(line.split()) for line in proc.stdout.splitlines() if line.strip()]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return {"pip": pip, "os": system, "os_from": " ".join(cmd[:2]) + " 'aws-neuronx*'" if cmd else None}
 
 
 def _route(target: str) -> list[tuple[str, str, str]]:

@@ -32,8 +32,10 @@ from torchtitan.components.validate import Validator
 from torchtitan.tools import utils as tt_utils
 from torchtitan.tools.profiler import Profiler
 
+from common.device import neuron_peak_memory
 from common.harness.checks import append_row, keep_rows_before
 from common.harness.evaluation import HeldOutGate, HeldOutPass, reshard
+from common.harness.pilot import NEURON_TRACES
 from common.harness.stops import StopNow
 from common.trainer import RecordingMetrics, recipe_trainer
 
@@ -110,9 +112,12 @@ def step_peak_bytes() -> int:
     """The device's peak memory since torchtitan last reset it (after the previous logged step), read from the
     device module torchtitan itself reads (torch.cuda, torch.neuron, the CPU's common.device shim). On Neuron the
     device's queued work is finished first: its allocator runs asynchronously, and AWS's memory guide reads its
-    statistics after a synchronize."""
+    statistics after a synchronize; the peak is read with torch.accelerator where the installed TorchNeuron documents
+    it (common.device.neuron_peak_memory)."""
     if tt_utils.device_type == "neuron":
         tt_utils.device_module.synchronize()
+        read, _ = neuron_peak_memory()
+        return int(read())
     return int(tt_utils.device_module.max_memory_allocated())
 
 
@@ -210,17 +215,22 @@ class GuardedValidator(Validator):
 
 
 class NeuronActivityProfiler(Profiler):
-    """torchtitan's profiler, asking torch.profiler for the Neuron activity too.
+    """torchtitan's profiler, asking torch.profiler for the Neuron activity too, its runtime traces under the run.
 
     Why: torchtitan 0.3.0's Profiler asks torch.profiler for the CPU activity, and CUDA's or XPU's where one is
-    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer) passes
-    ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile. Unconfirmed on a trn2 host from
-    here: whether torch-neuronx's defaults capture device activity without a NeuronConfig. Remove when torchtitan
-    asks for the PrivateUse1 activity itself."""
+    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer, how-to-profile-workload /
+    how-to-profile-pytorch) passes ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile
+    with a `torch_neuronx.profiling.NeuronConfig` as `experimental_config`: its `modes` (ProfileMode.RUNTIME: the
+    runtime's system trace, trace_info.pb and ntrace.pb; ProfileMode.DEVICE: .neff and .ntff, about 5 GB of HBM
+    reserved on trn2, so only with --profile_device) and `profile_output_dir`, under which each process writes a
+    folder `<instance id>_pid_<pid>/`. Here that folder is OUT_DIR/profile_traces/neuron/node<N> (neuron_trace_dir),
+    not the shell's working folder. Unrun here (no Trainium). Remove when torchtitan asks for the PrivateUse1
+    activity and a trace folder itself."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Profiler.Config):
-        pass
+        device_mode: bool = False
+        """ProfileMode.DEVICE too (instruction-level traces; reserves about 5 GB of HBM per trn2 core)."""
 
     def build_torch_profiler(self, *, global_step: int, base_folder: str, leaf_folder: str):
         """torchtitan's schedule, trace folder and names (torchtitan.tools.profiler), with the Neuron activity."""
@@ -236,15 +246,30 @@ class NeuronActivityProfiler(Profiler):
             os.makedirs(folder, exist_ok=True)
             prof.export_chrome_trace(os.path.join(folder, PROFILE_FILE.format(rank=rank)))
 
-        os.makedirs(trace_dir, exist_ok=True)
+        runtime_dir = neuron_trace_dir(base_folder, cfg.save_traces_folder)
+        os.makedirs(runtime_dir, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.PrivateUse1]
         wait = cfg.profile_freq - (cfg.profiler_active + cfg.profiler_warmup)
         profiler = torch.profiler.profile(
             activities=activities, on_trace_ready=trace_handler, record_shapes=True,
+            experimental_config=self.neuron_config(runtime_dir, device_mode=cfg.device_mode),
             schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active))
         profiler.__enter__()
         profiler.step_num = global_step
         return profiler
+
+    def neuron_config(self, folder: str, *, device_mode: bool):
+        """AWS's NeuronConfig: the runtime's system trace, the device's traces with `device_mode`, into `folder`."""
+        from torch_neuronx.profiling import NeuronConfig, ProfileMode  # AWS's documented import
+
+        return NeuronConfig(modes=[ProfileMode.RUNTIME, *([ProfileMode.DEVICE] if device_mode else [])],
+                            profile_output_dir=folder)
+
+
+def neuron_trace_dir(base_folder: str, traces_folder: str) -> str:
+    """Where this node's Neuron runtime traces go: OUT_DIR/<traces>/neuron/node<N> (N: torchrun's GROUP_RANK, the
+    node's rank), each process in a folder of its own below it."""
+    return os.path.join(base_folder, traces_folder, NEURON_TRACES, f"node{os.environ.get('GROUP_RANK', '0')}")
 
 
 def guarded_trainer(config_class: type) -> type:
