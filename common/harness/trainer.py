@@ -218,9 +218,10 @@ class NeuronActivityProfiler(Profiler):
     """torchtitan's profiler, asking torch.profiler for the Neuron activity too, its runtime traces under the run.
 
     Why: torchtitan 0.3.0's Profiler asks torch.profiler for the CPU activity, and CUDA's or XPU's where one is
-    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer, how-to-profile-workload /
-    how-to-profile-pytorch) passes ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile
-    with a `torch_neuronx.profiling.NeuronConfig` as `experimental_config`: its `modes` (ProfileMode.RUNTIME: the
+    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer: aws-neuron/aws-neuron-sdk
+    @a3247f5 tools/neuron-explorer/how-to-profile-workload.rst:122-222, and its successor how-to-profile-pytorch)
+    passes ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile with a
+    `torch_neuronx.profiling.NeuronConfig` as `experimental_config`: its `modes` (ProfileMode.RUNTIME: the
     runtime's system trace, trace_info.pb and ntrace.pb; ProfileMode.DEVICE: .neff and .ntff, about 5 GB of HBM
     reserved on trn2, so only with --profile_device) and `profile_output_dir`, under which each process writes a
     folder `<instance id>_pid_<pid>/`. Here that folder is OUT_DIR/profile_traces/neuron/node<N> (neuron_trace_dir),
