@@ -295,7 +295,8 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
 
 
 CORE_ONLY = ("[guards] off: common/harness/ was not copied with common/, so this run has no preflight, load check, "
-             "out_dir lock, resume (it never resumes: a folder holding a checkpoint is refused), stop signals, "
+             "resume (it never resumes: a folder holding a checkpoint is refused; so is one another run of the core "
+             "alone is writing), stop signals, "
              "self-launch, dry run, pilot report or held-out eval, and their flags are not taken: it trains, exports "
              "and checks the export")
 GUARDED_LOCK = ".run.lock"  # the lock file a guarded run leaves in its out_dir (common/harness/launcher.py)
@@ -315,12 +316,55 @@ def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
         dev = device.setup(cfg.device, lnc=cfg.lnc, neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, out_dir),
                            timeout_s=cfg.comm_timeout_s)
         try:
+            hold_core_lock(out_dir, dev)
             return train(recipe, cfg, dev, out_dir, found, Hooks())
         finally:
             device.teardown()
 
     return cli.run_cli(main, recipe.config, recipe.presets, f"{CORE_ONLY}\n\n{recipe.doc}", recipe.default_preset,
                        argv, unknown_hint="this copy has the core alone: the guards' flags need common/harness/")
+
+
+CORE_LOCK = ".core.lock"  # in OUT_DIR: flock'd by rank 0 of a run of the core alone while it runs
+_core_lock: list[int] = []  # that lock's descriptor, open until the process ends
+
+
+def hold_core_lock(out_dir: Path, dev: device.DeviceInfo) -> None:
+    """Two runs of the core alone into one out_dir would write one checkpoint folder and one export at once (a
+    torchtitan traceback, or a mix of both runs): rank 0 takes an exclusive lock on OUT_DIR/.core.lock for the
+    run (the OS releases it however the run ends), every rank learns whether it got it (one all-reduce), and a
+    second run is one UserError naming the first on every rank."""
+    import fcntl
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from common.errors import one_line
+
+    problem = ""
+    if dev.rank == 0:
+        try:
+            fd = os.open(out_dir / CORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            problem = f"its {CORE_LOCK} cannot be opened ({e.strerror or e})"
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said which"
+                problem = f"another run of the core alone is writing it ({one_line(holder)[:300]})"
+                os.close(fd)
+            else:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)}\n".encode(), 0)
+                _core_lock.append(fd)
+    busy = torch.tensor([1 if problem else 0], device=dev.device)
+    if dist.is_initialized():
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+    if busy.item():
+        raise UserError(f"--out_dir {out_dir}: {problem or 'refused on rank 0'}: wait for it to end, or choose "
+                        "another --out_dir")
 
 
 def never_resume(out_dir: Path) -> None:

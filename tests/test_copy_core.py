@@ -66,3 +66,30 @@ def test_the_core_alone_never_resumes_and_says_what_is_off(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_core(native, ["--help"])
     assert "[guards] off" in capsys.readouterr().out
+
+
+def test_a_second_run_of_the_core_alone_into_one_folder_is_refused(tmp_path, capsys):
+    """Two runs of the core alone into one out_dir: while the first holds OUT_DIR/.core.lock (held here, as its
+    rank 0 holds it), the second is one error line naming it and writes nothing; once it is released, a run takes it
+    and says who holds it."""
+    import fcntl
+    import os
+    from unittest import mock
+
+    from common import recipe as core
+    from slow_native_qwen3 import recipe
+
+    out = tmp_path / "o"
+    out.mkdir()
+    fd = os.open(out / core.CORE_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"pid 4242: python train_native_qwen3.py --out_dir o\n")
+    try:
+        with mock.patch.dict(os.environ):  # device.setup fills the variables of a process group of one
+            assert core.run_core(recipe(), ["--steps", "1", "--no-export", "--out_dir", str(out)]) == 2
+    finally:
+        os.close(fd)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "another run of the core alone is writing it (pid 4242: python train_native_qwen3.py" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [core.CORE_LOCK]
