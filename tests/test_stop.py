@@ -195,7 +195,7 @@ def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_t
     holder (the launcher: its pid and command). SIGKILL to the launcher: torchrun gets SIGTERM when its parent dies
     and its workers stop at the next step with a checkpoint, so nothing trains on (without that they would train
     for minutes, racing any rerun); the OS releases the lock with them: the product's own lock (what a rerun takes
-    first) is then taken at once, and the loss history has each step once, in order, up to the checkpointed one.
+    first) is then taken (within 10 s, else the test names the processes holding it), and the loss history has each step once, in order, up to the checkpointed one.
     (A rerun resuming a SIGTERM stop of two ranks: the test above.)"""
     from common.harness import launcher
     from common.harness.checks import read_progress
@@ -216,9 +216,34 @@ def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_t
     assert (out / "checkpoint" / f"step-{stopped['step']}" / ".metadata").is_file()
     history = [r["step"] for r in read_progress(out / "losses.jsonl")]
     assert history == list(range(1, stopped["step"] + 1)), history
-    launcher.hold_out_dir(out)  # refused while any process of the run still held it
+    _take_lock_naming_holders(out)  # refused while any process of the run still held it
     fd = launcher._held.pop()
     try:
         assert (out / ".run.lock").read_text().startswith(f"pid {os.getpid()} on ")
     finally:
         os.close(fd)
+
+
+def _take_lock_naming_holders(out) -> None:
+    """The product's lock on `out` taken as a rerun takes it. Where it is refused, the test fails naming every process
+    that still has the lock file open (its pid, command line and parent), as /proc shows them, after allowing 10 s
+    for a process outside the run's family to end (the tests' pre-forked runner reaps its forks on its own thread)."""
+    from common.errors import UserError
+    from common.harness import launcher
+
+    deadline, lock = time.monotonic() + 10, str((out / launcher.LOCK).resolve())
+    while True:
+        try:
+            launcher.hold_out_dir(out)
+            return
+        except UserError as e:
+            if time.monotonic() > deadline:
+                holders = []
+                for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
+                    try:
+                        if any(f.path == lock for f in p.open_files()):
+                            holders.append((p.info["pid"], p.info["ppid"], " ".join(p.info["cmdline"] or [])[:200]))
+                    except psutil.Error:
+                        continue
+                raise AssertionError(f"{e}; processes with the lock file open: {holders}") from None
+        time.sleep(0.2)

@@ -342,9 +342,9 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
     exported; exit 75 after a stop."""
     stop = stops.StopControl(end=checked.end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
-    planned_gib = None
-    if launcher.is_rank_zero():  # the dry run's memory for this very configuration
-        planned_gib = pilot.planned_gib_in_a_child(
+    plan = None
+    if launcher.is_rank_zero():  # the dry run's memory for this very configuration, planned while this one trains
+        plan = pilot.PlanInAChild(
             lambda: dry_run(recipe, cfg, checked.out_dir, ranks=checked.world_size)["total_bytes"],
             device.resolve_device_type(cfg.device), key=checked.record)
     phases = checked.phases or Phases()
@@ -355,7 +355,7 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
     try:
         launcher.check_same_stack()  # several hosts: the same packages on each, before anything is built
         results = train(recipe, cfg, dev, checked.out_dir, checked.found,
-                        hooks(recipe, cfg, checked, stop, planned_gib=planned_gib))
+                        hooks(recipe, cfg, checked, stop, plan=plan))
     finally:
         device.teardown()
     if results.get("stopped") and dev.is_main:
@@ -370,10 +370,11 @@ class GuardHooks(Hooks):
     (common/harness/trainer.py's GuardedTrainer, which calls `check_settings`, `check_logits` and the stop control
     at their points in the loop), and the pilot report and loss comparison in results.json."""
 
-    def __init__(self, recipe: Recipe, cfg, checked: Checked, stop: stops.StopControl, planned_gib: float | None):
+    def __init__(self, recipe: Recipe, cfg, checked: Checked, stop: stops.StopControl,
+                 plan: pilot.PlanInAChild | None):
         self.recipe, self.cfg, self.found, self.record, self.stop = recipe, cfg, checked.found, checked.record, stop
         self.phases = checked.phases or Phases()
-        self.planned_gib = planned_gib
+        self.plan = plan  # the dry run's memory for this configuration (rank 0), read with the results
         self.load_check, self.profile, self.compile_cache, self.started = None, None, None, time.time()
         self.losses_path = self.eval_path = None
 
@@ -467,7 +468,7 @@ class GuardHooks(Hooks):
                                        activities=self.profile["activities"],
                                        earlier=stopped_part(out_dir).get("profile")) if self.profile else None
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
-                              memory=memory, planned_gib=self.planned_gib,
+                              memory=memory, planned_gib=self.plan.result() if self.plan else None,
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
                               profile=profile, device_type=dev.device_type)
         report["fallback_ops"] = pilot.fallback_ops(dev.device_type)  # Neuron: ops run on the host CPU

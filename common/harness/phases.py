@@ -4,7 +4,8 @@ command started; otherwise this process) to the end of step 1, in named phases, 
     launch       the scripts' own launch: its checks and torchrun, up to this worker's start (0 otherwise)
     imports      this process's start to the run's first line (Python, torch, the script's modules)
     checks       the out_dir, the inputs, the preflight, the resume record (common/harness/lifecycle.py `check`)
-    plan         rank 0: the dry run's memory plan for this configuration (a forked child; cached per configuration)
+    plan         rank 0: the dry run's memory plan's child forked (it plans while the run goes on; cached per
+                 configuration)
     device       the process group and the device (common/device.py `setup`)
     build        the Trainer.Config, the staged assets, the trainer and its model built
     load         the initial weights or the checkpoint loaded (torchtitan's train(), up to step 1)

@@ -385,44 +385,63 @@ def _plan_cache(key: dict) -> "Path":
     return CACHE_DIR.parent / "plans" / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
 
 
-def planned_gib_in_a_child(plan, device_type: str, key: dict | None = None) -> float | None:
-    """The dry run's per-rank total for this configuration, in GiB: `plan()` runs in a forked child (the dry run
-    makes a process group of its own and may plan once per process), before this process has one. On CPU torchtitan
-    is routed first, so the child finds it imported; on an accelerator the child routes its own copy to the CPU
-    (the model is on the meta device) and this process routes later. None if the child fails; the run goes on.
-    With `key` the result is kept in the cache folder and read back for the same key."""
-    import json
+class PlanInAChild:
+    """The dry run's per-rank total for this configuration, in GiB, planned in a forked child while this process goes
+    on to step 1 (the figure is read with the results, `result()`): `plan()` runs in the child (the dry run makes a
+    process group of its own, a fake one, and may plan once per process), forked before this process has one. On
+    CPU torchtitan is routed first, so the child finds it imported; on an accelerator the child routes its own copy
+    to the CPU (the model is on the meta device) and this process routes later. None if the child fails; the run
+    goes on. With `key` the result is kept in the cache folder and read back for the same key (no child then)."""
 
-    from common.device import route_torchtitan_device
-    from common.results import atomic_write_text
+    def __init__(self, plan, device_type: str, key: dict | None = None):
+        import json
 
-    cached = _plan_cache(key) if key is not None else None
-    if cached is not None and cached.is_file():
-        try:
-            return float(json.loads(cached.read_text())["planned_gib"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # planned again below
-    got = _plan_in_a_child(plan, device_type, route_torchtitan_device)
-    if got is not None and cached is not None:
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cached, json.dumps({"planned_gib": got, "key": key}, default=str) + "\n")
-        except OSError:
-            pass  # a read-only cache only costs the plan next time
-    return got
+        from common.device import route_torchtitan_device
+
+        self.cached, self.value, self.child = _plan_cache(key) if key is not None else None, None, None
+        self.key = key
+        if self.cached is not None and self.cached.is_file():
+            try:
+                self.value = float(json.loads(self.cached.read_text())["planned_gib"])
+                return
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # planned again below
+        self.child = _fork_plan(plan, device_type, route_torchtitan_device)
+        self.deadline = time.monotonic() + PLAN_TIMEOUT_S
+
+    def result(self) -> float | None:
+        import json
+
+        from common.results import atomic_write_text
+
+        if self.child is not None:
+            self.value, self.child = _collect_plan(*self.child, self.deadline), None
+            if self.value is not None and self.cached is not None:
+                try:
+                    self.cached.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write_text(self.cached, json.dumps({"planned_gib": self.value, "key": self.key},
+                                                              default=str) + "\n")
+                except OSError:
+                    pass  # a read-only cache only costs the plan next time
+        return self.value
 
 
 PLAN_TIMEOUT_S = 300
 
 
 def _plan_in_a_child(plan, device_type: str, route) -> float | None:
-    """None where a fork is not safe (processes.fork_is_safe: another Python thread, holding a lock at the fork, would
-    leave the child waiting on it forever); and None, the child killed, if it has not answered in
-    PLAN_TIMEOUT_S. The child plans on one torch thread (the parent's OpenMP threads are not in it). It dies with
-    this process, however this process ends (a SIGKILL too: it holds a copy of the out_dir lock's descriptor, and
-    would hold the lock until it ended), and never prints a traceback: whatever happens in it ends in os._exit."""
+    """The plan in a forked child, waited for (PlanInAChild without the cache and without going on meanwhile)."""
+    child = _fork_plan(plan, device_type, route)
+    return _collect_plan(*child, time.monotonic() + PLAN_TIMEOUT_S) if child is not None else None
+
+
+def _fork_plan(plan, device_type: str, route) -> tuple[int, int] | None:
+    """(the child's pid, the pipe it answers on); None where a fork is not safe (processes.fork_is_safe: another
+    Python thread, holding a lock at the fork, would leave the child waiting on it forever). The child plans on one
+    torch thread (the parent's OpenMP threads are not in it), ignores the stop signals (a stop is the parent's), dies
+    with this process, however this process ends (a SIGKILL too: it holds a copy of the out_dir lock's descriptor,
+    and would hold the lock until it ended), and never prints a traceback: whatever happens in it ends in os._exit."""
     import json
-    import select
     import signal
 
     from common.processes import die_with_parent, fork_is_safe
@@ -439,8 +458,8 @@ def _plan_in_a_child(plan, device_type: str, route) -> float | None:
         try:
             arm()
             os.close(read)
-            for sig in STOP_SIGNALS:  # the parent's stop handlers are not the child's
-                signal.signal(sig, signal.SIG_DFL)
+            for sig in STOP_SIGNALS:  # a stop is the parent's to make (a Ctrl-C reaches the whole group);
+                signal.signal(sig, signal.SIG_IGN)  # the child ends with it however it ends (the parent-death signal)
             try:
                 import torch
 
@@ -456,7 +475,16 @@ def _plan_in_a_child(plan, device_type: str, route) -> float | None:
         finally:
             os._exit(0)
     os.close(write)
-    chunks, deadline = [], time.monotonic() + PLAN_TIMEOUT_S
+    return pid, read
+
+
+def _collect_plan(pid: int, read: int, deadline: float) -> float | None:
+    """The child's answer, in GiB; None, the child killed, where it has not answered by `deadline`."""
+    import json
+    import select
+    import signal
+
+    chunks = []
     while select.select([read], [], [], max(deadline - time.monotonic(), 0))[0]:
         chunk = os.read(read, 65536)
         if not chunk:
