@@ -213,3 +213,33 @@ def test_the_cores_export_check_ends_with_the_run_that_started_it(tmp_path):
         psutil.Process(check).wait(timeout=300)  # ended by its parent-death check, not left running
     assert not alive([check])
     assert err.read_text() == "", err.read_text()  # it never got to the check
+
+
+def test_a_worker_of_the_scripts_own_launch_takes_its_launchers_run_record(tmp_path, monkeypatch, prepared_assets):
+    """The scripts' own launch hands its workers the run record it checked (record.json beside the stop marker), so
+    no rank hashes the training data again (every rank of a trn2 host reading the same corpus at once before step
+    1): `check` in a worker takes that record as it is; in any other process, or where the file is unreadable, it
+    computes its own."""
+    import json
+
+    from common import cli
+    from common.harness import launcher, lifecycle
+    from slow_native_qwen3 import recipe
+
+    guarded = lifecycle.guarded(recipe())
+    out = tmp_path / "o"
+    out.mkdir()
+    cfg = cli.parse_config(guarded.config, guarded.presets, ["--steps", "2", "--no-export", "--out_dir", str(out)],
+                           guarded.doc, guarded.default_preset)
+    own = lifecycle.check(guarded, cfg, out).record
+    assert own["data"]["files"], own  # the data's identity, hashed
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    monkeypatch.setenv(launcher.SELF_LAUNCHED, str(launch / "stopped"))
+    assert launcher.launched_record() is None  # no record.json: the worker computes its own
+    assert lifecycle.check(guarded, cfg, out).record == own
+    handed = {**json.loads(json.dumps(own)), "data": {"path": "as the launcher hashed it", "files": {}}}
+    (launch / launcher.LAUNCH_RECORD).write_text(json.dumps(handed))
+    assert lifecycle.check(guarded, cfg, out).record == handed
+    (launch / launcher.LAUNCH_RECORD).write_text("{not json")
+    assert lifecycle.check(guarded, cfg, out).record == own

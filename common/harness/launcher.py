@@ -5,6 +5,7 @@ host) with its checks of cores and memory.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shlex
@@ -276,7 +277,7 @@ def _check_own_lock(fd: int, path: Path) -> None:
         raise _refuse_lock(path, "is not a lock file of these scripts (it holds other text)")
 
 
-def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = None) -> int:
+def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = None, record: dict | None = None) -> int:
     """Re-run this script under torchrun with --nproc_per_node workers on this host (with --nnodes > 1: this host's
     share of a run that the same command with another --node_rank starts on each other host); returns the exit
     code. A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) to this process is passed to the workers, which finish
@@ -285,7 +286,8 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
     process) and reports it its own way. A second signal kills every process of this node's share at once.
     torchrun gets SIGTERM if this process dies (however), the workers SIGKILL if torchrun does: nothing outlives
     the launch. torchrun, when it gets a signal itself, passes it on (SIGUSR1 too) and waits STOP_GRACE_S for the
-    workers' stop save before it kills them (its default, 30 s, is shorter than a large model's save)."""
+    workers' stop save before it kills them (its default, 30 s, is shorter than a large model's save). `record`: the
+    run record this launcher checked, handed to the workers (launched_record) so that none computes it again."""
     import subprocess
     import tempfile
 
@@ -305,6 +307,8 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
            *rank_log_flags(cfg.nproc_per_node, logs), *torchrun_stop_flags(), *rest]
     with tempfile.TemporaryDirectory(prefix="qwen3-launch-") as tmp:
         marker = Path(tmp) / "stopped"  # on this host: a worker that stopped the run says so here, and exits 0
+        if record is not None:
+            (Path(tmp) / LAUNCH_RECORD).write_text(json.dumps(record, default=str))
         env = worker_env(os.environ, marker, deadline)
         started = time.time()
         proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
@@ -391,6 +395,23 @@ def torchrun_stop_flags() -> list[str]:
     """torchrun's flags for a stop: wait STOP_GRACE_S after passing on a signal before killing the workers, and
     pass on SIGUSR1 (SLURM's --signal) as well as its default four."""
     return [f"--shutdown-timeout={STOP_GRACE_S}", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+
+
+LAUNCH_RECORD = "record.json"  # beside the stop marker: the run record the launcher checked
+
+
+def launched_record() -> dict | None:
+    """In a worker of the scripts' own launch: the run record its launcher computed and checked (the settings and the
+    training data's identity, whose hashing would otherwise be repeated by every rank, 64 on a trn2 host, reading
+    the same corpus at once); None in any other process, or where the file cannot be read (then it is computed)."""
+    marker = os.environ.get(SELF_LAUNCHED)
+    if not marker:
+        return None
+    try:
+        record = json.loads((Path(marker).parent / LAUNCH_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def worker_env(environ, marker: Path, deadline: float | None) -> dict:

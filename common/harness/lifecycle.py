@@ -202,13 +202,17 @@ class GuardedRecipe(Protocol):
         """--dry_run's label for the model, and the published parameter count it must match [the preset, none]."""
 
 
-def preflight(recipe: Recipe, cfg) -> Inputs:
-    """Check every input before any process is launched or any model exists, so bad input fails fast."""
-    if wants_neuron(cfg.device):  # the installed Neuron stack is the one these calls need: seconds, not an hour
+def preflight(recipe: Recipe, cfg, host_checked: bool = False) -> Inputs:
+    """Check every input before any process is launched or any model exists, so bad input fails fast. With
+    `host_checked` (a worker of the scripts' own launch, whose launcher ran these checks on this host just before),
+    only what the worker needs: its inputs."""
+    if wants_neuron(cfg.device) and not host_checked:  # the installed Neuron stack is the one these calls need
         options = recipe.stack_options(cfg) if hasattr(recipe, "stack_options") else {}
         require_stack("trn2", getattr(recipe, "stack", "native"), **options)
     found = inputs(recipe, cfg)
     launcher.check_tp_split(found.shape, cfg.tensor_parallel_degree, cfg.seq_len)
+    if host_checked:  # the held-out data, the disk and the memory: checked by this host's launcher
+        return found
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
         eval_dataset(found.dataset, cfg.eval_dataset_path, read=True)
     parameters = dryrun.parameter_estimate(found.shape) if found.shape else published_parameters(recipe, cfg)
@@ -270,7 +274,7 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     checked.phases = phases
     phases.mark("checks")
     if checked.launch:
-        raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, checked.end))
+        raise SystemExit(launcher.self_launch(cfg, sys.argv, out_dir, checked.end, record=checked.record))
     return train_guarded(recipe, cfg, checked, hooks or GuardHooks)
 
 
@@ -300,8 +304,9 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     if launch and cfg.nnodes > 1:  # EFA and node 0's endpoint, from this host, before torchrun waits on them
         launcher.check_nodes(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
     end = stops.deadline(cfg.time_limit)
-    found = preflight(recipe, cfg)
-    record = resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
+    launched = launcher.launched_record()  # a worker of the scripts' own launch: its launcher checked this host
+    found = preflight(recipe, cfg, host_checked=launched is not None)
+    record = launched or resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
     resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.reshard)  # the same run, steps left
     if resumed is None and launcher.is_rank_zero():
         say_replaced(out_dir)

@@ -3,7 +3,8 @@ command started; otherwise this process) to the end of step 1, in named phases, 
 
     launch       the scripts' own launch: its checks and torchrun, up to this worker's start (0 otherwise)
     imports      this process's start to the run's first line (Python, torch, the script's modules)
-    checks       the out_dir, the inputs, the preflight, the resume record (common/harness/lifecycle.py `check`)
+    checks       the out_dir, the inputs, the preflight, the resume record (common/harness/lifecycle.py `check`; a
+                 worker of the scripts' own launch takes the record and the host's checks from its launcher)
     plan         rank 0: the dry run's memory plan's child forked (it plans while the run goes on; cached per
                  configuration)
     device       the process group and the device (common/device.py `setup`)
