@@ -354,57 +354,82 @@ def test_profile_settings_that_would_trace_nothing_are_refused(tmp_path, args, n
     assert not (tmp_path / "o").exists()
 
 
-NEURON_PROFILER_ON_CPU = """
-import gzip, json, sys, tempfile
+PROFILER_ON_CPU = """
+import gzip, json, os, sys, tempfile
 sys.path.insert(0, {root!r})
 import torch
 from common import device
 dev = device.setup("cpu")
-from torchtitan.tools.profiler import Profiler
 from dataclasses import dataclass
-from common.harness.trainer import NeuronActivityProfiler
+from torchtitan.tools.profiler import Profiler
+from common.harness.trainer import GuardedProfiler
 from common.trainer import same_fields
 
-class OnCpu(NeuronActivityProfiler):  # no torch_neuronx here: its NeuronConfig is what this test cannot build
+class OnNeuron(GuardedProfiler):  # as on a NeuronCore; no torch_neuronx here, so no NeuronConfig to build
     @dataclass(kw_only=True, slots=True)
-    class Config(NeuronActivityProfiler.Config):
+    class Config(GuardedProfiler.Config):
         pass
+
+    def on_neuron(self):
+        return True
 
     def neuron_config(self, folder, *, device_mode):
         asked.append((folder, device_mode))
 
+def steps(config, first, last):
+    \"\"\"Steps first..last under the profiler built from `config`, as torchtitan's train() runs it from a checkpoint
+    of step first - 1; the steps whose traces it wrote (each holding its ProfilerStep), and the activities.\"\"\"
+    folder = tempfile.mkdtemp()
+    with config.build(global_step=first - 1, base_folder=folder) as prof:
+        activities = sorted(a.name for a in prof.torch_profiler.activities)
+        for _ in range(first, last + 1):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+            prof.step()
+    written = {{}}
+    for name in sorted(os.listdir(os.path.join(folder, "t"))) if os.path.isdir(os.path.join(folder, "t")) else []:
+        if name.startswith("iteration_"):
+            trace = json.loads(gzip.decompress(open(os.path.join(folder, "t", name, "rank0_trace.json.gz"), "rb").read()))
+            written[int(name.split("_")[1])] = sorted({{e["name"] for e in trace.get("traceEvents", [])
+                                                       if str(e.get("name", "")).startswith("ProfilerStep#")}})
+    return written, activities, folder
+
 asked = []
 config = Profiler.Config(enable_profiling=True, save_traces_folder="t", profile_freq=2, profiler_warmup=1)
-neuron = same_fields(OnCpu.Config, config, device_mode=True)  # as GuardHooks.build sets it on Neuron
+neuron = same_fields(OnNeuron.Config, config, device_mode=True)  # as GuardHooks.build sets it
 assert isinstance(neuron, Profiler.Config) and type(neuron) is not Profiler.Config
 assert all(getattr(neuron, k) == getattr(config, k) for k in ("save_traces_folder", "profile_freq", "profiler_warmup"))
-folder = tempfile.mkdtemp()
 profile = torch.profiler.profile
-with neuron.build(global_step=0, base_folder=folder) as prof:
-    activities = sorted(a.name for a in prof.torch_profiler.activities)
-    assert asked == [(folder + "/t/neuron/node0", True)], asked  # the runtime's traces under the run, per node
-    import os; assert os.path.isdir(asked[0][0])
-    for _ in range(2):
-        torch.randn(64, 64) @ torch.randn(64, 64)
-        prof.step()
+written, activities, folder = steps(neuron, 1, 2)
+assert asked == [(folder + "/t/neuron/node0", True)] and os.path.isdir(asked[0][0]), asked  # under the run, per node
 assert torch.profiler.profile is profile
-print(activities, len(json.loads(gzip.decompress(open(folder + "/t/iteration_2/rank0_trace.json.gz", "rb").read()))))
+print("neuron|", activities, written)
+# the last step traced (every 6, 3 warm-up steps): a run resumed after step 5, after step 3, and one stopped after 5
+last = same_fields(GuardedProfiler.Config, Profiler.Config(enable_profiling=True, save_traces_folder="t",
+                                                           profile_freq=6, profiler_warmup=3))
+print("resumed after 5|", steps(last, 6, 6)[0])
+print("resumed after 3|", steps(last, 4, 6)[0])
+print("stopped after 5|", steps(last, 1, 5)[0])
 device.teardown()
 """
 
 
-def test_the_neuron_profiler_asks_for_the_neuron_activity(tmp_path):
-    """On Neuron, torchtitan's profiler with the same settings also asks torch.profiler for the PrivateUse1 (Neuron)
-    activity. Built here on the CPU, where torch has no such device and records the CPU alone, through torchtitan's
-    own Profiler and a real process group of one: the activity asked for, the trace written, torch.profiler's
-    function as it was."""
+def test_the_profiler_traces_a_resumed_runs_steps_and_nothing_at_a_stop_and_on_neuron_its_activity(tmp_path):
+    """torchtitan's profiler built from the guards' GuardedProfiler, through torchtitan's own Profiler and a real
+    process group of one on the CPU: a run resumed right before its traced step still traces it (the profiler's
+    step and action set before it starts; torchtitan 0.3.0's own traced nothing there), a stop just before the
+    traced step writes no trace of a step that never ran, and on Neuron (a subclass answering as one) the Neuron
+    activity is asked for and the runtime's traces go under the run. torch.profiler's function as it was."""
     from conftest import ROOT, run_python
 
-    script = tmp_path / "neuron_profiler.py"
-    script.write_text(NEURON_PROFILER_ON_CPU.format(root=str(ROOT)))
+    script = tmp_path / "profiler.py"
+    script.write_text(PROFILER_ON_CPU.format(root=str(ROOT)))
     proc = run_python([sys.executable, str(script)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith("['CPU', 'PrivateUse1'] "), proc.stdout
+    lines = dict(line.split("| ", 1) for line in proc.stdout.strip().splitlines() if "| " in line)
+    assert lines["neuron"].startswith("['CPU', 'PrivateUse1'] {2: ['ProfilerStep#1']}"), proc.stdout
+    assert lines["resumed after 5"] == "{6: ['ProfilerStep#5']}", proc.stdout
+    assert lines["resumed after 3"] == "{6: ['ProfilerStep#5']}", proc.stdout
+    assert lines["stopped after 5"] == "{}", proc.stdout
 
 
 def test_the_reported_device_peak_is_the_heaviest_step_not_the_last(tmp_path):

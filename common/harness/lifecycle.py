@@ -409,7 +409,7 @@ class GuardHooks(Hooks):
 
         return {"trainer": trainer.guarded_trainer, "metrics": trainer.GuardedMetrics,
                 "checkpoint": trainer.GuardedCheckpointer, "validator": trainer.GuardedValidator,
-                "profiler": trainer.NeuronActivityProfiler}
+                "profiler": trainer.GuardedProfiler}
 
     def build(self, tc, shape: dict):
         """The recipe's trainer class with the guards, its components the guards' subclasses (the same settings)."""
@@ -432,7 +432,7 @@ class GuardHooks(Hooks):
                                         is_main=dev.is_main)
         if config.validator.enable:
             config.validator = same_fields(made["validator"].Config, tc.validator)
-        if self.profile and "Neuron" in self.profile["activities"]:
+        if self.profile:
             config.profiler = same_fields(made["profiler"].Config, tc.profiler, device_mode=cfg.profile_device)
         built = config.build(guards=self)
         self.phases.mark("build")

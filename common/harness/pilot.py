@@ -184,8 +184,8 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
     """torchtitan's own profiler settings on the Trainer.Config: a torch.profiler trace (Chrome trace format,
     gzipped) of every `every`-th step into OUT_DIR/profile_traces/iteration_N/rankR_trace.json.gz, the steps
     before each traced one its warm-up (3, as torchtitan's default, or fewer at a shorter interval); each trace is
-    written when its step ends. On Neuron the Neuron activity is added (common/harness/trainer.py's
-    NeuronActivityProfiler, which GuardHooks.build sets where `activities` names it).
+    written when its step ends. GuardHooks.build sets common/harness/trainer.py's GuardedProfiler, which adds the
+    Neuron activity on Neuron.
     {"every", "activities", "note"}: the interval, what is traced, a note for the log."""
     every = profile_every(steps, profile_freq)
     tc.profiler.enable_profiling = True
@@ -197,7 +197,7 @@ def apply_profile_settings(tc, *, steps: int, profile_freq: int, device_type: st
     if device_type == "neuron":
         from common.device import neuron_available
 
-        if neuron_available():  # GuardHooks.build sets common/harness/trainer.py's NeuronActivityProfiler
+        if neuron_available():  # common/harness/trainer.py's GuardedProfiler asks for it
             activities = "CPU and Neuron (PrivateUse1)"
     note = (f"profiling: torch.profiler ({activities}) traces step {every}" + (" and its multiples" if every < steps
             else "") + f" into OUT_DIR/{PROFILE_FOLDER}" + (f", the Neuron runtime's traces into OUT_DIR/{PROFILE_FOLDER}/"
@@ -242,7 +242,7 @@ def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activ
     return out
 
 
-NEURON_TRACES = "neuron"  # OUT_DIR/profile_traces/neuron/node<N>: the Neuron runtime's traces (NeuronActivityProfiler)
+NEURON_TRACES = "neuron"  # OUT_DIR/profile_traces/neuron/node<N>: the Neuron runtime's traces (GuardedProfiler)
 
 
 def files_since(folder, out_dir, since: float) -> list[dict]:

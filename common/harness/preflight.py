@@ -73,6 +73,7 @@ torchtitan.components.validate:Validator.__init__ | config @ native hf moe
 torchtitan.components.validate:Validator.validate | model_parts step @ native hf moe
 torchtitan.components.validate:Validator.should_validate | step @ native hf moe
 torchtitan.tools.profiler:Profiler.build_torch_profiler | global_step base_folder leaf_folder @ native hf moe
+torchtitan.tools.profiler:Profiler.__exit__ | exc_type exc_val exc_tb @ native hf moe
 torchtitan.tools.profiler:PROFILE_FILE PROFILE_ITER_DIR @ native hf moe
 torchtitan.hf_datasets:DatasetConfig | path loader sample_processor @ native hf moe
 torchtitan.hf_datasets.text_datasets:DATASETS _process_c4_text @ native hf moe

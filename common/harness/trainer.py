@@ -11,7 +11,8 @@ common/harness/lifecycle.py:
   --export, the state a resume starts from (the reshard debug switch);
 - `GuardedValidator` (the validator): no evaluation after a stop, a stop between held-out batches, one pass over the
   held-out data;
-- `NeuronActivityProfiler` (the profiler, on Trainium): the Neuron activity in the traces.
+- `GuardedProfiler` (the profiler): a resumed run's steps traced as if it never stopped, no trace of a step a
+  stop left unrun, and on Trainium the Neuron activity and runtime traces under the run.
 
 `GuardedTrainer` reads in the order the loop runs: the load check before step 1, the step (ending in the metrics'
 log), the stop agreement at the step's end, then torchtitan's save and evaluation, and whether to go on.
@@ -214,50 +215,85 @@ class GuardedValidator(Validator):
             stop.eval_ended(step, interrupted=interrupted, batches=self.gate.batches)
 
 
-class NeuronActivityProfiler(Profiler):
-    """torchtitan's profiler, asking torch.profiler for the Neuron activity too, its runtime traces under the run.
+class GuardedProfiler(Profiler):
+    """torchtitan's profiler (its schedule, trace folder, names and activities), with three changes:
 
-    Why: torchtitan 0.3.0's Profiler asks torch.profiler for the CPU activity, and CUDA's or XPU's where one is
-    available, never the Neuron device's. AWS's guide to PyTorch profiles (Neuron Explorer: aws-neuron/aws-neuron-sdk
-    @a3247f5 tools/neuron-explorer/how-to-profile-workload.rst:122-222, and its successor how-to-profile-pytorch)
-    passes ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile with a
-    `torch_neuronx.profiling.NeuronConfig` as `experimental_config`: its `modes` (ProfileMode.RUNTIME: the
-    runtime's system trace, trace_info.pb and ntrace.pb; ProfileMode.DEVICE: .neff and .ntff, about 5 GB of HBM
-    reserved on trn2, so only with --profile_device) and `profile_output_dir`, under which each process writes a
-    folder `<instance id>_pid_<pid>/`. Here that folder is OUT_DIR/profile_traces/neuron/node<N> (neuron_trace_dir),
-    not the shell's working folder. Unrun here (no Trainium). Remove when torchtitan asks for the PrivateUse1
-    activity and a trace folder itself."""
+    - A resumed run traces its steps as one that never stopped: torchtitan 0.3.0 sets the torch profiler's step
+      after entering it, so the resumed part's first step runs under the schedule's step 0 action, not its own: a
+      stop just before the traced step left that step untraced (and, one step earlier, without its warm-up). Here
+      the step and its action are set before entering.
+    - A stop writes no trace of a step that never ran: leaving the profiler while the next step is the one to
+      record made torch.profiler write an empty trace, named after the last step that did run.
+    - On Neuron, torch.profiler is asked for the Neuron activity too, its runtime traces under the run: torchtitan
+      0.3.0 asks for CPU's, and CUDA's or XPU's where one is available, never the Neuron device's. AWS's guide to
+      PyTorch profiles (Neuron Explorer: aws-neuron/aws-neuron-sdk@a3247f5
+      tools/neuron-explorer/how-to-profile-workload.rst:122-222, and its successor how-to-profile-pytorch) passes
+      ProfilerActivity.CPU and ProfilerActivity.PrivateUse1 to torch.profiler.profile with a
+      `torch_neuronx.profiling.NeuronConfig` as `experimental_config`: its `modes` (ProfileMode.RUNTIME: the
+      runtime's system trace, trace_info.pb and ntrace.pb; ProfileMode.DEVICE: .neff and .ntff, about 5 GB of HBM
+      reserved on trn2, so only with --profile_device) and `profile_output_dir`, under which each process writes a
+      folder `<instance id>_pid_<pid>/`. Here that folder is OUT_DIR/profile_traces/neuron/node<N>
+      (neuron_trace_dir), not the shell's working folder. Unrun here (no Trainium).
+    Remove each when torchtitan does it itself."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Profiler.Config):
         device_mode: bool = False
-        """ProfileMode.DEVICE too (instruction-level traces; reserves about 5 GB of HBM per trn2 core)."""
+        """On Neuron, ProfileMode.DEVICE too (instruction-level traces; reserves about 5 GB of HBM per trn2 core)."""
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> bool:
+        self.closing = True  # the trace torch.profiler would write now is of a step that never ran
+        return super().__exit__(exc_type, exc_val, exc_tb)
 
     def build_torch_profiler(self, *, global_step: int, base_folder: str, leaf_folder: str):
-        """torchtitan's schedule, trace folder and names (torchtitan.tools.profiler), with the Neuron activity."""
+        """torchtitan's build_torch_profiler (torchtitan.tools.profiler, 0.3.0), with the changes above."""
         from torchtitan.tools.profiler import PROFILE_FILE, PROFILE_ITER_DIR
 
         cfg = self._config
         if not cfg.enable_profiling:
             return None
+        self.closing = False
         trace_dir, rank = os.path.join(base_folder, cfg.save_traces_folder), torch.distributed.get_rank()
+        post_processor = cfg.trace_post_processor.build() if cfg.trace_post_processor else None
 
         def trace_handler(prof):
+            if self.closing:
+                return
             folder = os.path.join(trace_dir, PROFILE_ITER_DIR.format(step=prof.step_num), leaf_folder)
             os.makedirs(folder, exist_ok=True)
             prof.export_chrome_trace(os.path.join(folder, PROFILE_FILE.format(rank=rank)))
+            if post_processor is not None:
+                post_processor(os.path.join(folder, PROFILE_FILE.format(rank=rank)))
 
-        runtime_dir = neuron_trace_dir(base_folder, cfg.save_traces_folder)
-        os.makedirs(runtime_dir, exist_ok=True)
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.PrivateUse1]
+        os.makedirs(trace_dir, exist_ok=True)
+        activities, neuron = [torch.profiler.ProfilerActivity.CPU], None
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        elif torch.xpu.is_available():
+            activities.append(torch.profiler.ProfilerActivity.XPU)
+        elif self.on_neuron():
+            activities.append(torch.profiler.ProfilerActivity.PrivateUse1)
+            runtime_dir = neuron_trace_dir(base_folder, cfg.save_traces_folder)
+            os.makedirs(runtime_dir, exist_ok=True)
+            neuron = self.neuron_config(runtime_dir, device_mode=cfg.device_mode)
+        extra = {key: val for key, val in (("repeat", cfg.profiler_repeat), ("skip_first", cfg.profiler_skip_first),
+                                           ("skip_first_wait", cfg.profiler_skip_first_wait)) if val is not None}
         wait = cfg.profile_freq - (cfg.profiler_active + cfg.profiler_warmup)
         profiler = torch.profiler.profile(
             activities=activities, on_trace_ready=trace_handler, record_shapes=True,
-            experimental_config=self.neuron_config(runtime_dir, device_mode=cfg.device_mode),
-            schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active))
+            **({"experimental_config": neuron} if neuron is not None else {}),
+            schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active,
+                                             **extra))
+        profiler.step_num = global_step  # before entering: the next step runs under its own action
+        profiler.current_action = profiler.schedule(global_step)
         profiler.__enter__()
-        profiler.step_num = global_step
         return profiler
+
+    def on_neuron(self) -> bool:
+        """Whether this process trains on a NeuronCore (torchtitan routed to it, torch-neuronx usable)."""
+        from common.device import neuron_available
+
+        return tt_utils.device_type == "neuron" and neuron_available()
 
     def neuron_config(self, folder: str, *, device_mode: bool):
         """AWS's NeuronConfig: the runtime's system trace, the device's traces with `device_mode`, into `folder`."""
