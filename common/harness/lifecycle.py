@@ -263,7 +263,8 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     phases.mark("imports")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
-    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps, cfg.profile_device)  # flags alone: refused before the out_dir exists
+    # flags alone: refused before the out_dir exists
+    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps, cfg.profile_device)
     check_eval_flags(cfg.eval_every, cfg.eval_dataset_path)
     if cfg.compare_losses:
         read_reference_losses(cfg.compare_losses)  # a bad reference (a FIFO too) fails before the out_dir exists
