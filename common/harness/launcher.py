@@ -277,7 +277,8 @@ def _check_own_lock(fd: int, path: Path) -> None:
         raise _refuse_lock(path, "is not a lock file of these scripts (it holds other text)")
 
 
-def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = None, record: dict | None = None) -> int:
+def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = None,
+                record: dict | None = None) -> int:
     """Re-run this script under torchrun with --nproc_per_node workers on this host (with --nnodes > 1: this host's
     share of a run that the same command with another --node_rank starts on each other host); returns the exit
     code. A stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) to this process is passed to the workers, which finish
