@@ -227,13 +227,7 @@ def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activ
         if kept:
             traces.append({"step": step, "path": rel, "bytes": size})
     for step in traced:
-        for path in sorted(folder.glob(PROFILE_TRACE.format(step=step))):
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            if st.st_mtime >= since - 2:
-                traces.append({"step": step, "path": str(path.relative_to(out_dir)), "bytes": st.st_size})
+        traces += [{"step": step, **f} for f in files_since(folder, out_dir, since, PROFILE_TRACE.format(step=step))]
     traced = sorted({t["step"] for t in traces if t["step"] < (steps[0] if steps else 1)}) + traced  # earlier parts'
     out = {"every": every, "steps": traced, "folder": PROFILE_FOLDER, "traces": traces, "activities": activities,
            "format": "Chrome trace JSON, gzipped (chrome://tracing, ui.perfetto.dev, TensorBoard's profile plugin)"}
@@ -245,15 +239,15 @@ def profile_traces(out_dir, *, every: int, steps: list[int], since: float, activ
 NEURON_TRACES = "neuron"  # OUT_DIR/profile_traces/neuron/node<N>: the Neuron runtime's traces (GuardedProfiler)
 
 
-def files_since(folder, out_dir, since: float) -> list[dict]:
-    """The files under `folder` written by this run (modified at or after `since`, 2 s allowed for a coarse clock):
-    [{"path" (relative to OUT_DIR), "bytes"}], sorted by path. A Neuron profile's files (trace_info.pb, ntrace.pb,
-    .ntff, .neff under one `<instance id>_pid_<pid>/` folder a process) are listed whole: Neuron Explorer wants them
-    uploaded together."""
+def files_since(folder, out_dir, since: float, pattern: str = "**/*") -> list[dict]:
+    """The files under `folder` matching `pattern` (any, by default) written by this run (modified at or after
+    `since`, 2 s allowed for a file system's coarse times): [{"path" (relative to OUT_DIR), "bytes"}], sorted by path.
+    A Neuron profile's files (trace_info.pb, ntrace.pb, .ntff, .neff under one `<instance id>_pid_<pid>/` folder a
+    process) are listed whole: Neuron Explorer wants them uploaded together."""
     from pathlib import Path
 
     found = []
-    for path in sorted(Path(folder).rglob("*")):
+    for path in sorted(Path(folder).glob(pattern)):
         try:
             st = path.stat()
         except OSError:

@@ -261,9 +261,10 @@ class GuardedProfiler(Profiler):
                 return
             folder = os.path.join(trace_dir, PROFILE_ITER_DIR.format(step=prof.step_num), leaf_folder)
             os.makedirs(folder, exist_ok=True)
-            prof.export_chrome_trace(os.path.join(folder, PROFILE_FILE.format(rank=rank)))
+            trace = os.path.join(folder, PROFILE_FILE.format(rank=rank))
+            prof.export_chrome_trace(trace)
             if post_processor is not None:
-                post_processor(os.path.join(folder, PROFILE_FILE.format(rank=rank)))
+                post_processor(trace)
 
         os.makedirs(trace_dir, exist_ok=True)
         activities, neuron = [torch.profiler.ProfilerActivity.CPU], None
