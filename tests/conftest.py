@@ -364,7 +364,7 @@ def prepared_assets():
 
 
 # pytest-xdist hands whole files to its three workers (`--dist loadfile`), by default sorted by their number of tests:
-# the stop tests (four tests, a fifth of the suite's time), the chains of runs of test_reshard.py and the one-test
+# the stop tests (their chain of runs, a fifth of the suite's time), the MoE reshard run of test_reshard.py and the one-test
 # compatibility training file came last and ran on alone at the end. Handed out first, they run beside the many
 # short one-process files; every other file
 # keeps xdist's order (most tests first), now given here (`--no-loadscope-reorder`). Handing out every long file

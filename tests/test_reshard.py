@@ -1,31 +1,22 @@
-"""--reshard: a stopped run resumes on another number of ranks. The native script stops on 2 ranks, resumes on 1 and
-stops again, and resumes on 2 to the end; the MoE script stops on 2 ranks and resumes on 1 to the end. After each
-change of world size the resumed state (weights, optimizer state, LR schedule, step) is the checkpoint's, tensor for
-tensor; each step trains on the same sequences as a run that never changed size (the debug trace of every rank), none
-twice and none left out; the losses stay within LOSS_BOUND of that run's. Without the flag the refusal names it; with
-it, another --lr is still refused (both in this process: they end before a launch). The rest (the dealing rule, the
-refusal hints, segments.json, the report's marker) without training."""
+"""--reshard: a stopped run resumes on another number of ranks. The MoE script stops on 2 ranks and resumes on 1 to
+the end: the resumed state (weights, optimizer state, LR schedule, step) is the checkpoint's, tensor for tensor; each
+step trains on the same sequences as a run that never changed size (the debug trace of every rank), none twice and
+none left out; the losses stay within LOSS_BOUND of that run's. The native script's 2 -> 1 -> 2 ranks, and the
+refusals without the flag or with another --lr: tests/test_stop.py's chain. The rest (the dealing rule, the refusal
+hints, segments.json, the report's marker) without training."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 
 import pytest
 
 from common.harness import reshard, resume
 from common.harness.stops import EXIT_STOPPED
-from conftest import TWO_RANKS, assert_clean_error, example_command, read_results, run_example, run_in_process
-from stop_helpers import finish, start, wait_for_step
+from conftest import assert_clean_error, example_command, read_results, run_example, run_in_process
+from stop_helpers import LOSS_BOUND, by_batch, finish, same_state, start, trace, wait_for_step
 
-NATIVE = TWO_RANKS  # the shared 2-rank run's (the stop tests' too), which never changes size
 MOE = ("--steps", "6", "--no-export", "--global_batch_size", "4")  # the shared 2-rank MoE run's; the batch spelled out
-# float32 on CPU. Another world size changes the order of floating-point sums: the gradient norm is summed over
-# shards and then over ranks instead of over whole tensors, AdamW's vectorised loops meet other tensor lengths, and
-# the loss is summed over ranks instead of over micro-steps. Measured: both chains 0 to 1.9e-6 from the uninterrupted
-# run (two float32 steps at loss 11.4). A batch trained twice or left out moves a step's loss by some 1e-2 (step 1's
-# two batches on the same weights: losses 11.959 and 11.900).
-LOSS_BOUND = 1e-4
 
 
 def _stop(cmd: list[str], out, log, after: int) -> dict:
@@ -40,116 +31,11 @@ def _stop(cmd: list[str], out, log, after: int) -> dict:
     return stopped
 
 
-def _trace(folder) -> list[dict]:
-    return [json.loads(line) for f in sorted(folder.glob("data-*.jsonl")) for line in f.read_text().splitlines()]
-
-
-def _by_batch(lines: list[dict]) -> dict:
-    """(step, shard, batch of the step) -> its rows' hashes, each key once. Each shard's documents read never go
-    back (a loader that started its shard anew would). A resumed loader reads one document ahead of an uninterrupted
-    one (torchtitan's reads the next document before it empties its token buffer: the same tokens come out), so
-    the counts themselves are not compared."""
-    out, read = {}, {}
-    for line in sorted(lines, key=lambda x: (x["step"], x["shard"], x["batch"])):
-        key = (line["step"], line["shard"], line["batch"])
-        assert key not in out, f"step {key[0]}'s batch {key[2]} of shard {key[1]} trained twice"
-        out[key] = line["rows"]
-        assert line["documents_read"] >= read.get(line["shard"], 0), line
-        read[line["shard"]] = line["documents_read"]
-    return out
-
-
-def _same_state(out, step: int, dump, tmp_path) -> None:
-    """The state a resumed run started from (its debug dump, gathered from its ranks) is the DCP checkpoint's."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    whole = tmp_path / f"step-{step}.pt"
-    dcp_to_torch_save(out / "checkpoint" / f"step-{step}", whole)  # DCP's own reader, unsharded
-    saved = {}
-    for k, v in torch.load(whole, weights_only=False).items():
-        if k in ("optimizer", "lr_scheduler", "train_state"):
-            saved.update({f"{k}.{kk}": vv for kk, vv in v.items()})
-        elif k != "dataloader":
-            saved[f"model.{k}"] = v
-    resumed = torch.load(dump, weights_only=False)
-    assert set(resumed) == set(saved), sorted(set(resumed) ^ set(saved))[:10]
-    for k, v in saved.items():
-        if isinstance(v, torch.Tensor):
-            assert v.dtype == resumed[k].dtype and torch.equal(v, resumed[k]), k
-        else:
-            assert v == resumed[k], (k, v, resumed[k])
-    assert saved["train_state.step"] == step and any(k.startswith("optimizer.state.") for k in saved)
-
-
-def _refusals(out, root, run) -> dict:
-    """The 1-rank commands without --reshard, and with it but another --lr, each on its own copy of the stopped run's
-    folder (the out_dir is no setting a resume compares), in this process: they end in the checks before a launch,
-    and an in-process command keeps its out_dir's lock until the test process ends."""
-    refused = {}
-    for name, args in (("no flag", NATIVE), ("lr", (*run[:-2], "--lr", "0.01"))):
-        copy = root / f"refused {name}"
-        shutil.copytree(out, copy, symlinks=True)
-        refused[name] = run_in_process("train_native_qwen3.py", *args, "--out_dir", str(copy))
-    return refused
-
-
-@pytest.fixture(scope="module")
-def native(tmp_path_factory, shared_run) -> dict:
-    """The chain: 2 ranks (own launch) stopped after step 3 or so, 1 rank stopped two steps later, 2 ranks (torchrun)
-    to step 8; the two refusals on a copy of the first stop's out_dir (_refusals). Every rank traces its batches; each
-    resume dumps its starting state. Against the shared 2-rank run that never stops (the stop tests' too), traced the same way."""
-    straight, straight_results = shared_run("native_2_ranks_8_steps")
-    root = tmp_path_factory.mktemp("reshard_native")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(reshard.DEBUG_ENV, str(root / "debug"))
-        out, run = root / "chain", (*NATIVE, "--reshard", "--out_dir", str(root / "chain"))
-        first = _stop(example_command("train_native_qwen3.py", *run, "--nproc_per_node", "2"), out, root / "log1", 2)
-        refused = _refusals(out, root, run)
-        second = _stop(example_command("train_native_qwen3.py", *run), out, root / "log2", first["step"] + 2)
-        run_example("train_native_qwen3.py", *run, torchrun=2)
-    return {"root": root, "out": out, "stops": [first["step"], second["step"]], "refused": refused,
-            "straight": straight_results, "straight_trace": straight.parent / f"{straight.name}.trace",
-            "results": read_results(out)}
-
-
-def test_a_resume_on_another_world_size_needs_the_flag_and_the_same_run(native):
-    no_flag, lr = native["refused"]["no flag"], native["refused"]["lr"]
-    assert_clean_error(no_flag, "world size 1 (checkpoint: 2", "(on 1 rank: add --reshard)")
-    assert_clean_error(lr, "--lr 0.01 (checkpoint: 0.003)")
-    assert no_flag.returncode == lr.returncode == 2
-    assert "add --reshard" not in lr.stderr  # the flag does not help there
-
-
-def test_native_resumes_2_then_1_then_2_ranks_as_if_it_never_changed_size(native, tmp_path):
-    out, (s1, s2), res, straight = native["out"], native["stops"], native["results"], native["straight"]
-    assert 2 <= s1 < s2 < 8, (s1, s2)
-    assert res["segments"] == [
-        {"steps": [1, s1], "world_size": 2, "stopped": "SIGTERM",
-         "data": {"shards": 2, "world_size": 2, "exact": True}},
-        {"steps": [s1 + 1, s2], "world_size": 1, "stopped": "SIGTERM",
-         "data": {"shards": 2, "world_size": 1, "exact": True, "resharded_from": {"step": s1, "world_size": 2}}},
-        {"steps": [s2 + 1, 8], "world_size": 2, "stopped": None,
-         "data": {"shards": 2, "world_size": 2, "exact": True, "resharded_from": {"step": s2, "world_size": 1}}}]
-    # the step counter, the LR schedule, the weights and the optimizer state: the checkpoint's, after each change
-    _same_state(out, s1, native["root"] / "debug" / f"resumed-step{s1}-w1.pt", tmp_path)
-    _same_state(out, s2, native["root"] / "debug" / f"resumed-step{s2}-w2.pt", tmp_path)
-    # the data: the same batches each step as the run that never stopped, each trained once, none left out
-    chain, ref = _by_batch(_trace(native["root"] / "debug")), _by_batch(_trace(native["straight_trace"]))
-    assert len(ref) == 8 * 2 and chain == ref  # 8 steps x 2 shards x 1 batch of 2 sequences
-    assert {line["world_size"] for line in _trace(native["root"] / "debug") if s1 < line["step"] <= s2} == {1}
-    # the losses: equal before the first change, within the bound after
-    losses = res["history"]["losses"]
-    assert res["history"]["steps"] == list(range(1, 9)) and losses[:s1] == straight["losses"][:s1]
-    worst = max(abs(a - b) for a, b in zip(losses, straight["losses"]))
-    assert worst <= LOSS_BOUND, (worst, losses, straight["losses"])
-
-
 def test_moe_resumes_2_then_1_rank_as_if_it_never_changed_size(tmp_path, shared_run, monkeypatch):
     """The MoE script (its grouped experts and routing state sharded anew): 2 ranks stopped, 1 rank (--reshard) to the
     end, against the shared 2-rank MoE run (the same settings; its held-out losses change nothing it trains). The
     resumed state is the checkpoint's, every (step, shard) batch trained once, the losses within the bound, and the
-    resumed run's expert load counts its own steps only. (1 -> 2 ranks: the native chain above.)"""
+    resumed run's expert load counts its own steps only. (1 -> 2 ranks: tests/test_stop.py's chain.)"""
     _, straight = shared_run("moe_tiny_2_ranks")
     monkeypatch.setenv(reshard.DEBUG_ENV, str(tmp_path / "debug"))
     out = tmp_path / "o"
@@ -162,10 +48,10 @@ def test_moe_resumes_2_then_1_rank_as_if_it_never_changed_size(tmp_path, shared_
     assert [(s["steps"], s["world_size"], s["stopped"]) for s in res["segments"]] == [
         ([1, s1], 2, "SIGTERM"), ([s1 + 1, 6], 1, None)]
     assert res["segments"][1]["data"]["resharded_from"] == {"step": s1, "world_size": 2}
-    _same_state(out, s1, tmp_path / "debug" / f"resumed-step{s1}-w1.pt", tmp_path)
-    trained = _by_batch(_trace(tmp_path / "debug"))
+    same_state(out, s1, tmp_path / "debug" / f"resumed-step{s1}-w1.pt", tmp_path)
+    trained = by_batch(trace(tmp_path / "debug"))
     assert sorted(trained) == [(step, shard, 0) for step in range(1, 7) for shard in (0, 1)]
-    assert {line["world_size"] for line in _trace(tmp_path / "debug") if line["step"] > s1} == {1}
+    assert {line["world_size"] for line in trace(tmp_path / "debug") if line["step"] > s1} == {1}
     losses = res["history"]["losses"]
     assert losses[:s1] == straight["losses"][:s1]
     worst = max(abs(a - b) for a, b in zip(losses, straight["losses"]))

@@ -1,86 +1,55 @@
-"""--tensor_parallel_degree and --activation_checkpoint. One chain of the native script from the tiny Qwen3's HF
-weights: tensor parallel 2 on 2 ranks stopped (SIGTERM), resumed at tensor parallel 2 to the end, evaluated on held-out
-data and exported; against one uninterrupted rank without activation checkpointing, the same global batch. Between the
-two, the same command on 1 rank is refused without --reshard, in this process (it ends in the checks before a launch).
-The load check and the export check read whole-vocabulary logits from the sharded model (the run fails otherwise).
-A resume on another number of ranks (--reshard, DCP resharding the checkpoint): tests/test_reshard.py's chains.
-Activation checkpointing against none on torchtitan's own model, in-process; the layout rules without training."""
+"""--tensor_parallel_degree and --activation_checkpoint. The native script from the tiny Qwen3's HF weights at tensor
+parallel 2 on 2 ranks (one data-parallel rank), evaluated on held-out data and exported, against one rank without
+activation checkpointing: the same weights, data and global batch. The load check and the export check read
+whole-vocabulary logits from the sharded model (the run fails otherwise). A tensor-parallel run stopped and resumed
+on 1 rank (--reshard), and the refusal without the flag: the chain of tests/test_stop.py. Activation checkpointing
+against none on torchtitan's own model, in-process; the layout rules without training."""
 from __future__ import annotations
-
-import shutil
-import signal
 
 import pytest
 
 from common.harness import launcher, resume
-from common.harness.stops import EXIT_STOPPED
 from common.errors import UserError
-from conftest import assert_clean_error, example_command, read_results, run_example, run_in_process
-from stop_helpers import finish, start, wait_for_step
+from conftest import SAME_RUN, assert_clean_error, read_results, run_example, run_in_process
 
-# The tiny preset's float32 run at half its sequence length, global batch 4 (2 micro-steps of 2 on one
-# data-parallel rank, whether that rank is one process or a tensor-parallel pair).
-RUN = ("--steps", "5", "--seq_len", "64", "--global_batch_size", "4", "--seed", "1")
 # float32 on CPU. Tensor parallel sums each layer's output over two half-width matmuls, in another order than one
 # whole matmul: measured 3.8e-6 over 4 steps at loss 11 (TP 2 against 1 rank). A batch trained twice or left out
 # moves a step's loss by some 1e-2.
 LOSS_BOUND = 1e-4
 
 
-def _stop(cmd, out, log, after: int) -> int:
-    proc = start(cmd, log)
-    wait_for_step(proc, out, after)
-    proc.send_signal(signal.SIGTERM)
-    text = finish(proc)
-    assert proc.returncode == EXIT_STOPPED and "Traceback" not in text, text[-3000:]
-    return read_results(out)["stopped"]["step"]
+# 3 steps of the tiny Qwen3 from its HF weights, float32, global batch 4: 2 micro-steps of 2 on the one
+# data-parallel rank, whether that rank is one process or a tensor-parallel pair
+RUN = ("--steps", "3", *SAME_RUN, "--global_batch_size", "4")
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, prepared_assets) -> dict:
-    """One rank uninterrupted (activation checkpointing off); tensor parallel 2 stopped after step 1 or so, the same
-    command on 1 rank without --reshard on a copy of its folder (refused: the out_dir is no setting a resume compares,
-    and an in-process command keeps its out_dir's lock until the test process ends), tensor parallel 2 resumed to
-    step 5 with a held-out loss at step 5 and the export."""
+def runs(tmp_path_factory, prepared_assets) -> dict:
+    """One rank without activation checkpointing; tensor parallel 2 on 2 ranks (the scripts' own launch) with the
+    builder's, held-out losses at steps 1 and 3, exported."""
     root = tmp_path_factory.mktemp("tensor_parallel")
     weights = ("--hf_checkpoint", str(prepared_assets["tiny_qwen3"]))
-    one = root / "one"
     run_example("train_native_qwen3.py", *RUN, *weights, "--activation_checkpoint", "none", "--no-export",
-                "--out_dir", str(one))
-    out, run = root / "chain", (*RUN, *weights, "--out_dir", str(root / "chain"))
-    tp2 = ("--tensor_parallel_degree", "2", "--nproc_per_node", "2")
-    s1 = _stop(example_command("train_native_qwen3.py", *run, *tp2), out, root / "log1", 1)
-    shutil.copytree(out, root / "refused", symlinks=True)  # an in-process command keeps its out_dir's lock
-    refused = run_in_process("train_native_qwen3.py", *RUN, *weights, "--out_dir", str(root / "refused"))
-    run_example("train_native_qwen3.py", *run, *tp2, "--eval_every", "5", "--eval_steps", "1")  # held-out at step 5
-    return {"one": read_results(one), "chain": read_results(out), "stop": s1, "refused": refused,
-            "first_log": (root / "log1").read_text()}
+                "--out_dir", str(root / "one"))
+    proc = run_example("train_native_qwen3.py", *RUN, *weights, "--tensor_parallel_degree", "2", "--nproc_per_node",
+                       "2", "--eval_every", "3", "--eval_steps", "1", "--out_dir", str(root / "tp2"))
+    return {"one": read_results(root / "one"), "tp": read_results(root / "tp2"), "log": proc.stdout + proc.stderr}
 
 
-def test_tensor_parallel_stopped_and_resumed_trains_as_one_rank(chain):
-    """Tensor parallel 2, stopped and resumed: every step's loss within LOSS_BOUND of one rank's, the load check and
-    the held-out loss of the sharded model, its export re-read by transformers."""
-    one, res, s1 = chain["one"], chain["chain"], chain["stop"]
-    assert 1 <= s1 < 5, s1
-    assert [(s["steps"], s["world_size"], s["stopped"]) for s in res["segments"]] == [
-        ([1, s1], 2, "SIGTERM"), ([s1 + 1, 5], 2, None)]
-    assert res["resumed_from_step"] == s1 and res["steps"] == list(range(s1 + 1, 6))
+def test_tensor_parallel_trains_as_one_rank(runs):
+    """Tensor parallel 2: every step's loss within LOSS_BOUND of one rank's, the load check and the held-out loss of
+    the sharded model, its export re-read by transformers."""
+    tp, one = runs["tp"], runs["one"]
     assert one["layout"] == {"data_parallel_shard": 1, "data_parallel_replicate": 1, "tensor_parallel": 1,
                              "activation_checkpoint": "none"}
-    assert res["layout"] == {**one["layout"], "tensor_parallel": 2, "activation_checkpoint": "full"}  # the builder's
-    assert res["segments"][0]["data"]["data_parallel"] == 1  # the two ranks read one data shard
-    losses = res["history"]["losses"]
-    worst = max(abs(a - b) for a, b in zip(losses, one["losses"]))
-    assert len(losses) == 5 and worst <= LOSS_BOUND, (worst, losses, one["losses"])
-    assert "[load check] max abs logit diff" in chain["first_log"]  # step 1 of the sharded model (else it fails)
-    assert [row["step"] for row in res["eval_losses"]] == [5]  # the held-out loss of the tensor-parallel model
-    check = res["export_check"]  # the export of a tensor-parallel run, re-read by transformers
+    assert tp["layout"] == {**one["layout"], "tensor_parallel": 2, "activation_checkpoint": "full"}  # the builder's
+    assert tp["world_size"] == 2 and tp["segments"][0]["data"]["data_parallel"] == 1  # two ranks, one data shard
+    worst = max(abs(a - b) for a, b in zip(tp["losses"], one["losses"]))
+    assert len(tp["losses"]) == 3 and worst <= LOSS_BOUND, (worst, tp["losses"], one["losses"])
+    assert tp["load_check"]["passed"] and "[load check] max abs logit diff" in runs["log"]  # of the sharded model
+    assert [row["step"] for row in tp["eval_losses"]] == [1, 3]  # held-out losses of the tensor-parallel model
+    check = tp["export_check"]  # the export of a tensor-parallel run, re-read by transformers
     assert check["passed"] and check["max_abs_logit_diff"] <= 1e-5 and not check["missing_keys"], check
-
-
-def test_a_layout_change_needs_the_reshard_flag(chain):
-    assert_clean_error(chain["refused"], "world size 1 (checkpoint: 2", "--tensor_parallel_degree 1 (checkpoint: 2)",
-                       "--reshard")
 
 
 def test_full_activation_checkpointing_computes_what_none_does():

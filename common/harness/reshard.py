@@ -18,10 +18,12 @@ A checkpoint holds three kinds of state, and each comes back on another world si
   keeping its own batches.
 
 `segments.json` (rank 0, beside losses.jsonl) records each part of the run, kept across resumes: its steps, its
-world size, its data shards and why it stopped. With QWEN3_RECIPES_RESHARD_DEBUG set to a folder, each rank writes
-there which batches it trained at each step (`data-w{M}-r{rank}.jsonl`: shard, batch, the shard's documents read,
-a hash of each sequence), and a resumed run writes the whole state it starts from (`resumed-step{S}-w{M}.pt`,
-rank 0): a way to check, on the hardware a run will use, that a change of world size loses nothing.
+world size, its data shards and why it stopped. With QWEN3_RECIPES_RESHARD_DEBUG set to a folder, each process writes
+there which batches it trained at each step (`data-w{M}-r{rank}-p{process}.jsonl`, M data-parallel ranks, the
+data-parallel rank and the process's global rank, so that the tensor-parallel peers of a rank, which train the same
+batches, each write their own file: shard, batch, the shard's documents read, a hash of each sequence), and a resumed
+run writes the whole state it starts from (`resumed-step{S}-w{M}.pt`, rank 0): a way to check, on the hardware a run
+will use, that a change of world size or layout loses nothing.
 """
 from __future__ import annotations
 
@@ -157,7 +159,8 @@ def _make_loader_class():
                                                    **kwargs) for v in self.hosted}
             self.step_of = None  # () -> the trainer's step, for the debug trace (`follow`)
             debug = os.environ.get(DEBUG_ENV)
-            self.trace = Path(debug) / f"data-w{ranks}-r{dp_rank}.jsonl" if debug else None
+            self.process, self.from_step = int(os.environ.get("RANK", "0")), None
+            self.trace = Path(debug) / f"data-w{ranks}-r{dp_rank}-p{self.process}.jsonl" if debug else None
 
         def follow(self, step_of) -> None:
             """`step_of() -> int`: the trainer's step, for the debug trace (GuardedTrainer)."""
@@ -184,8 +187,10 @@ def _make_loader_class():
                 return
             dataset = self.loaders[shard].dataset
             rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch[0]["input"]]
-            line = {"step": self.step_of() if self.step_of else None, "world_size": self.ranks, "rank": self.rank,
-                    "micro_step": micro, "shard": shard, "batch": batch_index, "shards": self.n_shards,
+            step = self.step_of() if self.step_of else None
+            self.from_step = step if self.from_step is None else self.from_step  # this launch's first traced step
+            line = {"step": step, "world_size": self.ranks, "rank": self.rank, "process": self.process,
+                    "from_step": self.from_step, "micro_step": micro, "shard": shard, "batch": batch_index, "shards": self.n_shards,
                     "epoch": getattr(dataset, "_epoch", None), "documents_read": getattr(dataset, "_sample_idx", None),
                     "rows": rows}
             self.trace.parent.mkdir(parents=True, exist_ok=True)
