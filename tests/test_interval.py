@@ -48,11 +48,57 @@ def test_the_auto_interval_from_the_run_s_measured_durations():
     # before a save is measured: the planned 20 s, sqrt(2 x 20 x 7200) = 537 s, 54 steps
     assert watch.due(54, None) and not watch.due(53, None)
     assert watch.interval["save_source"] == "planned" and watch.interval["every_steps"] == 54
-    stop.save_s = [40.0]  # measured: sqrt(2 x 40 x 7200) = 759 s, 76 steps, counted from the last save
+    stop.saved(54, 40.0, 40.0)  # measured: sqrt(2 x 40 x 7200) = 759 s, 76 steps, counted from the last save
     watch.saved()
     assert watch.interval["every_steps"] == 76 and watch.interval["save_source"] == "measured"
     assert watch.due(54 + 76, 54) and not watch.due(54 + 75, 54)
     assert watch.verdict["fits"] and watch.verdict["worst_s"] == 30.0 + 40.0 - 18.0  # the longest step after step 1
+
+
+def test_an_asynchronous_save_s_wait_sets_the_interval_and_its_whole_write_the_verdict():
+    """--async_checkpoint: training waits 2 s for a save whose write takes 111 s. The interval is the wait's
+    (sqrt(2 x 2 x 7200) = 170 s, 17 steps of 10 s), at once; the verdict (a stop's save is written whole) is the
+    planned save's until the write has ended, then the write's: a step and 111 s do not fit 120 s."""
+    stop = StopControl(end=None, margin_s=120, is_main=False)
+    watch = interval.SaveWatch(every="auto", mtbi_h=2, planned_save_s=20, notice_s=120, comm_timeout_s=600,
+                               price_per_hour=None, evaluates=False, is_main=False, async_saves=True)
+    watch.follow(stop)
+    stop.steps_s = [30.0, 10.0, 10.0]
+    stop.saved(3, 2.0, None)  # the wait measured, the write going on
+    watch.saved()
+    assert watch.interval["every_steps"] == 17 and watch.interval["save_s"] == 2.0
+    assert watch.interval["save_source"] == "measured, the part training waits for"
+    assert watch.verdict["fits"] and watch.verdict["save_source"] == "planned"  # no write measured yet
+    stop.written(111.0)
+    watch.written()
+    assert not watch.verdict["fits"] and watch.verdict["save_s"] == 111.0 and watch.verdict["worst_s"] == 121.0
+    assert watch.interval["every_steps"] == 17  # the write does not move the interval
+    assert watch.results()["saves"] == {"asynchronous": True, "each": [{"step": 3, "wait_s": 2.0, "write_s": 111.0}]}
+
+
+def test_with_async_saves_training_waits_for_the_copy_and_a_stop_for_the_whole_write(tmp_path, monkeypatch):
+    """--async_checkpoint --checkpoint_every 4, each save's background write slowed by 3 s (tests/slow_native_qwen3.py);
+    SIGTERM once step 6 is logged. The save of step 4 held training for less than its write (the copy of the state,
+    under a second here); the stop's save, asynchronous too, was waited for: exit 75 once its checkpoint is whole,
+    training having waited the whole write; the verdict is the whole write's."""
+    out = tmp_path / "o"
+    cmd = [str(ROOT / "tests" / "slow_native_qwen3.py") if a.endswith("train_native_qwen3.py") else a
+           for a in example_command("train_native_qwen3.py", "--steps", "12", "--no-export", "--seq_len", "64",
+                                    "--checkpoint_every", "4", "--async_checkpoint", "--out_dir", str(out))]
+    monkeypatch.setenv("SLOW_SAVE_S", "3")  # read when the command starts
+    proc = start(cmd, tmp_path / "log")
+    wait_for_step(proc, out, 6)
+    proc.send_signal(signal.SIGTERM)
+    text = finish(proc)
+    assert proc.returncode == EXIT_STOPPED, text[-3000:]
+    res = read_results(out)
+    stopped = res["stopped"]["step"]
+    periodic, last = res["saves"]["each"][0], res["saves"]["each"][-1]
+    assert res["saves"]["asynchronous"] and periodic["step"] == 4 and last["step"] == stopped >= 6, res["saves"]
+    assert periodic["wait_s"] < 3 <= periodic["write_s"], periodic  # training went on while it was written
+    assert 3 <= last["write_s"] <= last["wait_s"], last  # the stop's save: waited for, whole
+    assert (out / "checkpoint" / f"step-{stopped}" / ".metadata").is_file()
+    assert res["stop_safety"]["save_s"] == max(r["write_s"] for r in res["saves"]["each"])
 
 
 def test_auto_needs_its_two_figures(tmp_path):

@@ -5,12 +5,14 @@ work, and the stop-safety verdict, whether a stop notice covers the stop.
   reclaim whose notice was missed) loses the work since the last save, half an interval on average. With a mean
   time between interruptions M, Young's first-order optimum (J. W. Young, "A first order approximation to the
   optimum checkpoint interval", CACM 1974) is T = sqrt(2 C M) seconds of training between saves; here in whole
-  steps. C is the longest save measured in this run, or before the first one the planned checkpoint's size over
-  --storage_gb_per_s; it is derived again after each measured save.
+  steps. C is the longest save measured in this run (with --async_checkpoint, the part of it training waits for:
+  the copy of the state; the write goes on beside the steps), or before the first one the planned checkpoint's size
+  over --storage_gb_per_s; it is derived again after each measured save.
 - The verdict. A stop (common/harness/stops.py) ends at the next step boundary and saves: after a signal it needs
   the rest of the step in progress (at most one step), or, during a held-out evaluation, the rest of one held-out
   batch (a stop agreed at a step skips that step's evaluation), then the save. It fits when that worst case is
-  within the notice (EC2 spot's 120 s by default; SLURM's `--signal`: what the user set), and when every rank's
+  within the notice (EC2 spot's 120 s by default; SLURM's `--signal`: what the user set; a stop save is written
+  whole before the run ends, so its time is a whole write, asynchronous periodic saves or not), and when every rank's
   wait in the save's collectives (the slowest shard's write) is within the process groups' timeout
   (--comm_timeout_s, torchtitan's comm.train_timeout_seconds after step 1).
 """
@@ -93,8 +95,9 @@ class SaveWatch:
     batches and saves)."""
 
     def __init__(self, *, every: str, mtbi_h: float | None, planned_save_s: float | None, notice_s: float,
-                 comm_timeout_s: float, price_per_hour: float | None, evaluates: bool, is_main: bool):
-        self.auto = every == "auto"
+                 comm_timeout_s: float, price_per_hour: float | None, evaluates: bool, is_main: bool,
+                 async_saves: bool = False):
+        self.auto, self.async_saves = every == "auto", async_saves
         self.mtbi_s = mtbi_h * 3600 if mtbi_h else None
         self.planned_save_s, self.notice_s, self.comm_timeout_s = planned_save_s, notice_s, comm_timeout_s
         self.price_per_hour, self.evaluates, self.is_main = price_per_hour, evaluates, is_main
@@ -114,9 +117,20 @@ class SaveWatch:
         return statistics.median(steps[1:]) if len(steps) > 1 else steps[0]
 
     def save(self) -> tuple[float | None, str]:
+        """The longest whole write measured (a stop save's), else the planned one."""
         if self.stop.save_s:
             return max(self.stop.save_s), "measured"
         return self.planned_save_s, "planned"
+
+    def save_cost(self) -> tuple[float | None, str]:
+        """What a periodic save costs training: the longest wait measured (the whole save unless asynchronous), else
+        the planned whole write."""
+        if self.stop.blocking_s:
+            return max(self.stop.blocking_s), self._measured()
+        return self.planned_save_s, "planned"
+
+    def _measured(self) -> str:
+        return "measured, the part training waits for" if self.async_saves else "measured"
 
     def due(self, step: int, last_saved: int | None) -> bool:
         """With --checkpoint_every auto: whether `step` is a save step (`last_saved`: the step of this process's last
@@ -125,7 +139,7 @@ class SaveWatch:
         return every is not None and step - (self.started_after if last_saved is None else last_saved) >= every
 
     def _derive(self) -> int | None:
-        step_s, (seconds, source) = self._agreed(self.step_s(), self.save())
+        step_s, (seconds, source) = self._agreed(self.step_s(), self.save_cost())
         if step_s is None or seconds is None or not self.mtbi_s:
             return None
         every = young_interval_steps(seconds, step_s, self.mtbi_s)
@@ -149,13 +163,18 @@ class SaveWatch:
                              1.0 if source == "measured" else 0.0], device=self.stop.device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         a, b, measured = mine.tolist()
-        return (a if a >= 0 else None), ((b if b >= 0 else None), "measured" if measured else source)
+        return (a if a >= 0 else None), ((b if b >= 0 else None), self._measured() if measured else source)
 
     def saved(self) -> None:
         """After a measured save: the verdict (said when it is first known and when it changes), and the auto
         interval derived again."""
         if self.auto:
             self._derive()
+        self.written()
+
+    def written(self) -> None:
+        """After a save's whole write is known (at once for a synchronous save, later for an asynchronous one): the
+        verdict, said when it is first known and when it changes. This rank's alone: no collective."""
         verdict = self.judge()
         if verdict is not None and (self.verdict is None or self.verdict["fits"] != verdict["fits"]) and self.is_main:
             print(format_verdict(verdict), flush=True)
@@ -171,6 +190,8 @@ class SaveWatch:
                             comm_timeout_s=self.comm_timeout_s, save_source=source, evaluates=self.evaluates)
 
     def results(self) -> dict:
-        """results.json's `checkpoint_interval` (auto only) and `stop_safety` (None: neither a save measured nor one
-        planned with --storage_gb_per_s)."""
-        return {"checkpoint_interval": self.interval if self.auto else None, "stop_safety": self.judge()}
+        """results.json's `checkpoint_interval` (auto only), `stop_safety` (None: neither a save measured nor one
+        planned with --storage_gb_per_s) and `saves` (each resumable save of this process: its step, the seconds
+        training waited for it and its whole write)."""
+        return {"checkpoint_interval": self.interval if self.auto else None, "stop_safety": self.judge(),
+                "saves": {"asynchronous": self.async_saves, "each": self.stop.saves}}

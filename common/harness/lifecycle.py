@@ -78,6 +78,12 @@ class Guards:
         "help": "the warning a stop comes with (EC2 spot: 120 s; SLURM: its --signal's lead): the run says whether a "
                 "stop (the rest of a step or held-out batch, then the save) fits it, as soon as a save is measured. "
                 "--stop_margin_s is the same room kept before --time_limit", **cli.bounds(above=0.0, high=1e6)})
+    async_checkpoint: bool = field(default=False, metadata={
+        "help": "write periodic saves in the background (torchtitan's checkpoint.async_mode 'async': a thread of each "
+                "rank writes while training goes on; the training waits for the state's copy only, and a save waits "
+                "for the write before it). The auto interval uses the wait, the stop-notice verdict the whole write; "
+                "a stop's save and the last step's are written whole before the run ends. Costs a copy of the "
+                "checkpointed state in host memory while it is written"})
     keep_checkpoints: int = field(default=2, metadata={
         "help": "resumable checkpoints kept in OUT_DIR/checkpoint, the newest (torchtitan's keep_latest_k; 0: all). "
                 "Each holds the float32 weights and AdamW state, 12 bytes a parameter (a 4B model: 48 GB): the "
@@ -389,6 +395,7 @@ class GuardHooks(Hooks):
         every = int(cfg.checkpoint_every) if cfg.checkpoint_every != "auto" else 0  # auto: GuardedCheckpointer's
         tc.checkpoint.interval = every or cfg.steps + 1
         tc.checkpoint.keep_latest_k = cfg.keep_checkpoints
+        tc.checkpoint.async_mode = "async" if cfg.async_checkpoint else "disabled"
         self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; segments.json
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
         if cfg.profile:  # torchtitan's profiler, traces in OUT_DIR/profile_traces
@@ -420,7 +427,8 @@ class GuardHooks(Hooks):
         self.saves = interval.SaveWatch(
             every=cfg.checkpoint_every, mtbi_h=cfg.mean_hours_between_interruptions,
             planned_save_s=planned_save_s(shape, cfg), notice_s=cfg.stop_notice_s, comm_timeout_s=cfg.comm_timeout_s,
-            price_per_hour=cfg.price_per_hour, evaluates=bool(cfg.eval_every), is_main=dev.is_main)
+            price_per_hour=cfg.price_per_hour, evaluates=bool(cfg.eval_every), is_main=dev.is_main,
+            async_saves=cfg.async_checkpoint)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
         peak = self.peak["value"]
         metrics = same_fields(

@@ -69,6 +69,7 @@ torchtitan.components.checkpoint:CheckpointManager.save | curr_step last_step @ 
 torchtitan.components.checkpoint:CheckpointManager._should_save | curr_step last_step @ native hf moe
 torchtitan.components.checkpoint:CheckpointManager._save | curr_step last_step @ native hf moe
 torchtitan.components.checkpoint:CheckpointManager._load | step @ native hf moe
+torchtitan.components.checkpoint:CheckpointManager.maybe_wait_for_saving @ native hf moe
 torchtitan.components.validate:Validator.__init__ | config @ native hf moe
 torchtitan.components.validate:Validator.validate | model_parts step @ native hf moe
 torchtitan.components.validate:Validator.should_validate | step @ native hf moe
@@ -126,7 +127,7 @@ torchtitan.config.configs:TrainingConfig steps local_batch_size global_batch_siz
     @ native hf moe
 torchtitan.config.configs:TrainingConfig disable_cuda_graphs? @ native hf moe
 torchtitan.components.checkpointer.dcp:CheckpointManager.Config enable interval initial_load_path initial_load_in_hf
-    last_save_model_only last_save_in_hf export_dtype load_only @ native hf moe
+    last_save_model_only last_save_in_hf export_dtype load_only keep_latest_k async_mode @ native hf moe
 torchtitan.components.optimizer.lr_scheduler:LRSchedulersContainer.Config warmup_steps @ native hf moe
 torchtitan.hf_datasets.text_datasets:HuggingFaceTextDataLoader.Config dataset dataset_path @ native hf moe
 torchtitan.config.configs:DebugConfig seed deterministic @ native hf moe

@@ -190,7 +190,8 @@ def _make_loader_class():
             step = self.step_of() if self.step_of else None
             self.from_step = step if self.from_step is None else self.from_step  # this launch's first traced step
             line = {"step": step, "world_size": self.ranks, "rank": self.rank, "process": self.process,
-                    "from_step": self.from_step, "micro_step": micro, "shard": shard, "batch": batch_index, "shards": self.n_shards,
+                    "from_step": self.from_step, "micro_step": micro, "shard": shard, "batch": batch_index,
+                    "shards": self.n_shards,
                     "epoch": getattr(dataset, "_epoch", None), "documents_read": getattr(dataset, "_sample_idx", None),
                     "rows": rows}
             self.trace.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "expor
               "master_addr", "master_port", "oversubscribe", "reshard",
               "device", "lnc", "dry_run", "dry_run_ranks", "per_core_gib", "eval_every", "eval_steps", "eval_dataset_path", "tensorboard",
               "peak_tflops", "price_per_hour", "assumed_mfu", "profile", "profile_freq", "comm_timeout_s",
-              "neff_cache_dir", "rendezvous_wait_s", "check_efa", "keep_checkpoints", "disk_check",
+              "neff_cache_dir", "rendezvous_wait_s", "check_efa", "keep_checkpoints", "async_checkpoint", "disk_check",
               "mean_hours_between_interruptions", "storage_gb_per_s", "stop_notice_s"}
 
 # The layout of the ranks and the memory it trades, which --reshard may change (DCP reshards the tensors).

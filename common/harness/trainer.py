@@ -124,7 +124,11 @@ def step_peak_bytes() -> int:
 
 class GuardedCheckpointer(CheckpointManager):
     """torchtitan's checkpoint manager, saving the step a stop ends at (common/harness/stops.py) through its own
-    save, timing each save for --time_limit, and writing the last step's HF save only with --export."""
+    save, timing each save for --time_limit, and writing the last step's HF save only with --export. With
+    torchtitan's asynchronous saves (--async_checkpoint: `async_mode` "async", the write in a thread of each rank
+    while training goes on), a save's wait and its whole write are timed apart (the write's end is read at the next
+    step's save call, or at the end of training), and a stop's save is waited for: written whole before the run
+    ends."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -136,6 +140,7 @@ class GuardedCheckpointer(CheckpointManager):
         self.guard_config = config
         self.stop = self.watch = None
         self.saved_at: int | None = None  # the step of this process's last resumable save
+        self.writing: tuple[float, list] | None = None  # an asynchronous save in flight: its start, [its end]
 
     def follow(self, stop, watch=None) -> None:
         """The run's stop control (a stop agreed at a step makes that step a save step) and its save watch
@@ -154,15 +159,39 @@ class GuardedCheckpointer(CheckpointManager):
         return super()._should_save(curr_step, last_step)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        self.note_written()
         t0 = time.monotonic()
-        saved = super()._save(curr_step, last_step)
+        saved = super()._save(curr_step, last_step)  # waits for the asynchronous save before it, if any
         if saved and not last_step:
             self.saved_at = curr_step
+            self.note_written()
+            if self.save_future is not None and self.stop is not None and self.stop.stopped_at == curr_step:
+                self.maybe_wait_for_saving()  # a stop's save: written whole before the run ends
+            blocking = written = time.monotonic() - t0  # written by now, unless still being written:
+            if self.save_future is not None:
+                ended: list[float] = []
+                self.save_future.add_done_callback(lambda _future: ended.append(time.monotonic()))  # a time only
+                self.writing, written = (t0, ended), None
             if self.stop is not None:
-                self.stop.saved(curr_step, time.monotonic() - t0)
+                self.stop.saved(curr_step, blocking, written)
             if self.watch is not None:
                 self.watch.saved()
         return saved
+
+    def note_written(self) -> None:
+        """An asynchronous save that has ended since: its whole write's time, and the verdict on it (this rank's)."""
+        if self.writing is not None and self.writing[1]:
+            (t0, (end,)), self.writing = self.writing, None
+            if self.stop is not None:
+                self.stop.written(end - t0)
+            if self.watch is not None:
+                self.watch.written()
+
+    def finish_writing(self) -> None:
+        """At the end of training: the asynchronous save still in flight written whole (before the process group
+        goes), and its time noted."""
+        self.maybe_wait_for_saving()
+        self.note_written()
 
     def _load(self, step: int = -1) -> bool:
         from common.harness import reshard
@@ -337,7 +366,9 @@ def guarded_trainer(config_class: type) -> type:
 
         def train(self):
             self.guards.compile_cache.start()  # the compile cache's entries before step 1
-            return super().train()
+            trained = super().train()
+            self.checkpointer.finish_writing()  # an asynchronous save still being written: whole before the end
+            return trained
 
         def train_step(self, data_iterator):
             first = self.first_step is None
