@@ -12,6 +12,22 @@ from conftest import ROOT, assert_clean_error, example_command, read_results, ru
 from stop_helpers import finish, start, wait_for_step
 
 
+def _stopped_with_slow_saves(tmp_path, monkeypatch, after: int, *args: str) -> tuple[dict, str]:
+    """The native script (tests/slow_native_qwen3.py: every save's write 3 s longer) with `args`, 64-token sequences,
+    no export, into tmp_path/o; SIGTERM once step `after` is logged; it stops with exit 75. (results, output)."""
+    out = tmp_path / "o"
+    cmd = [str(ROOT / "tests" / "slow_native_qwen3.py") if a.endswith("train_native_qwen3.py") else a
+           for a in example_command("train_native_qwen3.py", *args, "--no-export", "--seq_len", "64", "--out_dir",
+                                    str(out))]
+    monkeypatch.setenv("SLOW_SAVE_S", "3")  # read when the command starts
+    proc = start(cmd, tmp_path / "log")
+    wait_for_step(proc, out, after)
+    proc.send_signal(signal.SIGTERM)
+    text = finish(proc)
+    assert proc.returncode == EXIT_STOPPED, text[-3000:]
+    return read_results(out), text
+
+
 def test_youngs_interval_in_steps():
     # a 60 s save, an interruption a day on average: sqrt(2 x 60 x 86400) = 3220 s of training, 322 steps of 10 s
     assert interval.young_interval_steps(60, 10, 86400) == 322
@@ -82,16 +98,8 @@ def test_with_async_saves_training_waits_for_the_copy_and_a_stop_for_the_whole_w
     under a second here); the stop's save, asynchronous too, was waited for: exit 75 once its checkpoint is whole,
     training having waited the whole write; the verdict is the whole write's."""
     out = tmp_path / "o"
-    cmd = [str(ROOT / "tests" / "slow_native_qwen3.py") if a.endswith("train_native_qwen3.py") else a
-           for a in example_command("train_native_qwen3.py", "--steps", "12", "--no-export", "--seq_len", "64",
-                                    "--checkpoint_every", "4", "--async_checkpoint", "--out_dir", str(out))]
-    monkeypatch.setenv("SLOW_SAVE_S", "3")  # read when the command starts
-    proc = start(cmd, tmp_path / "log")
-    wait_for_step(proc, out, 6)
-    proc.send_signal(signal.SIGTERM)
-    text = finish(proc)
-    assert proc.returncode == EXIT_STOPPED, text[-3000:]
-    res = read_results(out)
+    res, _ = _stopped_with_slow_saves(tmp_path, monkeypatch, 6, "--steps", "12", "--checkpoint_every", "4",
+                                      "--async_checkpoint")
     stopped = res["stopped"]["step"]
     periodic, last = res["saves"]["each"][0], res["saves"]["each"][-1]
     assert res["saves"]["asynchronous"] and periodic["step"] == 4 and last["step"] == stopped >= 6, res["saves"]
@@ -112,20 +120,11 @@ def test_a_save_three_times_longer_than_the_notice_is_reported_as_soon_as_it_is_
     """Every save slowed by 3 s, a notice of 1 s, --checkpoint_every auto; SIGTERM once step 2 is logged (the save
     after step 1 is done by then: it comes before step 2 trains): the warning comes after the first save, the stop
     still saves and exits 75, and results.json holds the verdict and the interval with its inputs."""
-    out = tmp_path / "o"
     # an interruption every 3.6 ms: sqrt(2 x save x MTBI) is under 0.2 s, so the interval is one step at any step
     # time above that, and the first save (after step 1) comes before the signal, on a fast machine or a busy one
-    cmd = [str(ROOT / "tests" / "slow_native_qwen3.py") if a.endswith("train_native_qwen3.py") else a
-           for a in example_command("train_native_qwen3.py", "--steps", "8", "--no-export", "--seq_len", "64",
-                                    "--checkpoint_every", "auto", "--mean_hours_between_interruptions", "0.000001",
-                                    "--storage_gb_per_s", "0.1", "--stop_notice_s", "1", "--out_dir", str(out))]
-    monkeypatch.setenv("SLOW_SAVE_S", "3")  # read when the command starts
-    proc = start(cmd, tmp_path / "log")
-    wait_for_step(proc, out, 2)
-    proc.send_signal(signal.SIGTERM)
-    text = finish(proc)
-    assert proc.returncode == EXIT_STOPPED, text[-3000:]
-    res = read_results(out)
+    res, text = _stopped_with_slow_saves(tmp_path, monkeypatch, 2, "--steps", "8", "--checkpoint_every", "auto",
+                                         "--mean_hours_between_interruptions", "0.000001", "--storage_gb_per_s", "0.1",
+                                         "--stop_notice_s", "1")
     v = res["stop_safety"]
     assert not v["fits"] and v["save_source"] == "measured" and v["save_s"] >= 3 >= 3 * v["notice_s"], v
     assert "[stop notice] a stop needs" in text and "WARNING it does not fit" in text
