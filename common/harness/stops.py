@@ -124,9 +124,8 @@ class StopControl:
         self.reason: str | None = None
         self.first_at = 0.0
         self.stopped_at: int | None = None
-        self.save_s: list[float] = []  # each resumable save's whole write: the room a stop save (synchronous) needs
-        self.blocking_s: list[float] = []  # what training waited for each (less than the write: --async_checkpoint)
-        self.saves: list[dict] = []  # each save of this process: its step, wait and whole write (None: being written)
+        self.saves: list[dict] = []  # each resumable save of this process: its step, the seconds training waited
+        # for it and its whole write (None while an asynchronous one is being written)
         self.steps_s: list[float] = []  # each step of this process (an evaluation's and a save's time not included)
         self.step_s = 0.0  # the longest step measured
         self.eval_s = 0.0  # the longest evaluation measured
@@ -221,16 +220,22 @@ class StopControl:
         """A resumable save of `step` held training for `blocking_s` and was written in `written_s`
         (GuardedCheckpointer; None: still being written, `written` later): the room a stop save needs is the whole
         write."""
-        self.blocking_s.append(blocking_s)
         self.saves.append({"step": step, "wait_s": blocking_s, "write_s": written_s})
-        if written_s is not None:
-            self.save_s.append(written_s)
         self._last = time.monotonic()
 
     def written(self, seconds: float) -> None:
         """The last save's whole write, known once it ended (an asynchronous save's)."""
-        self.save_s.append(seconds)
         self.saves[-1]["write_s"] = seconds
+
+    @property
+    def save_s(self) -> list[float]:
+        """Each save's whole write, where known: the room a stop's save (always waited for) needs."""
+        return [s["write_s"] for s in self.saves if s["write_s"] is not None]
+
+    @property
+    def blocking_s(self) -> list[float]:
+        """What training waited for each save (less than the write with --async_checkpoint)."""
+        return [s["wait_s"] for s in self.saves]
 
     def _eval_due(self, step: int) -> bool:
         validator = getattr(self.trainer, "validator", None)
