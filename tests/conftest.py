@@ -1,7 +1,6 @@
 """Shared helpers: run an example as a subprocess (the real CLI) and read its results.json."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -9,8 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -31,18 +28,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages (compat_check, hf_backend)
 
 
-# torchrun's workers in the tests are forked by this test process's pre-forked runner (tests/prefork.py) instead of
-# starting a fresh interpreter each: torchrun starts PYTHON_EXEC (the executable it documents for its workers), here
-# tests/torchrun_worker.py, which asks the runner at the socket for the worker and stands for it towards torchrun.
-_WORKERS = Path(tempfile.mkdtemp(prefix="qwen3-tests-", dir="/tmp" if os.path.isdir("/tmp") else None))  # a socket
-# path has at most 107 bytes: /tmp rather than a long TMPDIR
-WORKER_SOCKET = str(_WORKERS / "workers")
-WORKER_EXEC = _WORKERS / "python"
-WORKER_EXEC.write_text(f"#!{sys.executable} -S\n" + (ROOT / "tests" / "torchrun_worker.py").read_text())
-WORKER_EXEC.chmod(0o755)
-atexit.register(shutil.rmtree, _WORKERS, ignore_errors=True)
-
-
 def script_env() -> dict:
     # One torch thread per script process (as torchrun gives each worker): two test workers share the 2 cores
     # of CI, and a second thread per process only waits for a busy core.
@@ -52,8 +37,7 @@ def script_env() -> dict:
     # are). What they change: docs/testing.md.
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ["OMP_NUM_THREADS"],
-               MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="17179869184",
-               PYTHON_EXEC=str(WORKER_EXEC), QWEN3_TEST_WORKERS=WORKER_SOCKET, QWEN3_TEST_PYTHON=sys.executable)
+               MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="17179869184")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
@@ -76,106 +60,54 @@ def example_command(script: str, *args: str, torchrun: int = 0) -> list[str]:
     return [sys.executable, path, *args]
 
 
-class _Prefork:
-    """The client of tests/prefork.py: one server per test process and kind, started on first use."""
-
-    def __init__(self, torchtitan: bool):
-        self.lock = threading.Lock()
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "prefork.py"),
-                                      *(["--torchtitan", "--workers", WORKER_SOCKET] if torchtitan else [])],
-                                     cwd=ROOT, env=script_env(),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self.proc.stdout.readline()
-        if not ready:
-            raise RuntimeError(f"tests/prefork.py did not start (exit {self.proc.wait()})")
-
-    def ask(self, request: dict, cmd: list[str]) -> dict:
-        with self.lock:
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = self.proc.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"tests/prefork.py ended (exit {self.proc.wait()}) while running {cmd}")
-        return json.loads(reply)
-
-    def run(self, cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory(prefix="prefork_") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            reply = self.ask({"argv": cmd[1:], "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
-                              "timeout": timeout}, cmd)
-            stdout = out.read_text(errors="replace") if out.exists() else ""
-            stderr = err.read_text(errors="replace") if err.exists() else ""
-        if reply["timed_out"]:
-            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(cmd, reply["rc"], stdout, stderr)
+_LAUNCH_LOG = os.environ.get("QWEN3_TEST_LAUNCH_LOG")
 
 
-class PreforkedProcess:
-    """A command started in the background by tests/prefork.py, with the members of subprocess.Popen that the tests
-    use: pid, poll, wait, returncode, send_signal, kill. Its parent is the pre-forked runner, not the test."""
-
-    def __init__(self, server: _Prefork, pid: int, cmd: list[str]):
-        self.server, self.pid, self.args, self.returncode = server, pid, cmd, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.server.ask({"op": "poll", "pid": self.pid}, self.args)["rc"]
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            reply = self.server.ask({"op": "wait", "pid": self.pid, "timeout": timeout}, self.args)
-            if reply["timed_out"]:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = reply["rc"]
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+def _logged(cmd: list[str], seconds: float) -> None:
+    if _LAUNCH_LOG:
+        with open(_LAUNCH_LOG, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "cmd": cmd[1:4],
+                                "s": round(seconds, 2)}) + "\n")
 
 
-_prefork: dict[bool, _Prefork] = {}
+def start_python(cmd: list[str], output: Path | str, cwd: Path = ROOT) -> subprocess.Popen:
+    """`subprocess.Popen(cmd)` for a command that a test signals or kills while it runs: a process group of its
+    own (a signal to the group reaches the command as a terminal's Ctrl-C would), SIGINT at its default as in a
+    terminal, its stdout and stderr in the file `output` (os.devnull for none)."""
+    _logged(cmd, 0)
+    with open(output, "ab") as log:
+        return subprocess.Popen(cmd, cwd=cwd, env=script_env(), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def _server(torchtitan: bool) -> _Prefork:
-    server = _prefork.get(torchtitan)
-    if server is None or server.proc.poll() is not None:
-        server = _prefork[torchtitan] = _Prefork(torchtitan)
-    return server
+def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` with the scripts' environment (script_env), in a process
+    group of its own (as a command typed in a terminal: a signal the command sends its group stays in it)."""
+    t0 = time.monotonic()
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=script_env() if env is None else env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        _logged(cmd, time.monotonic() - t0)
 
 
-def start_python(cmd: list[str], output: Path | str, cwd: Path = ROOT) -> PreforkedProcess:
-    """`subprocess.Popen(cmd)` for a `python SCRIPT ...` or `python -m MODULE ...` command that a test signals or
-    kills while it runs, served by tests/prefork.py (the script in a process and process group of its own, SIGINT
-    as in a terminal), its stdout and stderr in the file `output` (os.devnull for none)."""
-    assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
-    server = _server(True)
-    pid = server.ask({"op": "start", "argv": cmd[1:], "cwd": str(cwd), "env": script_env(), "stdout": str(output),
-                      "stderr": str(output)}, cmd)["pid"]
-    return PreforkedProcess(server, pid, cmd)
+# The scripts that run as a process of their own even on one process: torchtitan's Transformers backend replaces
+# transformers' init functions in the process it runs in (a test process that ran it would build every later
+# transformers model through them).
+OWN_PROCESS = ("train_hf_backend.py",)
 
 
-def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT, timeout: float = 600,
-               torchtitan: bool = True) -> subprocess.CompletedProcess:
-    """`subprocess.run(cmd, capture_output=True, text=True)` for a `python SCRIPT ...` or
-    `python -m MODULE ...` command, served by tests/prefork.py: the same script in a process of its
-    own, without the seconds of imports (`torchtitan=False`: torchtitan not imported yet, for a command
-    that must find a shadow of it first on its path). Commands a test signals or kills: start_python."""
-    assert cmd[0] == sys.executable and cmd[1] not in ("-c", "-u"), cmd
-    if env is not None and env.get("PYTHONPATH") != script_env().get("PYTHONPATH"):
-        raise ValueError("run_python cannot change PYTHONPATH (the pre-forked runner's path is set when it starts): "
-                         "start such a command with subprocess")
-    return _server(torchtitan).run(cmd, Path(cwd), script_env() if env is None else env, timeout)
-
-
-def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600,
-                check: bool = True) -> subprocess.CompletedProcess:
+def run_example(script: str, *args: str, torchrun: int = 0, timeout: int = 600, check: bool = True,
+                process: bool = False) -> subprocess.CompletedProcess:
+    """An example's command line, its exit code and output: under torchrun, self-launched (`--nproc_per_node`), a
+    script of OWN_PROCESS or with `process` a real process (run_python); else in this test process (run_in_process,
+    the script as `__main__` with the scripts' environment), without a fresh interpreter's seconds of imports."""
     cmd = example_command(script, *args, torchrun=torchrun)
-    proc = run_python(cmd, timeout=timeout)
+    if torchrun or process or script in OWN_PROCESS or "--nproc_per_node" in args:
+        proc = run_python(cmd, timeout=timeout)
+    else:
+        proc = run_in_process(script, *args, env=script_env())
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
@@ -187,11 +119,12 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
     """An example's command line run in this test process, as `python examples/SCRIPT ARGS` runs it: the script
     itself as `__main__` (its own `if __name__ == "__main__":` entry, not a function the test picks), with its
     arguments in sys.argv, its stdout and stderr captured, its exit code from SystemExit; a traceback that escapes
-    it is its stderr with exit code 1, as the interpreter would print it. For the refusals and checks that end before
-    a launch or a build (a training run that a test reads, signals or kills runs as a process: run_example,
+    it is its stderr with exit code 1, as the interpreter would print it. For the refusals, the checks and the
+    one-process training runs that a test reads after they end (a run a test signals or kills runs as a process:
     start_python), without a fresh interpreter's seconds of imports. What the run changes in this process is put
-    back: the environment, the folder, sys.argv, sys.path, the signal handlers, the root logger's handlers and the
-    out_dir lock the run took (released, as its process's end would release it). The
+    back: the environment, the folder, sys.argv, sys.path, the signal handlers, the root logger's handlers, the
+    out_dir lock, the process group and the compiled graphs the run made (ended, as its process's end would end
+    them). The
     repository's modules stay imported from one run to the next (a copied example runs as a process: run_python)."""
     import io
     import logging
@@ -206,6 +139,10 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
     from common.harness import launcher
 
     held = len(launcher._held)  # the out_dir locks this process holds (a process's end releases them)
+    import torch
+    import torch.distributed as dist
+
+    grouped = dist.is_initialized()
     out, err, rc = io.StringIO(), io.StringIO(), 0
     try:
         if env is not None:
@@ -236,7 +173,30 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
         logging.getLogger().handlers[:] = root_handlers
         while len(launcher._held) > held:  # the run's lock, released as its process's end would release it
             os.close(launcher._held.pop())
+        if dist.is_initialized() and not grouped:  # the run's process group and meshes, ended as its process would
+            dist.destroy_process_group()
+        torch._dynamo.reset()  # what the run compiled: a later run compiles afresh, as a new process would
     return subprocess.CompletedProcess([sys.executable, path, *args], rc, out.getvalue(), err.getvalue())
+
+
+def run_module_in_process(module: str, *argv: str):
+    """`python -m MODULE ARGV` in this test process: the module's own command-line entry (`_main`, what its
+    `__main__` runs) with ARGV, its stdout and stderr captured; a SystemExit's code or its return value is the exit
+    code, an exception that escapes it is a traceback on stderr and exit code 1, as the interpreter would give."""
+    import importlib
+    import io
+    import traceback
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = importlib.import_module(module)._main(list(argv))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001  as the interpreter prints it
+            traceback.print_exc()
+            rc = 1
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], rc, out.getvalue(), err.getvalue())
 
 
 def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, torchrun: int = 0,
@@ -254,7 +214,7 @@ def kill_when(script: str, *args: str, ready: Callable[[], bool], what: str, tor
         kill_tree(proc)
 
 
-def kill_tree(proc: subprocess.Popen | PreforkedProcess) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a process and every process below it, and wait until they are gone. A signal to the process group
     is not enough: torchrun starts each worker in a session of its own, so its workers would outlive it and
     finish the run. Each process is stopped before the kill, so none starts another between listing and kill."""

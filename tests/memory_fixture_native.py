@@ -9,9 +9,8 @@ reads it at every step before torchtitan's reset sees 7.
 
     MEMORY_FIXTURE_GIB=1,7,1 python tests/memory_fixture_native.py --steps 3 --no-export --out_dir OUT
 
-As `python` runs it (torchtitan imported here, after the route to the CPU) or as the tests' pre-forked runner does
-(tests/prefork.py: torchtitan imported and routed to the CPU shim before this script starts, its modules holding
-that shim): either way the fixture replaces the memory functions of the one shim torchtitan holds.
+torchtitan is imported here, after the route to the CPU: the fixture replaces the memory functions of the one shim
+torchtitan holds.
 """
 from __future__ import annotations
 
@@ -57,8 +56,8 @@ _shim = device._cpu_device_module
 device._cpu_device_module = lambda: FixtureMemory(_shim())  # what common.device routes torchtitan to on CPU
 device.peak_memory_bytes = lambda device_type: int(FixtureMemory(_shim())._allocate())  # and reads itself
 
-# torchtitan's modules copy its device module when they are imported: the shim the route gives it (made now, or
-# already there in a pre-forked child) gets the fixture's memory functions in place, seen by every copy.
+# torchtitan's modules copy its device module when they are imported: the shim the route gives it gets the
+# fixture's memory functions in place, seen by every copy.
 device.route_torchtitan_device("cpu")
 import torchtitan.tools.utils as tt_utils  # noqa: E402
 

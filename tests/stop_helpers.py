@@ -7,10 +7,12 @@ import json
 import time
 from pathlib import Path
 
+import subprocess
+
 import psutil
 
 from common.harness.checks import read_progress
-from conftest import TWO_RANKS, PreforkedProcess, start_python
+from conftest import TWO_RANKS, start_python
 
 SCRIPT = "train_native_qwen3.py"
 STEPS = int(TWO_RANKS[TWO_RANKS.index("--steps") + 1])  # room for two stops, one after the other, and steps after them
@@ -39,20 +41,20 @@ def no_process_outlives(family: list[int]) -> None:
     assert not alive(family), alive(family)
 
 
-def start(cmd: list[str], log: Path) -> PreforkedProcess:
-    """The command in the background (pre-forked: tests/prefork.py), its output in `log` (a pipe nobody reads while
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The command in the background (a process group of its own), its output in `log` (a pipe nobody reads while
     it trains could fill)."""
     proc = start_python(cmd, log)
     proc.log = log
     return proc
 
 
-def finish(proc: PreforkedProcess) -> str:
+def finish(proc: subprocess.Popen) -> str:
     proc.wait(timeout=300)
     return proc.log.read_text()
 
 
-def wait_for_step(proc: PreforkedProcess, out: Path, step: int) -> None:
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int) -> None:
     deadline = time.monotonic() + 300
     while not any(r["step"] >= step for r in read_progress(out / "losses.jsonl")):
         assert proc.poll() is None, proc.log.read_text()[-3000:]
@@ -60,7 +62,7 @@ def wait_for_step(proc: PreforkedProcess, out: Path, step: int) -> None:
         time.sleep(0.05)
 
 
-def workers(proc: PreforkedProcess, count: int = 2) -> dict[int, psutil.Process]:
+def workers(proc: subprocess.Popen, count: int = 2) -> dict[int, psutil.Process]:
     """LOCAL_RANK -> worker process, below `proc` (the launcher or torchrun), once `count` are there (or a minute
     has passed); not a worker's own child (forked with the worker's environment)."""
     deadline = time.monotonic() + 60

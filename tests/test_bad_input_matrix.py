@@ -15,29 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import UserError
-from conftest import ROOT, assert_clean_error, run_example, run_in_process
-
-
-def run_module_in_process(module: str, *argv: str):
-    """`python -m MODULE ARGV` in this test process: the module's own command-line entry (`_main`, what its
-    `__main__` runs) with ARGV, its stdout and stderr captured; a SystemExit's code or its return value is the exit
-    code, an exception that escapes it is a traceback on stderr and exit code 1, as the interpreter would give."""
-    import contextlib
-    import io
-    import subprocess
-    import sys
-    import traceback
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = importlib.import_module(module)._main(list(argv))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-        except BaseException:  # noqa: BLE001  as the interpreter prints it
-            traceback.print_exc()
-            rc = 1
-    return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], rc, out.getvalue(), err.getvalue())
+from conftest import ROOT, assert_clean_error, run_example, run_in_process, run_module_in_process
 
 
 def _save_qwen3(path):

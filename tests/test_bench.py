@@ -3,18 +3,14 @@ present, finite and positive, and says what they are compared with. The harness 
 speed: no test asserts a timing or a ratio's size.
 
 The training benches and bench_compat_check run as `python bench/<bench>.py --preset tiny ...` runs them: their
-own `__main__` entry, in this test process (run_in_process). What they start with `python` (the training
-runs, the example's command of bench_compat_check) still runs as a process of its own, the command
-unchanged, served by the tests' pre-forked runner (run_python: the same script, without a fresh
-interpreter's seconds of imports), as torchrun's workers already are. The benches that start no python
-command, bench_compat_lookup (its CPU figure is its children's CPU time: its commands must be its own
-children) and bench_compat_page run as a process of their own (run_python), as before."""
+own `__main__` entry, in this test process (run_in_process); what they start with `python` (the training runs, the
+example's command of bench_compat_check) is a process of its own, as the bench starts it. The benches that start no
+python command, bench_compat_lookup (its CPU figure is its children's CPU time: its commands must be its own
+children) and bench_compat_page run as a process of their own (run_python)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -22,33 +18,14 @@ import pytest
 from conftest import ROOT, run_in_process, run_python, script_env
 
 
-@contextlib.contextmanager
-def python_commands_forked():
-    """While a bench runs in this process: its `subprocess.run([sys.executable, ...], capture_output=True,
-    text=True)` (the commands it times) served by the pre-forked runner, each still a process of its own with
-    the bench's own command line, folder and environment; any other subprocess.run (lscpu) as it is."""
-    real = subprocess.run
-
-    def run(cmd, *args, cwd=None, env=None, timeout=None, **kwargs):
-        if (not args and isinstance(cmd, list) and cmd[0] == sys.executable and cmd[1] not in ("-c", "-u")
-                and kwargs == {"capture_output": True, "text": True}):
-            return run_python(cmd, env=env, cwd=cwd or ROOT, timeout=timeout or 600)
-        return real(cmd, *args, cwd=cwd, env=env, timeout=timeout, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(subprocess, "run", run)
-        yield
-
-
 def run_bench(script: str, out_dir, *args: str, in_process: bool = False) -> dict:
     """`python bench/SCRIPT --preset tiny --out_dir OUT_DIR ARGS`, checks what every bench writes, and returns its
     results.json. A bench that starts python commands (`in_process`): its __main__ in this process (the environment
-    of a test's command, script_env), its commands forked (python_commands_forked); the others in a process of their
-    own (run_python)."""
+    of a test's command, script_env), the commands it times each a process of their own as it starts them; the
+    others in a process of their own (run_python)."""
     cmd = [str(ROOT / "bench" / script), "--preset", "tiny", "--out_dir", str(out_dir), *args]
     if in_process:
-        with python_commands_forked():
-            proc = run_in_process(*cmd, env=script_env())  # an absolute path: run_in_process's examples/ not joined
+        proc = run_in_process(*cmd, env=script_env())  # an absolute path: run_in_process's examples/ not joined
     else:
         proc = run_python([sys.executable, *cmd], timeout=900)
     assert proc.returncode == 0, \

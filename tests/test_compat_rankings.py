@@ -4,7 +4,7 @@ patched one), and the lookup's Trending and Downloads views in the terminal. The
 tests/test_compat_page.py.
 
 HF_ENDPOINT is read when huggingface_hub is imported, so every `rankings` command here starts as a process of its
-own with the variable set (not through tests/prefork.py, whose process has imported it already).
+own with the variable set (the test process has imported it already).
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ This catches what the header check of test_layout.py cannot see: a file read or 
 at run time, or a core file that needs the harness."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -58,11 +57,8 @@ def copy_example(name: str, dest, core_only: bool = False):
 
 
 def run_copy(cmd: list[str], project) -> subprocess.CompletedProcess:
-    if "PYTHONPATH" in os.environ:  # the pre-forked runner's path would hold it: a process of its own without it
-        env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
-        proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=600)
-    else:  # the pre-forked runner: none of this repository imported, the script's own folder first on the path
-        proc = run_python(cmd, cwd=project)
+    env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}  # the copy alone, not this repository
+    proc = run_python(cmd, cwd=project, env=env)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 

@@ -286,7 +286,7 @@ def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_asse
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from conftest import run_python
+    from conftest import run_module_in_process
 
     export = _linked_copy(prepared_assets["tiny_qwen3"], tmp_path / "export")
     ids, positions = torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
@@ -298,8 +298,8 @@ def test_verify_never_replaces_a_file_that_is_not_a_previous_check(prepared_asse
     weights.write_bytes((export / "model.safetensors").read_bytes()[:4096])
 
     def verify(out):
-        return run_python([sys.executable, "-m", "common.harness.verifier", "verify", str(export), "--reference",
-                           str(reference), "--out", str(out)])
+        return run_module_in_process("common.harness.verifier", "verify", str(export), "--reference", str(reference),
+                                     "--out", str(out))
 
     kept = {p: p.read_bytes() for p in (reference, weights, export / "config.json")}
     for out, needle in ((reference, "is the --reference file"), (export / "config.json", f"lies inside {export}"),
@@ -403,7 +403,7 @@ def test_a_stop_signal_during_a_check_is_a_stop_never_a_verdict(export_and_refer
     driver = tmp_path / "driver.py"
     driver.write_text(STOP_DURING_CHECK.format(root=str(ROOT), export=str(export_dir), reference=str(reference),
                                                sig=sig, then=then))
-    # pre-forked: a process and process group of its own (its os.killpg(0, ...) reaches it and its check only)
+    # a process and process group of its own (its os.killpg(0, ...) reaches it and its check only)
     proc = run_python([sys.executable, str(driver)], cwd=tmp_path, timeout=300)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

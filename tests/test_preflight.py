@@ -1,14 +1,13 @@
 """common/harness/preflight.py: the stack check passes on this CPU stack, names what is missing for trn2 (torch-neuronx)
 without a traceback, and names a required module or keyword that a shadowing torchtitan lacks.
 
-The shadow packages below are fixtures for the check itself (a few files in tmp_path, first on the path of the
-preflight's process); nothing stands in for the Neuron stack. The preflight runs as `python -m common.harness.preflight`
-through the tests' pre-forked runner (tests/prefork.py: torch and transformers already imported, torchtitan and
-nkilib not: `torchtitan=False`); a shadow of transformers needs an interpreter of its own. Where nothing is shadowed,
-or only nkilib (which nothing here imports), its `main` runs in the test process.
+The shadow packages below are fixtures for the check itself (a few files in tmp_path, first on the path while the
+preflight's `main`, what `python -m common.harness.preflight` runs, checks them in this test process, the modules
+they shadow set aside meanwhile); nothing stands in for the Neuron stack.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -22,18 +21,30 @@ import torch
 from common.harness import preflight
 from common.errors import UserError
 from common.kernels import moe_nki
-from conftest import ROOT, run_python, script_env
+from conftest import ROOT
 
 
-def _preflight(*args: str, shadow: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m common.harness.preflight ARGS` from the repository, or with `shadow` from that folder beside a link to
-    common/: the packages in the folder come first on the path (`-m` puts the working folder first), and the
-    preflight still reads this repository's requirements.txt (the link resolves to it)."""
-    cwd = ROOT
-    if shadow is not None:
-        (shadow / "common").symlink_to(ROOT / "common", target_is_directory=True)
-        cwd = shadow
-    return run_python([sys.executable, "-m", "common.harness.preflight", *args], cwd=cwd, timeout=300, torchtitan=False)
+def _preflight(*args: str, shadow: Path) -> subprocess.CompletedProcess:
+    """`python -m common.harness.preflight ARGS` with the packages in the folder `shadow` first on the path, run in
+    this test process: the modules of the packages it shadows are set aside while it runs (their imports then find
+    the shadow) and put back after, with nothing of the shadow left in sys.modules."""
+    shadowed = {p.name for p in shadow.iterdir() if (p / "__init__.py").exists()}
+
+    def theirs(name: str) -> bool:
+        return name.split(".")[0] in shadowed
+
+    saved = {name: mod for name, mod in sys.modules.items() if theirs(name)}
+    for name in saved:
+        del sys.modules[name]
+    sys.path.insert(0, str(shadow))
+    importlib.invalidate_caches()
+    try:
+        return _preflight_here(*args)
+    finally:
+        sys.path.remove(str(shadow))
+        for name in [n for n in sys.modules if theirs(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def _preflight_here(*args: str) -> subprocess.CompletedProcess:
@@ -48,15 +59,6 @@ def _preflight_here(*args: str) -> subprocess.CompletedProcess:
         rc = preflight.main(list(args))
     return subprocess.CompletedProcess([sys.executable, "-m", "common.harness.preflight", *args], rc, out.getvalue(),
                                        err.getvalue())
-
-
-def _fresh_preflight(*args: str, pythonpath: Path) -> subprocess.CompletedProcess:
-    """The preflight in a new interpreter with `pythonpath` first on PYTHONPATH: for a shadow of a package that the
-    pre-forked runner has imported already (transformers)."""
-    env = script_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(ROOT)])
-    return subprocess.run([sys.executable, "-m", "common.harness.preflight", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def _error_line(proc) -> str:
@@ -277,14 +279,13 @@ EXITS = "import sys\nsys.exit(0)\n"
 
 @pytest.fixture(scope="module")
 def exiting_packages(tmp_path_factory) -> subprocess.CompletedProcess:
-    """One preflight run with a torchtitan and a transformers that both call sys.exit(0) at import, first on
-    PYTHONPATH of a new interpreter (the pre-forked runner has transformers imported already); each has its own
-    rows in the table."""
+    """One preflight run with a torchtitan and a transformers that both call sys.exit(0) at import first on the path
+    (in this process, the real ones set aside meanwhile); each has its own rows in the table."""
     root = tmp_path_factory.mktemp("exiting_packages")
     for package in ("torchtitan", "transformers"):
         (root / package).mkdir()
         (root / package / "__init__.py").write_text(EXITS)
-    return _fresh_preflight("--target", "cpu", pythonpath=root)
+    return _preflight("--target", "cpu", shadow=root)
 
 
 @pytest.mark.parametrize("package, init, row, needle", [
@@ -313,21 +314,16 @@ def test_a_shadow_package_that_exits_or_raises_at_import_is_an_error_row(request
     assert len(rows) == 1 and " ERROR " in rows[0], proc.stdout
 
 
-def _preflight_with_requirements(tmp_path, content: bytes | None) -> subprocess.CompletedProcess:
-    """The preflight run from a copy of common/ beside a requirements.txt holding `content` (None: a folder of that
-    name), that folder first on the path: it reads the requirements.txt beside its package."""
-    import shutil
-
-    shutil.copytree(ROOT / "common", tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
+def _preflight_with_requirements(tmp_path, monkeypatch, content: bytes | None) -> subprocess.CompletedProcess:
+    """The preflight (in this process) reading a requirements.txt that holds `content` (None: a folder of that
+    name) in place of the one beside common/."""
     req = tmp_path / "requirements.txt"
     if content is None:
         req.mkdir()
     else:
         req.write_bytes(content)
-    env = script_env()
-    env.pop("PYTHONPATH", None)
-    return run_python([sys.executable, "-m", "common.harness.preflight", "--target", "cpu"], cwd=tmp_path, env=env,
-                      timeout=300)
+    monkeypatch.setattr(preflight, "REQUIREMENTS", req)
+    return _preflight_here("--target", "cpu")
 
 
 @pytest.mark.parametrize("content, needle", [
@@ -335,10 +331,10 @@ def _preflight_with_requirements(tmp_path, content: bytes | None) -> subprocess.
     (b"torch==2.14.1\nfoo ==\n", "requirements.txt: line 2 is not a requirement pip reads: 'foo =='"),
     (None, "requirements.txt: cannot be read (Is a directory)"),
 ], ids=["bad-bytes", "pin-without-a-version", "a-folder"])
-def test_a_requirements_txt_that_cannot_be_read_is_an_error_row(tmp_path, content, needle):
+def test_a_requirements_txt_that_cannot_be_read_is_an_error_row(tmp_path, monkeypatch, content, needle):
     """requirements.txt is where the CPU stack's tested versions come from: one that cannot be read or parsed is an
     ERROR row naming it, not a pass without version rows and not a traceback."""
-    proc = _preflight_with_requirements(tmp_path, content)
+    proc = _preflight_with_requirements(tmp_path, monkeypatch, content)
     line = _error_line(proc)
     assert needle in line, line
     assert "checks passed" not in proc.stdout

@@ -100,7 +100,7 @@ def test_rope_parity_default_every_layer(tmp_path, prepared_assets):
 def test_rope_layers_pattern_replaces_exactly_one(tmp_path, prepared_assets):
     """(Short sequences, one in the model check: the default shapes are test_rope_parity_default_every_layer's.)"""
     proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), "--rope_layers", "*layers.1.*", "--seq_len", "64",
-                       "--model_batch", "1")
+                       "--model_batch", "1", process=True)  # a pattern is registered once per process
     r = read_results(tmp_path)
     assert r["replacements"] == ["layers.1.attention.rope"]
     assert _override_lines(proc) == ["layers.1.attention.rope"]

@@ -301,7 +301,7 @@ def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_t
 def _take_lock_naming_holders(out) -> None:
     """The product's lock on `out` taken as a rerun takes it. Where it is refused, the test fails naming every process
     that still has the lock file open (its pid, command line and parent), as /proc shows them, after allowing 10 s
-    for a process outside the run's family to end (the tests' pre-forked runner reaps its forks on its own thread)."""
+    for a process outside the run's family to end."""
     from common.errors import UserError
     from common.harness import launcher
 

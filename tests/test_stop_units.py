@@ -72,6 +72,32 @@ def test_the_launchers_deadline_is_read_only_by_its_own_workers(monkeypatch, tmp
     assert launcher.worker_env(inherited, tmp_path / "m", 99.5)[stops.DEADLINE] == "99.5"
 
 
+@pytest.mark.parametrize("self_launched", [False, True], ids=["plain-or-users-torchrun", "own-launch"])
+def test_a_repeated_signal_ends_a_worker_at_once_except_under_the_scripts_own_launch(self_launched):
+    """A second stop signal more than a second after the first ends a run at once (exit 128 + N), except in a
+    worker of the scripts' own launch: there the launcher acts on a second signal itself, and a repeat that
+    reaches the worker is torchrun passing on the parent-death SIGTERM it gets once for each thread of a launcher
+    killed with SIGKILL (the kernel sends it at every reparenting). The handler runs in a forked child (its exit
+    is the verdict)."""
+    pid = os.fork()
+    if pid == 0:  # the child: a StopControl's signal handler, the second signal 2 s after the first
+        code = 3
+        try:
+            if self_launched:
+                os.environ[stops.SELF_LAUNCHED] = "/nonexistent/marker"
+            else:
+                os.environ.pop(stops.SELF_LAUNCHED, None)
+            stop = stops.StopControl(end=None, margin_s=0.0, is_main=False)
+            stop._on_signal(signal.SIGTERM, None)
+            stop.first_at -= 2 * stops.StopControl.DUPLICATE_S
+            stop._on_signal(signal.SIGTERM, None)
+            code = 0 if stop.reason == "SIGTERM" else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == (0 if self_launched else 128 + signal.SIGTERM)
+
+
 def test_the_grace_a_torchrun_gives_its_workers_stop(monkeypatch):
     """What torch 2.14's torchrun waits between passing on a signal and SIGKILL: --shutdown-timeout (either
     spelling, before the script), PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30. The scripts' own
