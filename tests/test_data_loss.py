@@ -10,8 +10,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_clean_error, read_results, run_example, run_in_process
-from test_bad_input_matrix import run_module_in_process
+from conftest import assert_clean_error, read_results, run_example, run_in_process, run_module_in_process
 
 SCRIPT = "train_native_qwen3.py"
 SHORT = ("--steps", "1", "--local_batch_size", "1", "--seq_len", "64")
