@@ -18,8 +18,8 @@ from pathlib import Path
 
 from common.device import GIB
 from common.errors import UserError, one_line
-from common.processes import die_with_parent
 from common.recipe import GUARDED_LOCK
+from common.harness import torchrun_parent
 from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
 
 
@@ -285,8 +285,8 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
     their step, agree with every other rank (on every node) to stop there, save it and end (harness/stops.py); each
     node's launch then exits EXIT_STOPPED, also when torchrun got the signal too (a host's shutdown signals every
     process) and reports it its own way. A second signal kills every process of this node's share at once.
-    torchrun gets SIGTERM if this process dies (however), the workers SIGKILL if torchrun does: nothing outlives
-    the launch. torchrun, when it gets a signal itself, passes it on (SIGUSR1 too) and waits STOP_GRACE_S for the
+    torchrun gets SIGTERM, once, if this process dies (however: torchrun_parent.py), the workers SIGKILL if torchrun
+    does: nothing outlives the launch. torchrun, when it gets a signal itself, passes it on (SIGUSR1 too) and waits STOP_GRACE_S for the
     workers' stop save before it kills them (its default, 30 s, is shorter than a large model's save). `record`: the
     run record this launcher checked, handed to the workers (launched_record) so that none computes it again."""
     import subprocess
@@ -312,8 +312,8 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
             (Path(tmp) / LAUNCH_RECORD).write_text(json.dumps(record, default=str))
         env = worker_env(os.environ, marker, deadline)
         started = time.time()
-        proc = subprocess.Popen(cmd, start_new_session=True, env=env, pass_fds=tuple(_held),
-                                preexec_fn=die_with_parent(signal.SIGTERM))
+        parent = [sys.executable, "-S", torchrun_parent.__file__, str(os.getpid())]
+        proc = subprocess.Popen([*parent, *cmd], start_new_session=True, env=env, pass_fds=tuple(_held))
         first = []
 
         def stop(signum, _frame):  # only signals here: the main thread's wait() below sees the exit
@@ -430,14 +430,17 @@ def worker_env(environ, marker: Path, deadline: float | None) -> dict:
 
 def _signal_workers(pid: int, sig: int) -> bool:
     """`sig` to torchrun's workers (each in a session of its own), or to torchrun while it has none yet; whether
-    there were workers."""
+    there were workers. `pid`: torchrun's parent (torchrun_parent.py), which starts it at once."""
     import psutil
 
     try:
-        workers = psutil.Process(pid).children()
+        parent, deadline = psutil.Process(pid), time.monotonic() + 5
+        while not (torchrun := parent.children()) and time.monotonic() < deadline and parent.is_running():
+            time.sleep(0.01)  # the parent forks torchrun first thing
+        workers = [w for t in torchrun for w in t.children()]
     except psutil.NoSuchProcess:
         return False
-    for target in workers or [psutil.Process(pid)]:
+    for target in workers or torchrun:
         try:
             target.send_signal(sig)
         except psutil.NoSuchProcess:
@@ -446,7 +449,7 @@ def _signal_workers(pid: int, sig: int) -> bool:
 
 
 def _kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and every process below it (its workers are in sessions of their own)."""
+    """SIGKILL torchrun's parent and every process below it (torchrun's workers are in sessions of their own)."""
     import psutil
 
     try:
