@@ -60,21 +60,10 @@ def example_command(script: str, *args: str, torchrun: int = 0) -> list[str]:
     return [sys.executable, path, *args]
 
 
-_LAUNCH_LOG = os.environ.get("QWEN3_TEST_LAUNCH_LOG")
-
-
-def _logged(cmd: list[str], seconds: float) -> None:
-    if _LAUNCH_LOG:
-        with open(_LAUNCH_LOG, "a") as f:
-            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "cmd": cmd[1:4],
-                                "s": round(seconds, 2)}) + "\n")
-
-
 def start_python(cmd: list[str], output: Path | str, cwd: Path = ROOT) -> subprocess.Popen:
     """`subprocess.Popen(cmd)` for a command that a test signals or kills while it runs: a process group of its
     own (a signal to the group reaches the command as a terminal's Ctrl-C would), SIGINT at its default as in a
     terminal, its stdout and stderr in the file `output` (os.devnull for none)."""
-    _logged(cmd, 0)
     with open(output, "ab") as log:
         return subprocess.Popen(cmd, cwd=cwd, env=script_env(), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -84,12 +73,8 @@ def run_python(cmd: list[str], *, env: dict | None = None, cwd: Path = ROOT,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True)` with the scripts' environment (script_env), in a process
     group of its own (as a command typed in a terminal: a signal the command sends its group stays in it)."""
-    t0 = time.monotonic()
-    try:
-        return subprocess.run(cmd, cwd=cwd, env=script_env() if env is None else env, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        _logged(cmd, time.monotonic() - t0)
+    return subprocess.run(cmd, cwd=cwd, env=script_env() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 # The scripts that run as a process of their own even on one process: torchtitan's Transformers backend replaces

@@ -286,9 +286,10 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
     node's launch then exits EXIT_STOPPED, also when torchrun got the signal too (a host's shutdown signals every
     process) and reports it its own way. A second signal kills every process of this node's share at once.
     torchrun gets SIGTERM, once, if this process dies (however: torchrun_parent.py), the workers SIGKILL if torchrun
-    does: nothing outlives the launch. torchrun, when it gets a signal itself, passes it on (SIGUSR1 too) and waits STOP_GRACE_S for the
-    workers' stop save before it kills them (its default, 30 s, is shorter than a large model's save). `record`: the
-    run record this launcher checked, handed to the workers (launched_record) so that none computes it again."""
+    does: nothing outlives the launch. torchrun, when it gets a signal itself, passes it on (SIGUSR1 too) and waits
+    STOP_GRACE_S for the workers' stop save before it kills them (its default, 30 s, is shorter than a large
+    model's save). `record`: the run record this launcher checked, handed to the workers (launched_record) so that
+    none computes it again."""
     import subprocess
     import tempfile
 

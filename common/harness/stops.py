@@ -162,13 +162,10 @@ class StopControl:
             if self.is_main:
                 os.write(2, f"[stop] {name}: finishing this step (or held-out batch), then saving a checkpoint (a "
                             "second signal ends the run at once)\n".encode())
-        elif now - self.first_at > self.DUPLICATE_S and not os.environ.get(SELF_LAUNCHED):
+        elif now - self.first_at > self.DUPLICATE_S:
             os.write(2, f"error: {name} again: ended at once; the last complete checkpoint in the out_dir stays "
                         "usable\n".encode())
             os._exit(128 + signum)
-        # Under the scripts' own launch, the launcher acts on a second signal (it kills every process of the run):
-        # a repeat that reaches a worker is torchrun passing on the parent-death SIGTERM it gets once for each
-        # thread of a launcher killed with SIGKILL (the kernel sends it at every reparenting), not a second stop.
 
     def _room_s(self) -> float:
         return max(self.save_s) if self.save_s else self.margin_s
