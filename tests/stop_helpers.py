@@ -41,6 +41,14 @@ def no_process_outlives(family: list[int]) -> None:
     assert not alive(family), alive(family)
 
 
+def command_line(pid: int) -> str:
+    """A process's command line; "" for one that ended meanwhile (a worker's short-lived child, a zombie)."""
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     """The command in the background (a process group of its own), its output in `log` (a pipe nobody reads while
     it trains could fill)."""

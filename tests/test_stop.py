@@ -22,8 +22,8 @@ import pytest
 from common.harness import reshard
 from common.harness.stops import EXIT_STOPPED, STOP_GRACE_S
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, run_in_process
-from stop_helpers import (LOSS_BOUND, SCRIPT, STEPS, TWO_RANKS, by_batch, close, finish, no_process_outlives,
-                          same_state, start, trace, wait_for_step, workers)
+from stop_helpers import (LOSS_BOUND, SCRIPT, STEPS, TWO_RANKS, by_batch, close, command_line, finish,
+                          no_process_outlives, same_state, start, trace, wait_for_step, workers)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _stop(cmd: list[str], out, log, after: int, target: str, slow_save=None, ran
     if target == "one worker":
         found[1].send_signal(signal.SIGTERM)
     else:
-        torchrun = [p for p in family if "torch.distributed.run" in " ".join(psutil.Process(p).cmdline())]
+        torchrun = [p for p in family if "torch.distributed.run" in command_line(p)]
         for pid in [proc.pid, *(torchrun if target == "launcher and torchrun" else [])]:
             psutil.Process(pid).send_signal(signal.SIGTERM)
     err = finish(proc)
@@ -253,7 +253,7 @@ def test_a_stop_while_torchrun_waits_for_the_other_nodes_exits_75_with_a_line(tm
     proc = start(example_command(SCRIPT, *TWO_RANKS, "--nnodes", "2", "--node_rank", "0", "--master_port",
                                  str(_free_port()), "--out_dir", str(out)), tmp_path / "log")
     deadline = time.monotonic() + 120
-    while not [p for p in psutil.Process(proc.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]:
+    while not [p for p in psutil.Process(proc.pid).children() if "torch.distributed.run" in command_line(p.pid)]:
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
         time.sleep(0.2)
     time.sleep(3)  # torchrun at its rendezvous
