@@ -15,7 +15,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup env assets browser demo test clean-runs
+.PHONY: setup env assets browser demo test test-extended test-all clean-runs
 
 setup: env assets browser
 
@@ -46,8 +46,18 @@ demo: setup
 # fills those waits. -rs prints why a test was skipped (the Trainium-only tests, on a machine without
 # a NeuronCore); the run ends with the ten slowest tests and pytest's closing line, which gives the
 # total wall time. How the suite stays short and load-independent: docs/testing.md.
+# `make test` leaves out the tests marked `extended` (further end-to-end runs of promises it already runs
+# end to end once); `make test-extended` runs those alone, `make test-all` both.
+PYTEST := MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184 $(PYTHON) -m pytest -q -rs --durations=10 -n 3 --dist loadfile --no-loadscope-reorder
+
 test: setup
-	MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=17179869184 $(PYTHON) -m pytest -q -rs --durations=10 -n 3 --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST) -m "not extended" tests
+
+test-extended: setup
+	$(PYTEST) -m extended tests
+
+test-all: setup
+	$(PYTEST) tests
 
 clean-runs:
 	rm -rf runs

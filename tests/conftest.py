@@ -317,6 +317,13 @@ def prepared_assets():
 FIRST_FILES = ("test_stop.py", "test_reshard.py", "test_compat_train.py")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "extended: a further end-to-end run of a promise that `make test` already runs end to end once "
+        "(a second launch layout, another recipe's copy, a bench's tiny mode); `make test` leaves these out, "
+        "`make test-extended` runs them (docs/testing.md)")
+
+
 def pytest_collection_modifyitems(config, items):
     count = {}
     for item in items:

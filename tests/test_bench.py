@@ -76,6 +76,7 @@ def test_timed_train_takes_the_rotary_fix_as_a_flag():
     assert overhead.STOCK_LAUNCHER_FLAGS == {"hf": ("--fix_hf_rotary",)}  # what the hf kind's stock run passes
 
 
+@pytest.mark.extended
 def test_bench_rope(tmp_path):
     r = run_bench("bench_rope.py", tmp_path)
     assert r["rows"] and "CosSinRoPE" in r["compared_with"]
@@ -88,6 +89,7 @@ def test_bench_rope(tmp_path):
             assert finite(row[key]), (key, row[key])
 
 
+@pytest.mark.extended
 def test_bench_moe(tmp_path):
     r = run_bench("bench_moe.py", tmp_path)
     assert [row["experts"] for row in r["rows"]] == [8, 16]
@@ -100,6 +102,7 @@ def test_bench_moe(tmp_path):
     assert "per-expert loop" in r["compared_with"]
 
 
+@pytest.mark.extended
 def test_bench_train_overhead(tmp_path):
     r = run_bench("bench_train_overhead.py", tmp_path, "--extra_args", "--seq_len 8 --local_batch_size 1",
                   in_process=True)
@@ -115,6 +118,7 @@ def test_bench_train_overhead(tmp_path):
     assert f"ours / stock step time {row['ours_over_stock']:.3f}" in r["table"]
 
 
+@pytest.mark.extended
 def test_bench_hf_vs_native(tmp_path):
     r = run_bench("bench_hf_vs_native.py", tmp_path, "--extra_args", "--seq_len 8 --local_batch_size 1 --no-load_check",
                   in_process=True)
@@ -126,6 +130,7 @@ def test_bench_hf_vs_native(tmp_path):
     assert r["rows"][0]["first_losses"] == pytest.approx(r["rows"][1]["first_losses"], abs=1e-4)
 
 
+@pytest.mark.extended
 def test_bench_scaling(tmp_path):
     r = run_bench("bench_scaling.py", tmp_path, "--seq_len", "8", in_process=True)
     runs = {row["run"]: row for row in r["rows"]}
@@ -136,6 +141,7 @@ def test_bench_scaling(tmp_path):
     assert finite(runs["tiny_2p"]["speedup"]) and finite(runs["tiny_2p"]["parallel_efficiency"])
 
 
+@pytest.mark.extended
 def test_bench_compat_check(tmp_path):
     r = run_bench("bench_compat_check.py", tmp_path, in_process=True)
     if r["skipped"]:
@@ -146,6 +152,7 @@ def test_bench_compat_check(tmp_path):
     assert row["compile_s"] == 0.0 and row["cpu_match"] is True
 
 
+@pytest.mark.extended
 def test_bench_compat_page(tmp_path):
     """The lookup page in headless Chromium (installed by set-up): 500 generated rows, its timings and a
     screenshot with a row open."""
@@ -156,6 +163,7 @@ def test_bench_compat_page(tmp_path):
     assert (tmp_path / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.extended
 def test_bench_compat_lookup(tmp_path):
     """The lookup with rankings, terminal and page, against its own start-up: 500 rows and ranked records."""
     r = run_bench("bench_compat_lookup.py", tmp_path)

@@ -99,6 +99,7 @@ def _text_only_folders(folder: Path, prefix: str, n: int) -> list[str]:
     return specs
 
 
+@pytest.mark.extended
 def test_concurrent_checks_into_one_out_dir_keep_every_row_and_model(tmp_path):
     """Two checks at once into one --out_dir: the Parquet file holds both runs' rows, results.json lists both runs'
     models (each merged in under its lock)."""
@@ -115,6 +116,7 @@ def test_concurrent_checks_into_one_out_dir_keep_every_row_and_model(tmp_path):
     assert sorted(m["model_id"] for m in read_results(out)["models"]) == everything
 
 
+@pytest.mark.extended
 def test_ranks_forked_after_the_checks_own_threads_ran_still_finish(tmp_path, model_assets):
     """On the CPU the ranks are forked from the check. After a sharded model the check has judged its text with
     two OpenMP threads of its own; the next model's forked rank must still run (on one thread: a parallel region

@@ -44,6 +44,7 @@ def tiny_llama(smollm2: Path, dest: Path) -> Path:
 TRAIN_STEPS = 2  # the fewest that show a falling loss
 
 
+@pytest.mark.extended
 def test_training_rows_beside_generation_rows(tmp_path, model_assets):
     """--task train: a few steps (--train_steps 2) of the HF-backend recipe per model, written to the same Parquet
     file as the model's rows of another task (which stay, and do not make the training skip) and found by the

@@ -67,6 +67,7 @@ def _job(folder, task: str, new_tokens: int) -> dict:
 NEW_TOKENS = 6
 
 
+@pytest.mark.extended
 def test_static_cache_compiles_once_text_models_in_one_graph(tmp_path, prepared_assets, capsys):
     """The tiny Qwen3 and Qwen3-MoE as the check runs and audits them (static cache, 6 tokens): a prefill graph and a
     decode graph, no graph break, no recompile while the cache fills, the audited generation the same tokens as the
@@ -103,6 +104,7 @@ def test_static_cache_compiles_once_text_models_in_one_graph(tmp_path, prepared_
     assert capsys.readouterr().out.splitlines()[-1] == "2 row(s): 2 PASS, 0 FAIL, 0 EXCLUDED (not failures)"
 
 
+@pytest.mark.extended
 def test_dynamic_cache_recompiles_at_every_token(tmp_path, prepared_assets, capsys):
     """--cache dynamic (what a model without static-cache support gets): the cache grows by one position per token,
     so every decode step after the first is a graph of its own (the guard on the cache's length fails), and the row

@@ -40,6 +40,17 @@ CORE_RUNS = {
     "generate_compat_check.py": (0, ["--models", "tiny-qwen3", "--no_compile"]),
 }
 TRAINING = ("train_native_qwen3.py", "train_hf_backend.py", "train_moe_nki.py")
+# `make test` runs one copy per kind of run-time path: the MoE script with the harness (the override registry's
+# import strings), the compatibility check with the harness (its helper folder) and the native script with the core
+# alone under torchrun (a training run and its export without the harness). The other seven are `extended`
+# (`make test-extended`): each is a fresh interpreter of some 10 CPU-seconds (docs/testing.md).
+IN_THE_SUITE = {"harness": ("train_moe_nki.py", "generate_compat_check.py"), "core": ("train_native_qwen3.py",)}
+
+
+def copies(runs: dict, kind: str) -> list:
+    """The examples of `runs`, those not IN_THE_SUITE[kind] marked extended."""
+    return [name if name in IN_THE_SUITE[kind] else pytest.param(name, marks=pytest.mark.extended)
+            for name in sorted(runs)]
 
 
 def test_every_example_is_run_from_a_copy():
@@ -63,7 +74,7 @@ def run_copy(cmd: list[str], project) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
+@pytest.mark.parametrize("name", copies(RUNS, "harness"))
 def test_example_runs_from_a_copy(name, tmp_path, prepared_assets):
     script = copy_example(name, tmp_path / "project")
     out_dir = tmp_path / "run"

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from conftest import read_results
-from test_copy import CORE_RUNS, TRAINING, copy_example, run_copy
+from test_copy import CORE_RUNS, TRAINING, copies, copy_example, run_copy
 
-@pytest.mark.parametrize("name", sorted(CORE_RUNS))
+@pytest.mark.parametrize("name", copies(CORE_RUNS, "core"))
 def test_example_runs_from_a_copy_of_the_core_alone(name, tmp_path, prepared_assets):
     project = tmp_path / "project"
     script = copy_example(name, project, core_only=True)

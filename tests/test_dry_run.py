@@ -2,6 +2,8 @@
 torchtitan's own plan at 64 ranks over a fake process group, on this CPU machine."""
 from __future__ import annotations
 
+import pytest
+
 from conftest import assert_clean_error, read_results, run_example
 
 
@@ -68,6 +70,7 @@ def test_native_qwen3_8b_in_aws_layout(tmp_path):
     assert own["total_bytes"] == r["total_bytes"] and own["data_parallel"] == 16
 
 
+@pytest.mark.extended
 def test_native_qwen3_4b_on_one_small_core_does_not_fit(tmp_path):
     proc, r = _dry("train_native_qwen3.py", tmp_path, "--preset", "qwen3_4b", "--dry_run_ranks", "1",
                    "--per_core_gib", "8", check=False)
@@ -81,6 +84,7 @@ def test_world_size_must_divide_global_batch(tmp_path):
     assert_clean_error(proc, "global batch 64 is not a multiple of local batch 1 x 3 ranks")
 
 
+@pytest.mark.extended
 def test_moe_full_depth_counts_qwen3_30b_a3b(tmp_path):
     _, r = _dry("train_moe_nki.py", tmp_path, "--preset", "qwen3_30b_a3b_reduced", "--num_layers", "48",
                 "--num_experts", "128", "--top_k", "8")
@@ -99,6 +103,7 @@ def test_moe_reduced_preset_reports_its_own_size_at_tensor_parallel_4(tmp_path):
     _table_ok(r)
 
 
+@pytest.mark.extended
 def test_hf_backend_qwen3_4b_instruct_at_64_ranks(tmp_path):
     """Without the download: the published config.json embedded in the script."""
     _, r = _dry("train_hf_backend.py", tmp_path, "--preset", "qwen3_4b_instruct")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import signal
 
+import pytest
+
 from common.harness import interval
 from common.harness.stops import EXIT_STOPPED, StopControl
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_in_process
@@ -92,6 +94,7 @@ def test_an_asynchronous_save_s_wait_sets_the_interval_and_its_whole_write_the_v
     assert watch.results()["saves"] == {"asynchronous": True, "each": [{"step": 3, "wait_s": 2.0, "write_s": 111.0}]}
 
 
+@pytest.mark.extended
 def test_with_async_saves_training_waits_for_the_copy_and_a_stop_for_the_whole_write(tmp_path, monkeypatch):
     """--async_checkpoint --checkpoint_every 4, each save's background write slowed by 3 s (tests/slow_native_qwen3.py);
     SIGTERM once step 6 is logged. The save of step 4 held training for less than its write (the copy of the state,
@@ -116,6 +119,7 @@ def test_auto_needs_its_two_figures(tmp_path):
     assert_clean_error(proc, "--checkpoint_every takes a number of steps (0 to 10000000) or auto, got 'often'")
 
 
+@pytest.mark.extended
 def test_a_save_three_times_longer_than_the_notice_is_reported_as_soon_as_it_is_measured(tmp_path, monkeypatch):
     """Every save slowed by 3 s, a notice of 1 s, --checkpoint_every auto; SIGTERM once step 2 is logged (the save
     after step 1 is done by then: it comes before step 2 trains): the warning comes after the first save, the stop

@@ -38,17 +38,20 @@ def rows(tmp_path_factory, prepared_assets):
     return json.loads((out / "results.json").read_text())["rows"]
 
 
+@pytest.mark.extended
 def test_covers_two_sizes_and_two_world_sizes(rows):
     assert {(r["size"], r["ranks"]) for r in rows} == {("tiny", 1), ("tiny_untied", 1), ("tiny_untied", 2)}
     assert {r["tied"] for r in rows} == {True, False}
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("term", EXACT_TERMS)
 def test_state_terms_within_10_percent(rows, term):
     for r in rows:
         assert abs(r[term]["ratio"] - 1) <= 0.10, (r["size"], r["ranks"], r[term])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("term", list(BANDS))
 def test_other_terms_within_their_band(rows, term):
     lo, hi = BANDS[term]
@@ -56,6 +59,7 @@ def test_other_terms_within_their_band(rows, term):
         assert lo <= r[term]["ratio"] <= hi, (r["size"], r["ranks"], r[term])
 
 
+@pytest.mark.extended
 def test_sharding_halves_the_state_and_the_plan_is_read(rows):
     """At 2 ranks a rank holds half the parameters, measured as estimated; the tied model's FSDP unit
     holds the shared matrix twice (one copy per module), and the estimate reads that from the plan."""

@@ -31,6 +31,7 @@ def _stop(cmd: list[str], out, log, after: int) -> dict:
     return stopped
 
 
+@pytest.mark.extended
 def test_moe_resumes_2_then_1_rank_as_if_it_never_changed_size(tmp_path, shared_run, monkeypatch):
     """The MoE script (its grouped experts and routing state sharded anew): 2 ranks stopped, 1 rank (--reshard) to the
     end, against the shared 2-rank MoE run (the same settings; its held-out losses change nothing it trains). The

@@ -97,6 +97,7 @@ def test_rope_parity_default_every_layer(tmp_path, prepared_assets):
     assert r["versions"]["torch"] and r["versions"]["torchtitan"]
 
 
+@pytest.mark.extended
 def test_rope_layers_pattern_replaces_exactly_one(tmp_path, prepared_assets):
     """(Short sequences, one in the model check: the default shapes are test_rope_parity_default_every_layer's.)"""
     proc = run_example("rope_parity.py", "--out_dir", str(tmp_path), "--rope_layers", "*layers.1.*", "--seq_len", "64",

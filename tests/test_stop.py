@@ -198,6 +198,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.extended
 def test_across_nodes_a_signal_to_one_nodes_launcher_stops_every_node_at_one_step(uninterrupted, tmp_path):
     """The scripts' own launch across nodes, here two on one host (--nnodes 2, one process each, node 0 at
     127.0.0.1): SIGHUP to node 1's launcher only, after step 3. Every rank stops at the same step with one
@@ -227,6 +228,7 @@ def test_across_nodes_a_signal_to_one_nodes_launcher_stops_every_node_at_one_ste
     _resumed(out, stopped["step"], uninterrupted)
 
 
+@pytest.mark.extended
 def test_a_node_whose_packages_differ_from_node_0s_is_named_before_the_build(tmp_path, monkeypatch):
     """Two "nodes" on one host (--nnodes 2, one process each), node 1's transformers another version
     (tests/other_stack_native.py): every rank gathers the stacks right after the process group exists, and the run

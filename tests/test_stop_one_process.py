@@ -92,6 +92,7 @@ def test_time_limit_and_a_signal_during_an_evaluation_stop_at_once_and_the_held_
     assert resumed["eval_losses"][0] == stopped["eval_losses"][0]
 
 
+@pytest.mark.extended
 def test_a_second_signal_during_the_stop_save_ends_the_run_at_once(checkpointed, tmp_path):
     """SIGTERM, then SIGTERM again while the stop save is being written: the run ends at once with one line (exit
     143), the half-written step folder is never loaded, and the same command resumes from the last whole

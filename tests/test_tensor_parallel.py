@@ -36,6 +36,7 @@ def runs(tmp_path_factory, prepared_assets) -> dict:
     return {"one": read_results(root / "one"), "tp": read_results(root / "tp2"), "log": proc.stdout + proc.stderr}
 
 
+@pytest.mark.extended
 def test_tensor_parallel_trains_as_one_rank(runs):
     """Tensor parallel 2: every step's loss within LOSS_BOUND of one rank's, the load check and the held-out loss of
     the sharded model, its export re-read by transformers."""

@@ -122,6 +122,7 @@ def tiny_run(tmp_path_factory, prepared_assets):
     return out, read_results(out)
 
 
+@pytest.mark.extended
 def test_tiny_resumes_and_lowers_loss(tiny_run):
     _, res = tiny_run
     start = res["resumed_from_step"]
@@ -138,8 +139,9 @@ def test_tiny_resumes_and_lowers_loss(tiny_run):
     assert res["loss_comparison"]["passed"] and res["loss_comparison"]["steps_compared"] == TINY_STEPS
 
 
-def test_tiny_export_reopens_with_transformers(tiny_run, prepared_assets):
-    out, res = tiny_run
+def test_tiny_export_reopens_with_transformers(shared_run, prepared_assets):
+    """The export of the shared 1-rank run (conftest.SHARED_RUNS["hf_tiny"]) re-read by transformers."""
+    out, res = shared_run("hf_tiny")
     check = res["export_check"]
     assert check["missing_keys"] == [] and check["unexpected_keys"] == [] and check["mismatched_keys"] == []
     assert check["tied_lm_head"] is True and check["lm_head_in_file"] is False
@@ -172,6 +174,7 @@ def test_pretrained_weights_load_as_transformers_loads_them(shared_run):
 GOLDEN_SMOLLM2 = GOLDEN.with_name("train_hf_backend.smollm2.json")  # the smollm2 preset, plain python
 
 
+@pytest.mark.extended
 def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
     """The smollm2 preset (1 x 64 tokens a step; no export, to save time) repeats its golden losses over its first
     3 steps (they depend only on the two warm-up updates, so a 3-step run has the 10-step run's first three; a 2-step
@@ -206,6 +209,7 @@ def test_pretrained_smollm2_beats_random(tmp_path, prepared_assets):
     assert first["pretrained"] < 0.6 * first["random"], first
 
 
+@pytest.mark.extended
 def test_same_losses_as_native_under_torchrun(tiny_run, shared_run):
     # The same tiny Qwen3 HF checkpoint, data, seed and schedule through torchtitan's own Qwen3
     # (conftest.SHARED_RUNS: SAME_RUN under torchrun with 2 processes). Losses 1-3 depend only on the
