@@ -69,11 +69,18 @@ def _fail(ckpt_dir, named: list[str]):
                     + "; ".join(named) + "); pass --no-load_check to train anyway")
 
 
-def logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pass_positions: bool,
+def load_tolerance(dtype: str, export_tolerance: float | None) -> float:
+    """The load check's largest logit difference: its own for the compute dtype, or the export check's where that is
+    larger (a recipe that computes part of the model in another dtype, such as the MoE script's bfloat16 experts in a
+    float32 run, raises its export tolerance; the same model's logits meet the same difference before step 1)."""
+    return max(LOAD_TOLERANCE[dtype], export_tolerance or 0.0)
+
+
+def logit_check(trainer, ckpt_dir, tokenizer_dir, tolerance: float, is_main: bool, pass_positions: bool,
                 check_process=None) -> dict:
     """The built and loaded model's logits against transformers' `from_pretrained` of the folder (float32; through
     `check_process`: in this process, or a process of its own where the trainer patches transformers' classes),
-    before step 1; the check's result."""
+    before step 1, within `tolerance` (load_tolerance); the check's result."""
     import torch
     from safetensors.torch import save_file
 
@@ -90,7 +97,7 @@ def logit_check(trainer, ckpt_dir, tokenizer_dir, dtype: str, is_main: bool, pas
         if "interrupted" in read_back:
             check = read_back
         else:
-            diff, tol = read_back["max_abs_logit_diff"], LOAD_TOLERANCE[dtype]
+            diff, tol = read_back["max_abs_logit_diff"], tolerance
             check = {"max_abs_logit_diff": diff, "tolerance": tol, "passed": diff <= tol,
                      **({"error": read_back["error"]} if "error" in read_back else {})}
     if torch.distributed.is_initialized():

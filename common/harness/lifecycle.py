@@ -25,7 +25,7 @@ from common import cli, device, export
 from common.errors import UserError
 from common.harness import dryrun, interval, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import explain_failure, check_outputs, check_settings, compare_losses, \
-    format_loss_comparison, logit_check, read_reference_losses, whole_history
+    format_loss_comparison, load_tolerance, logit_check, read_reference_losses, whole_history
 from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_eval_flags, eval_dataset, eval_rows
 from common.harness.phases import Phases, format_line as phases_line
 from common.harness.preflight import installed_lists, require_stack, wants_neuron
@@ -458,7 +458,8 @@ class GuardHooks(Hooks):
         """Before step 1 of a fresh run: the loaded weights' logits against transformers' load of the HF folder."""
         cfg, found = self.cfg, self.found
         if found.initial_hf and cfg.load_check:
-            self.load_check = logit_check(trainer, found.initial_hf, found.tokenizer_dir, dtype=cfg.dtype,
+            self.load_check = logit_check(trainer, found.initial_hf, found.tokenizer_dir,
+                                          tolerance=load_tolerance(cfg.dtype, cfg.export_tolerance),
                                           is_main=self.dev.is_main, pass_positions=self.recipe.pass_positions,
                                           check_process=self.check_process(self.recipe))
 
