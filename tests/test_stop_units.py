@@ -116,6 +116,36 @@ def test_torchrun_gets_one_sigterm_when_a_launcher_of_several_threads_is_killed(
     assert out.read_text() == "1"
 
 
+REPEATED = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from common.harness.stops import StopControl
+control = StopControl(end=None, margin_s=0.0, is_main=True)
+control.install()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)  # within DUPLICATE_S: a launcher passing on the signal this process got
+print("still stopping at a step boundary:", control.reason, flush=True)
+time.sleep(StopControl.DUPLICATE_S + 0.5)
+os.kill(os.getpid(), signal.SIGTERM)  # a second signal
+time.sleep(30)
+print("still running after the second signal", flush=True)
+"""
+
+
+def test_a_second_signal_ends_the_process_at_once_and_a_passed_on_repeat_does_not():
+    """StopControl's rule in a process of its own (it ends the process): the same signal again within DUPLICATE_S is
+    the one already being handled (a launcher passing on what the process got), a signal after it ends the process at
+    once with one line and the signal's exit code. The rule mid-save in a training run: the extended
+    test_a_second_signal_during_the_stop_save_ends_the_run_at_once (tests/test_stop_one_process.py)."""
+    proc = subprocess.run([sys.executable, "-c", REPEATED.format(root=str(ROOT))], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == "still stopping at a step boundary: SIGTERM\n", proc.stdout
+    assert proc.stderr.count("[stop] SIGTERM: finishing this step") == 1, proc.stderr
+    assert proc.stderr.endswith("error: SIGTERM again: ended at once; the last complete checkpoint in the out_dir stays "
+                                "usable\n"), proc.stderr
+
+
 def test_the_grace_a_torchrun_gives_its_workers_stop(monkeypatch):
     """What torch 2.14's torchrun waits between passing on a signal and SIGKILL: --shutdown-timeout (either
     spelling, before the script), PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30. The scripts' own
