@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))  # the examples' own helper packages (compat_check, hf_backend)
 
+from common import paths  # noqa: E402
+
 
 def script_env() -> dict:
     # One torch thread per script process (as torchrun gives each worker): two test workers share the 2 cores
@@ -248,9 +250,12 @@ GOLDEN_TOL = 1e-3  # float32 on CPU: 0.0 run to run here; CPU kernels of other i
 # The arguments both training paths get when their losses are compared (the tiny preset's defaults, spelled out).
 SAME_RUN = ("--dtype", "float32", "--seq_len", "128", "--local_batch_size", "2", "--warmup_steps", "2",
             "--lr", "3e-3", "--seed", "0")
-# The stop and reshard tests' 2-rank runs: 8 steps (room for two stops and steps after them), half the tiny preset's
-# tokens, the global batch spelled out (a resume on another number of ranks keeps it).
-TWO_RANKS = ("--steps", "8", "--no-export", "--seed", "1", "--seq_len", "64", "--global_batch_size", "4")
+# The native script's 2-rank runs: the tiny Qwen3 from its HF folder (made at set-up), 8 steps (room for two stops and
+# steps after them), half the tiny preset's tokens, the global batch spelled out (a resume on another number of ranks
+# keeps it). The stop tests' commands add --no-export; the shared run that never stops exports from FSDP shards.
+TWO_RANKS_RUN = ("--hf_checkpoint", str(paths.asset_dir("tiny_qwen3", check=False)), "--steps", "8", "--seed", "1",
+                 "--seq_len", "64", "--global_batch_size", "4")
+TWO_RANKS = (*TWO_RANKS_RUN, "--no-export")
 SHARED_RUNS = {  # name: (script, arguments, torchrun processes[, environment, "{out}" its out_dir])
     # the tiny preset, 10 steps, exported, its losses compared with the golden ones; validated at step 1 and every
     # 2 steps (2 batches), TensorBoard on (tests/test_eval.py)
@@ -258,16 +263,17 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes[, environment, "
                                               str(GOLDEN_DIR / "train_native_qwen3.tiny.json"),
                                               "--loss_tolerance", str(GOLDEN_TOL), "--eval_every", "2",
                                               "--eval_steps", "2", "--tensorboard"), 0),
-    # the tiny Qwen3 from its HF folder over 2 processes (FSDP over gloo), 3 steps, exported
+    # the tiny Qwen3 from its HF folder under torchrun, 3 steps of SAME_RUN (the HF backend's extended comparison)
     "native_tiny_2_ranks": ("train_native_qwen3.py", ("--hf_checkpoint", "{tiny_qwen3}", "--steps", "3", *SAME_RUN), 2),
     # the other two training paths, 6 steps validated at steps 1, 2, 4 and 6, exported: the HF backend priced, the
     # MoE script under torchrun over 2 processes (its 2-rank test reads it too)
     "hf_tiny": ("train_hf_backend.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1", "--price_per_hour",
                                         "12.5"), 0),
     "moe_tiny_2_ranks": ("train_moe_nki.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1"), 2),
-    # the stop and reshard tests' run that never stops: 8 steps on 2 ranks (own launch), every rank's batches traced
-    # (the reshard debug trace, in the folder `trace` beside the out_dir)
-    "native_2_ranks_8_steps": ("train_native_qwen3.py", (*TWO_RANKS, "--nproc_per_node", "2"), 0,
+    # the native script's 2-rank run (own launch), the one the stop and reshard tests' runs would be had they never
+    # stopped: the tiny Qwen3 from its HF folder (load check before step 1), 8 steps, exported from FSDP shards, every
+    # rank's batches traced (the reshard debug trace, in the folder `NAME.trace` beside the out_dir)
+    "native_2_ranks_8_steps": ("train_native_qwen3.py", (*TWO_RANKS_RUN, "--nproc_per_node", "2"), 0,
                                {"QWEN3_RECIPES_RESHARD_DEBUG": "{out}.trace"}),
 }
 

@@ -176,8 +176,8 @@ def _process_state():
 # --------------------------------------------------------------------------- unmodified runs
 @pytest.fixture(scope="module")
 def native_run(shared_run):
-    """The tiny Qwen3 from its HF folder (the shared 2-process run, conftest.SHARED_RUNS): the load check passes."""
-    out, res = shared_run("native_tiny_2_ranks")
+    """The tiny Qwen3 from its HF folder (the shared 2-rank run, conftest.SHARED_RUNS): the load check passes."""
+    out, res = shared_run("native_2_ranks_8_steps")
     assert res["config"]["hf_checkpoint"] == str(paths.asset_dir("tiny_qwen3")), res["config"]
     assert res["load_check"]["passed"], res["load_check"]
     return out

@@ -63,7 +63,7 @@ def test_tensorboard_losses_equal_results_json(native_eval):
 
 
 def test_off_by_default(shared_run):
-    _, res = shared_run("native_tiny_2_ranks")  # no --eval_every
+    _, res = shared_run("native_2_ranks_8_steps")  # no --eval_every
     assert res["eval_losses"] == []
 
 

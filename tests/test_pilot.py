@@ -60,14 +60,14 @@ def test_timing_sets_the_warm_up_apart():
 
 def test_native_pilot_fields(shared_run):
     _check_pilot(shared_run("native_tiny")[1])
-    _check_pilot(shared_run("native_tiny_2_ranks")[1], ranks=2)
+    _check_pilot(shared_run("native_2_ranks_8_steps")[1], ranks=2)
 
 
 def test_the_time_to_step_1_is_split_into_its_phases(shared_run):
-    """The 2-rank run from HF weights (under torchrun: its checks, a plan, a load check) and the 1-rank run from
-    random weights: each phase of the command's time to the end of step 1, in the order a run goes through them."""
+    """The 2-rank run from HF weights (the scripts' own launch: its checks, a plan, a load check) and the 1-rank run
+    from random weights: each phase of the command's time to the end of step 1, in the order a run goes through them."""
     order = ["launch", "imports", "checks", "plan", "device", "build", "load", "load check", "first step"]
-    two = shared_run("native_tiny_2_ranks")[1]["time_to_first_step"]
+    two = shared_run("native_2_ranks_8_steps")[1]["time_to_first_step"]
     assert list(two["phases"]) == order
     assert all(v >= 0 for v in two["phases"].values()) and two["phases"]["first step"] > 0
     assert abs(two["total_s"] - sum(two["phases"].values())) < 1e-6
