@@ -174,6 +174,16 @@ print(pilot._plan_in_a_child(lambda: time.sleep(120) or 1, "cpu", lambda device:
 """
 
 
+def _holders(path) -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command) of every process that has `path` open."""
+    found = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(f.path == str(path) for f in p.open_files()):
+                found.append((p.info["pid"], p.info["ppid"], " ".join(p.info["cmdline"] or [])[:200]))
+    return found
+
+
 def test_the_dry_run_plans_child_dies_with_the_run(tmp_path):
     """kill -9 of a run while its dry-run plan child plans (pilot._plan_in_a_child; the plan here is a sleep of
     two minutes): the child dies with it at once, so the out_dir lock (the child holds a copy of its descriptor) is
@@ -188,18 +198,26 @@ def test_the_dry_run_plans_child_dies_with_the_run(tmp_path):
         while not (children := psutil.Process(parent.pid).children()):
             assert parent.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
             time.sleep(0.05)
-        child = children[0].pid
-        started.append(child)
         time.sleep(3)  # the child has imported torch and plans
+        below = [p.pid for p in psutil.Process(parent.pid).children(recursive=True)]  # the plan child, and any of its
+        started.extend(below)
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 20
-        while alive([child]) and time.monotonic() < deadline:
+        while alive(below) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not alive([child]), "the plan child outlived the run that forked it"
+        assert not alive(below), "the plan child outlived the run that forked it"
         fd = os.open(lock, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: nothing holds the run's lock
+        try:  # free: nothing holds the run's lock (within 10 s; else the processes that have it open are named)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"the run's lock is held by {_holders(lock)}") from None
+                    time.sleep(0.1)
         finally:
             os.close(fd)
         assert "Traceback" not in err.read_text(), err.read_text()
