@@ -60,8 +60,7 @@ class TrainConfig:
     export: bool = field(default=True, metadata={
         "help": "write HF safetensors + config + tokenizer to OUT_DIR/hf_export and verify them"})
     export_tolerance: float | None = field(default=None, metadata={
-        "help": "max abs logits difference the export check accepts, and the load check where it is larger than the "
-                "load check's own (none: the recipe's, for float32 or bfloat16)",
+        "help": "max abs logits difference the export check accepts, and the load check if larger (none: the recipe's)",
         **cli.bounds(above=0.0, high=1000.0)})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
                                           **cli.bounds(1, 2)})
