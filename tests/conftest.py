@@ -315,12 +315,12 @@ def prepared_assets():
 
 
 # pytest-xdist hands whole files to its three workers (`--dist loadfile`), by default sorted by their number of tests:
-# the stop tests (their chain of runs, a fifth of the suite's time), the MoE reshard run of test_reshard.py and the one-test
-# compatibility training file came last and ran on alone at the end. Handed out first, they run beside the many
-# short one-process files; every other file
-# keeps xdist's order (most tests first), now given here (`--no-loadscope-reorder`). Handing out every long file
-# first cost more CPU time than it saved (docs/testing.md).
-FIRST_FILES = ("test_stop.py", "test_reshard.py", "test_compat_train.py")
+# the files of a few long multi-process tests (the stop chain, the copies, the dry runs, the killed runs; in the
+# extended tier the MoE reshard and the compatibility training rows) came last and ran on alone at the end. Handed
+# out first, they run beside the many short in-process files, which fill the end; every other file keeps xdist's
+# order (most tests first), given here (`--no-loadscope-reorder`). Measured: docs/testing.md.
+FIRST_FILES = ("test_stop.py", "test_reshard.py", "test_compat_train.py", "test_copy.py", "test_copy_core.py",
+               "test_dry_run.py", "test_compat_offline.py", "test_resume.py", "test_rank_logs.py")
 
 
 def pytest_configure(config):
