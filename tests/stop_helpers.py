@@ -49,6 +49,18 @@ def command_line(pid: int) -> str:
         return ""
 
 
+def lock_holders(path) -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command) of every process that has the file `path` open (a lock that stays held names them)."""
+    found = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        try:
+            if any(f.path == str(path) for f in p.open_files()):
+                found.append((p.info["pid"], p.info["ppid"], " ".join(p.info["cmdline"] or [])[:200]))
+        except psutil.Error:
+            continue
+    return found
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     """The command in the background (a process group of its own), its output in `log` (a pipe nobody reads while
     it trains could fill)."""

@@ -23,7 +23,7 @@ from common.harness import reshard
 from common.harness.stops import EXIT_STOPPED, STOP_GRACE_S
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, run_in_process
 from stop_helpers import (LOSS_BOUND, SCRIPT, STEPS, TWO_RANKS, by_batch, close, command_line, finish,
-                          no_process_outlives, same_state, start, trace, wait_for_step, workers)
+                          lock_holders, no_process_outlives, same_state, start, trace, wait_for_step, workers)
 
 
 @pytest.fixture(scope="module")
@@ -314,12 +314,5 @@ def _take_lock_naming_holders(out) -> None:
             return
         except UserError as e:
             if time.monotonic() > deadline:
-                holders = []
-                for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
-                    try:
-                        if any(f.path == lock for f in p.open_files()):
-                            holders.append((p.info["pid"], p.info["ppid"], " ".join(p.info["cmdline"] or [])[:200]))
-                    except psutil.Error:
-                        continue
-                raise AssertionError(f"{e}; processes with the lock file open: {holders}") from None
+                raise AssertionError(f"{e}; processes with the lock file open: {lock_holders(lock)}") from None
         time.sleep(0.2)

@@ -18,7 +18,7 @@ import pytest
 from common.errors import UserError
 from common.harness import launcher, stops
 from conftest import ROOT, assert_clean_error, run_example, run_in_process, script_env
-from stop_helpers import SCRIPT, alive
+from stop_helpers import SCRIPT, alive, lock_holders
 
 
 @pytest.mark.parametrize("text", ["", " ", "none", "soon"])
@@ -174,16 +174,6 @@ print(pilot._plan_in_a_child(lambda: time.sleep(120) or 1, "cpu", lambda device:
 """
 
 
-def _holders(path) -> list[tuple[int, int, str]]:
-    """(pid, parent pid, command) of every process that has `path` open."""
-    found = []
-    for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(f.path == str(path) for f in p.open_files()):
-                found.append((p.info["pid"], p.info["ppid"], " ".join(p.info["cmdline"] or [])[:200]))
-    return found
-
-
 def test_the_dry_run_plans_child_dies_with_the_run(tmp_path):
     """kill -9 of a run while its dry-run plan child plans (pilot._plan_in_a_child; the plan here is a sleep of
     two minutes): the child dies with it at once, so the out_dir lock (the child holds a copy of its descriptor) is
@@ -216,7 +206,7 @@ def test_the_dry_run_plans_child_dies_with_the_run(tmp_path):
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise AssertionError(f"the run's lock is held by {_holders(lock)}") from None
+                        raise AssertionError(f"the run's lock is held by {lock_holders(lock)}") from None
                     time.sleep(0.1)
         finally:
             os.close(fd)
