@@ -2,9 +2,9 @@
 the end: the resumed state (weights, optimizer state, LR schedule, step) is the checkpoint's, tensor for tensor; each
 step trains on the same sequences as a run that never changed size (the debug trace of every rank), none twice and
 none left out; the losses stay within LOSS_BOUND of that run's. Its --stock path at tensor parallel 2 stops and
-resumes on 1 rank with a 1-rank run's losses (both extended: docs/testing.md). The native script's 2 -> 1 -> 2 ranks, and the
-refusals without the flag or with another --lr: tests/test_stop.py's chain. The rest (the dealing rule, the refusal
-hints, segments.json, the report's marker) without training."""
+resumes on 1 rank with a 1-rank run's losses (both extended: docs/testing.md). The native script's 2 -> 1 -> 2
+ranks, and the refusals without the flag or with another --lr: tests/test_stop.py's chain. The rest (the dealing
+rule, the refusal hints, segments.json, the report's marker) without training."""
 from __future__ import annotations
 
 import json
