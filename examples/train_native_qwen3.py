@@ -73,9 +73,11 @@ def qwen3_4b() -> Config:
 
 def qwen3_8b() -> Config:
     """trn2.48xlarge in AWS's Qwen3-8B layout (TorchTitan Neuron's basic training tutorial, its config
-    `qwen3_8b_tp4_fsdp16_sac`): tensor parallel 4 x FSDP 16 over 64 ranks, selective activation checkpointing;
-    sequence length, batch and data as the 4B preset's."""
+    `qwen3_8b_tp4_fsdp16_sac`): tensor parallel 4 x FSDP 16 over 64 ranks, selective activation checkpointing.
+    Sequence length 4,096, local batch 1, global batch 64, lr 3e-4 and 2 warm-up steps: that layout's config in a
+    public Neuron port of torchtitan (github.com/drcanchi-aws/torchtitan, qwen3_8b_actual_tp4_fsdp16.toml)."""
     return replace(qwen3_4b(), flavor="8B", tensor_parallel_degree=4, activation_checkpoint="selective",
+                   seq_len=4096, local_batch_size=1, global_batch_size=64, lr=3e-4, warmup_steps=2,
                    hf_assets="assets/hf/Qwen3-8B")
 
 
