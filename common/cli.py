@@ -132,10 +132,10 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags actually given override the preset
     )
+    about = {k: " ".join((fn.__doc__ or "").split("\n\n")[0].split()) for k, fn in presets.items()}  # 1st paragraph
     parser.add_argument("--preset", default=default_preset, choices=sorted(presets),
                         help=f"named preset the flags below start from (default: {default_preset}). "
-                             + "; ".join(f"{k}: {(fn.__doc__ or '').strip().splitlines()[0]}"
-                                         for k, fn in presets.items()))
+                             + "; ".join(f"{k}: {text}" for k, text in about.items()))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name == "preset":

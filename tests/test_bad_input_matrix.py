@@ -365,8 +365,10 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, prep
 @pytest.mark.parametrize("script", ["train_native_qwen3.py", "train_hf_backend.py", "train_moe_nki.py",
                                     "rope_parity.py", "generate_compat_check.py"])
 def test_help_lists_every_flag(script):
-    """`--help` works for every example (help strings are formatted by argparse, '%' included)."""
+    """`--help` works for every example (help strings are formatted by argparse, '%' included), and says what each
+    preset is: its docstring's whole first paragraph (a trn2 preset names its sources there)."""
     import dataclasses
+    import re
     import runpy
 
     proc = run_in_process(script, "--help")
@@ -377,6 +379,9 @@ def test_help_lists_every_flag(script):
     names = guarded(found["RECIPE"]).config if "RECIPE" in found else found["Config"]
     for f in dataclasses.fields(names):
         assert f"--{f.name}" in proc.stdout, f.name
+    shown = " ".join(re.sub(r"-\n\s+", "-", proc.stdout).split())  # argparse's wrapping undone
+    for preset, make in found["PRESETS"].items():
+        assert " ".join(make.__doc__.split("\n\n")[0].split()) in shown, preset
 
 
 def _not_a_file(path, kind: str) -> None:
