@@ -69,11 +69,12 @@ def _fail(ckpt_dir, named: list[str]):
                     + "; ".join(named) + "); pass --no-load_check to train anyway")
 
 
-def load_tolerance(dtype: str, export_tolerance: float | None) -> float:
-    """The load check's largest logit difference: its own for the compute dtype, or the export check's where that is
-    larger (a recipe that computes part of the model in another dtype, such as the MoE script's bfloat16 experts in a
-    float32 run, raises its export tolerance; the same model's logits meet the same difference before step 1)."""
-    return max(LOAD_TOLERANCE[dtype], export_tolerance or 0.0)
+def load_tolerance(dtype: str, export_tolerance: float) -> float:
+    """The load check's largest logit difference: its own for the compute dtype, or the export check's (the config's,
+    resolved by its validate) where that is larger (a recipe that computes part of the model in another dtype, such as
+    the MoE script's bfloat16 experts in a float32 run, raises its export tolerance; the same model's logits meet the
+    same difference before step 1)."""
+    return max(LOAD_TOLERANCE[dtype], export_tolerance)
 
 
 def logit_check(trainer, ckpt_dir, tokenizer_dir, tolerance: float, is_main: bool, pass_positions: bool,
