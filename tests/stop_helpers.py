@@ -61,6 +61,24 @@ def lock_holders(path) -> list[tuple[int, int, str]]:
     return found
 
 
+def take_lock_naming_holders(out) -> int:
+    """The product's lock on the folder `out` taken as a rerun takes it (launcher.hold_out_dir); its descriptor, for
+    the caller to close. Where it is refused, the test fails naming every process that still has the lock file open
+    (its pid, parent and command line), after allowing 10 s for the last of them to end."""
+    from common.errors import UserError
+    from common.harness import launcher
+
+    deadline, lock = time.monotonic() + 10, (Path(out) / launcher.LOCK).resolve()
+    while True:
+        try:
+            launcher.hold_out_dir(out)
+            return launcher._held.pop()
+        except UserError as e:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{e}; processes with the lock file open: {lock_holders(lock)}") from None
+        time.sleep(0.2)
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     """The command in the background (a process group of its own), its output in `log` (a pipe nobody reads while
     it trains could fill)."""

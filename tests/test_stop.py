@@ -23,7 +23,8 @@ from common.harness import reshard
 from common.harness.stops import EXIT_STOPPED, STOP_GRACE_S
 from conftest import ROOT, assert_clean_error, example_command, read_results, run_example, run_in_process
 from stop_helpers import (LOSS_BOUND, SCRIPT, STEPS, TWO_RANKS, by_batch, close, command_line, finish,
-                          lock_holders, no_process_outlives, same_state, start, trace, wait_for_step, workers)
+                          no_process_outlives, same_state, start, take_lock_naming_holders, trace, wait_for_step,
+                          workers)
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +274,6 @@ def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_t
     first) is then taken (within 10 s, else the test names the processes holding it), and the loss history has each
     step once, in order, up to the checkpointed one.
     (A rerun resuming a SIGTERM stop of two ranks: the test above.)"""
-    from common.harness import launcher
     from common.harness.checks import read_progress
 
     out = tmp_path / "o"
@@ -292,27 +292,9 @@ def test_kill_9_of_the_launcher_leaves_no_worker_and_the_out_dir_is_held_until_t
     assert (out / "checkpoint" / f"step-{stopped['step']}" / ".metadata").is_file()
     history = [r["step"] for r in read_progress(out / "losses.jsonl")]
     assert history == list(range(1, stopped["step"] + 1)), history
-    _take_lock_naming_holders(out)  # refused while any process of the run still held it
-    fd = launcher._held.pop()
+    fd = take_lock_naming_holders(out)  # refused while any process of the run still held it
     try:
         assert (out / ".run.lock").read_text().startswith(f"pid {os.getpid()} on ")
     finally:
         os.close(fd)
 
-
-def _take_lock_naming_holders(out) -> None:
-    """The product's lock on `out` taken as a rerun takes it. Where it is refused, the test fails naming every process
-    that still has the lock file open (its pid, command line and parent), as /proc shows them, after allowing 10 s
-    for a process outside the run's family to end."""
-    from common.errors import UserError
-    from common.harness import launcher
-
-    deadline, lock = time.monotonic() + 10, str((out / launcher.LOCK).resolve())
-    while True:
-        try:
-            launcher.hold_out_dir(out)
-            return
-        except UserError as e:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{e}; processes with the lock file open: {lock_holders(lock)}") from None
-        time.sleep(0.2)

@@ -18,7 +18,7 @@ import pytest
 from common.errors import UserError
 from common.harness import launcher, stops
 from conftest import ROOT, assert_clean_error, run_example, run_in_process, script_env
-from stop_helpers import SCRIPT, alive, lock_holders
+from stop_helpers import SCRIPT, alive, take_lock_naming_holders
 
 
 @pytest.mark.parametrize("text", ["", " ", "none", "soon"])
@@ -197,19 +197,7 @@ def test_the_dry_run_plans_child_dies_with_the_run(tmp_path):
         while alive(below) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(below), "the plan child outlived the run that forked it"
-        fd = os.open(lock, os.O_RDWR)
-        try:  # free: nothing holds the run's lock (within 10 s; else the processes that have it open are named)
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise AssertionError(f"the run's lock is held by {lock_holders(lock)}") from None
-                    time.sleep(0.1)
-        finally:
-            os.close(fd)
+        os.close(take_lock_naming_holders(tmp_path))  # free: nothing holds the run's lock (else its holders named)
         assert "Traceback" not in err.read_text(), err.read_text()
     finally:
         for pid in alive(started):
