@@ -70,10 +70,9 @@ def _fail(ckpt_dir, named: list[str]):
 
 
 def load_tolerance(dtype: str, export_tolerance: float) -> float:
-    """The load check's largest logit difference: its own for the compute dtype, or the export check's (the config's,
-    resolved by its validate) where that is larger (a recipe that computes part of the model in another dtype, such as
-    the MoE script's bfloat16 experts in a float32 run, raises its export tolerance; the same model's logits meet the
-    same difference before step 1)."""
+    """The load check's largest logit difference: its own for the compute dtype, or the export check's (the config's
+    validate resolves it) where larger: a recipe computing part of the model in another dtype (the MoE script's
+    bfloat16 experts in float32) raises its export tolerance, and the same logits meet it before step 1."""
     return max(LOAD_TOLERANCE[dtype], export_tolerance)
 
 
