@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import operator
 import os
 import sys
 import tempfile
@@ -117,37 +118,57 @@ def logit_check(trainer, ckpt_dir, tokenizer_dir, tolerance: float, is_main: boo
 
 
 def read_reference_losses(path: str | os.PathLike) -> list[float]:
-    """Losses from a reference file: a results.json or a golden file (both hold `losses`), a regular file (or a
-    link to one): a FIFO of that name would block the read forever."""
+    """Losses from a reference file, in its order (read_reference_curve numbers them)."""
+    return list(read_reference_curve(path).values())
+
+
+def _numbered(data: dict) -> tuple:
+    """A reference's steps and losses: a results.json's `history` (the whole run, across stops and resumes), else
+    its `steps` and `losses` (this process's part: a resumed run's start after step 1), else a golden file's
+    `losses`, from step 1 (its `steps` is a count)."""
+    history = data.get("history")
+    if isinstance(history, dict) and "steps" in history and "losses" in history:
+        return history["steps"], history["losses"]
+    if isinstance(data.get("steps"), list):
+        return data["steps"], data["losses"]
+    return range(1, len(data["losses"]) + 1), data["losses"]
+
+
+def read_reference_curve(path: str | os.PathLike) -> dict[int, float]:
+    """Losses by step from a reference file: a results.json or a golden file (both hold `losses`), a regular file
+    (or a link to one): a FIFO of that name would block the read forever."""
     kind = not_a_file(path)
     if kind is not None:
         raise UserError(f"--compare_losses: {path} is {kind}, not a regular file: only a regular file (or a link to "
                         "one) is read")
     try:
         data = json.loads(Path(path).read_text())
-        losses = [float(x) for x in data["losses"]]
+        steps, losses = _numbered(data)
+        steps, losses = [operator.index(s) for s in steps], [float(x) for x in losses]
     except FileNotFoundError:
         raise UserError(f"--compare_losses: no file {path}") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"--compare_losses: {path} is not a JSON file with a 'losses' list ({e})") from None
+    if len(steps) != len(losses):
+        raise UserError(f"--compare_losses: {path} numbers {len(losses)} losses with {len(steps)} steps")
     if not losses:
         raise UserError(f"--compare_losses: {path} holds no losses")
     if not all(math.isfinite(x) for x in losses):
         raise UserError(f"--compare_losses: {path} holds NaN or infinite losses: it cannot be a reference")
-    return losses
+    return dict(zip(steps, losses))
 
 
 def compare_losses(losses: list[float], path: str | os.PathLike, tolerance: float,
                    steps: list[int] | None = None) -> dict:
-    """Per-step differences between a run's losses and a reference file's first N losses, so a user
-    on trn2 or CUDA sees at step N whether the hardware reproduces the reference. `steps` numbers
-    the losses (from 1; a resumed run starts later); the reference's loss i is step i."""
-    reference = read_reference_losses(path)
-    numbered = list(zip(steps or range(1, len(losses) + 1), losses))
-    pairs = [(s, loss) for s, loss in numbered if 1 <= s <= len(reference)]
-    n = len(pairs)
-    per_step = [{"step": s, "loss": loss, "reference": reference[s - 1], "abs_diff": abs(loss - reference[s - 1])}
-                for s, loss in pairs]
+    """Per-step differences between a run's losses and a reference file's at the same steps, so a user on trn2 or
+    CUDA sees at step N whether the hardware reproduces the reference. `steps` numbers the run's losses (from 1; a
+    resumed run starts later), the reference's are numbered by its own steps (read_reference_curve); a step the
+    reference has no loss for is not compared."""
+    reference = read_reference_curve(path)
+    numbered = zip(steps or range(1, len(losses) + 1), losses)
+    per_step = [{"step": s, "loss": loss, "reference": reference[s], "abs_diff": abs(loss - reference[s])}
+                for s, loss in numbered if s in reference]
+    n = len(per_step)
     worst = max((r["abs_diff"] for r in per_step), default=float("nan"))
     first = next((r["step"] for r in per_step if not r["abs_diff"] <= tolerance), None)  # NaN differs
     return {"reference": str(path), "steps_compared": n, "max_abs_diff": worst, "tolerance": tolerance,
