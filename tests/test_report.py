@@ -315,3 +315,23 @@ def test_a_cpu_mfu_is_against_the_best_peak_measured_on_the_machine_and_marked_i
     row = rows_of(text, ["cpu"])["cpu"]  # a CPU run's resident set is not set against the plan's tensors
     assert row[report.COLUMNS.index("peak / planned GiB")] == "1.8 / 0.4 (not comparable: CPU)"
     assert "not comparable: a CPU run, whose peak is the process's resident set" in text
+
+
+def test_a_phase_a_one_process_run_did_not_go_through_is_no_out_of_range_value(tmp_path, capsys):
+    """A one-process run has no launch of its own: its `launch` phase is 0 (common/harness/phases.py), a phase that
+    did not happen, not a value out of its range, and not listed among the phases; a negative one is still left
+    out with a note."""
+    phases = {"launch": 0.0, "imports": 11.2, "checks": 0.6, "plan": 0.1, "device": 0.05, "build": 1.9, "load": 0.3,
+              "load check": 0.8, "first step": 1.4}
+    first = {"phases": phases, "total_s": sum(phases.values()), "longest_over_ranks": dict(phases)}
+    run = make_run(tmp_path, "one_process", old_style(time_to_first_step=first))
+    assert report.main([str(run), "--out", str(tmp_path / "r.png")]) == 0
+    text = capsys.readouterr().out
+    assert "Left out" not in text and "launch" not in text, text
+    assert "one_process: command to step 1: imports 11.2 s, checks 0.6 s, plan 0.1 s, device 0.1 s" in text
+
+    first["phases"] = {**phases, "launch": -3.0}
+    run = make_run(tmp_path, "negative_launch", old_style(time_to_first_step=first))
+    assert report.main([str(run), "--out", str(tmp_path / "r.png")]) == 0
+    text = capsys.readouterr().out
+    assert "negative_launch: time_to_first_step.phases.launch = -3: outside 0, or 1e-6 to 1e7 s" in text, text

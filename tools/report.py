@@ -109,6 +109,8 @@ STEP = Range(0, 1e9, "0 to 1e9", whole=True)
 COUNT = Range(0, 1e9, "0 to 1e9", whole=True)
 WORLD_SIZE = Range(1, 1e7, "1 to 1e7 ranks", whole=True)
 SECONDS = Range(1e-6, 1e7, "1e-6 to 1e7 s (about 116 days)")
+# a phase of the time to step 1 the run did not go through is 0 (a one-process run's `launch`: common/harness/phases.py)
+PHASE_SECONDS = Range(1e-6, 1e7, "0, or 1e-6 to 1e7 s (about 116 days)", zero=True)
 SIGNED_SECONDS = Range(-1e7, 1e7, "-1e7 to 1e7 s")  # first step minus steady: below 0 when step 1 was the faster
 TOKENS_PER_S = Range(1e-6, 1e12, "0, or 1e-6 to 1e12 tokens/s", zero=True)
 MFU = Range(1e-9, 1.0, "1e-9 to 1 (a fraction of the peak)")  # 1e-9: an axis in % spans 11 decades at most
@@ -415,8 +417,8 @@ def load_run(run_dir: str, label: str) -> Run:
     first = d.get("time_to_first_step") if isinstance(d.get("time_to_first_step"), dict) else {}
     run.to_first_step_s = f.number(first.get("total_s"), "time_to_first_step.total_s", SECONDS)
     phases = first.get("phases") if isinstance(first.get("phases"), dict) else {}
-    run.first_step_phases = {str(k)[:40]: n for k, v in phases.items()
-                             if (n := f.number(v, f"time_to_first_step.phases.{str(k)[:40]}", SECONDS)) is not None}
+    run.first_step_phases = {str(k)[:40]: n for k, v in phases.items()  # a phase that did not happen is not listed
+                             if (n := f.number(v, f"time_to_first_step.phases.{str(k)[:40]}", PHASE_SECONDS))}
     warm_up = f.number(timing.get("compile_or_warmup_s"), "timing.compile_or_warmup_s", SIGNED_SECONDS)
     run.compile_or_warmup_s = None if warm_up is None else max(warm_up, 0.0)  # an older file's step 1 that was faster
     run.steady_tokens_per_s = f.number(timing.get("steady_tokens_per_s"), "timing.steady_tokens_per_s",
