@@ -74,10 +74,16 @@ def qwen3_4b() -> Config:
 def qwen3_8b() -> Config:
     """trn2.48xlarge in AWS's Qwen3-8B layout (TorchTitan Neuron's basic training tutorial, its config
     `qwen3_8b_tp4_fsdp16_sac`): tensor parallel 4 x FSDP 16 over 64 ranks, selective activation checkpointing.
-    Sequence length 4,096, local batch 1, global batch 64, lr 3e-4 and 2 warm-up steps: that layout's config in a
-    public Neuron port of torchtitan (github.com/drcanchi-aws/torchtitan, qwen3_8b_actual_tp4_fsdp16.toml)."""
+    Sequence length 4,096, local batch 1, global batch 16 (one sequence a data-parallel rank, no accumulation),
+    lr 3e-4 and 2 warm-up steps: AWS's own TorchTitan recipe of that layout in a public copy of TorchNeuron's
+    pre-release repository (github.com/parmoham-aws/test-repo-parmoham@98154b8,
+    docs/torchtitan/qwen3/qwen3_8b_tp4_fsdp.toml, lines 23, 27, 30-31, 34-35, 38, 40, 52).
+
+    Not drcanchi-aws/torchtitan's qwen3_8b_actual_tp4_fsdp16.toml (global batch 64): a fork of upstream torchtitan
+    with full activation checkpointing, where this is AWS's own recipe of the layout with the tutorial's selective.
+    """
     return replace(qwen3_4b(), flavor="8B", tensor_parallel_degree=4, activation_checkpoint="selective",
-                   seq_len=4096, local_batch_size=1, global_batch_size=64, lr=3e-4, warmup_steps=2,
+                   seq_len=4096, local_batch_size=1, global_batch_size=16, lr=3e-4, warmup_steps=2,
                    hf_assets="assets/hf/Qwen3-8B")
 
 

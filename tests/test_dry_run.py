@@ -59,8 +59,8 @@ def test_native_qwen3_4b_at_64_ranks(tmp_path):
 def test_native_qwen3_8b_in_aws_layout(tmp_path):
     """AWS's Qwen3-8B layout: tensor parallel 4 x FSDP 16 over 64 ranks, selective activation checkpointing."""
     proc, r = _dry("train_native_qwen3.py", tmp_path, "--preset", "qwen3_8b")
-    cfg = read_results(tmp_path)["config"]  # the preset's named source: a Neuron port's config of this layout
-    assert (cfg["seq_len"], cfg["local_batch_size"], cfg["global_batch_size"], cfg["lr"]) == (4096, 1, 64, 3e-4)
+    cfg = read_results(tmp_path)["config"]  # the preset's named source: AWS's TorchNeuron recipe of this layout
+    assert (cfg["seq_len"], cfg["local_batch_size"], cfg["global_batch_size"], cfg["lr"]) == (4096, 1, 16, 3e-4)
     assert abs(r["parameters"] / 8.2e9 - 1) <= 0.01, r["parameters"]  # Qwen3-8B: 8.2 B
     assert (r["tensor_parallel"], r["data_parallel_shard"], r["activation_checkpoint"]) == (4, 16, "selective")
     # tensor parallel and FSDP together shard every parameter over all 64 ranks
