@@ -3,7 +3,9 @@
 Skipped, with the reason below, wherever `common.device.neuron_available()` is false: this project's CI and every
 machine without torch-neuronx and a NeuronCore. So these tests have not run. On a trn2 box (docs/first-hour-trn2.md):
     python -m pytest -rs tests/test_neuron_device.py
-Each test has a time limit; most of it is neuronx-cc compiling each kernel once.
+Each test has a time limit; most of it is neuronx-cc compiling each kernel once. The tests that put tensors on the
+device run in this process on NeuronCore 0, the training run the last one starts on NeuronCore 1 (core_split(),
+checked on CPU by tests/test_neuron_device_cores.py); run this file in a pytest process of its own.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import subprocess
 import sys
 import signal
+from typing import Mapping
 
 import pytest
 import torch
@@ -29,8 +32,28 @@ LNC = 2
 TIME_LIMIT_S = 1800
 REASON = ("needs a Trainium device: common.device.neuron_available() is false here (no torch-neuronx or no "
           "NeuronCore); run on a trn2 host, see docs/first-hour-trn2.md")
-if importlib.util.find_spec("torch_neuronx") is not None:
-    device.set_neuron_env(LNC, os.environ.get(device.NEFF_CACHE_VAR, "/tmp/neff_cache"))  # before anything can start the Neuron runtime
+# The Neuron runtime gives a process every NeuronCore of the instance, exclusively, from its start until the
+# process closes it or exits, unless NEURON_RT_VISIBLE_CORES selects some: an index, a range "p-q" or a contiguous
+# increasing list (aws-neuron/aws-neuron-sdk@81ce03a:neuron-runtime/guides/nrt-developer-guide.rst:1045-1054). The
+# first three tests start it in this process; the last starts a training run as a child, which without cores of its
+# own fails with "Failed to initialize Neuron Runtime". TorchNeuron's process group keeps a NEURON_RT_VISIBLE_CORES
+# it finds set and only otherwise sets it to LOCAL_RANK (parmoham-aws/test-repo-parmoham@98154b8:
+# torch_neuronx/distributed/backend.py:216-218), so the child's one rank runs on CHILD_CORES.
+CORES_VAR = "NEURON_RT_VISIBLE_CORES"
+IN_PROCESS_CORES, CHILD_CORES = "0", "1"  # logical NeuronCores (at LNC=2, 64 on a trn2.48xlarge)
+
+
+def core_split(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(what this pytest process sets before its first device use, the child training run's whole environment):
+    disjoint NeuronCores; the child without TORCH_NEURONX_NEFF_CACHE_DIR, so that it uses OUT_DIR/neff_cache."""
+    child = {k: v for k, v in env.items() if k != device.NEFF_CACHE_VAR}
+    child[CORES_VAR] = CHILD_CORES
+    return {CORES_VAR: IN_PROCESS_CORES}, child
+
+
+if importlib.util.find_spec("torch_neuronx") is not None:  # before anything can start the Neuron runtime
+    os.environ.update(core_split(os.environ)[0])
+    device.set_neuron_env(LNC, os.environ.get(device.NEFF_CACHE_VAR, "/tmp/neff_cache"))
 pytestmark = pytest.mark.skipif(not (device.neuron_installed() and device.neuron_available()), reason=REASON)
 # The reduced Qwen3-30B-A3B preset of examples/train_moe_nki.py: one rank's tokens (seq 4096 x local batch 1).
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 4096, 2048, 768, 64, 4
@@ -119,13 +142,14 @@ def test_moe_kernels_against_the_pytorch_op():
 
 
 def test_a_neuron_runs_pilot_fields_memory_neff_cache_and_fallback_ops(tmp_path):
-    """Two steps of the native script on one NeuronCore, as the runbook's step 4 runs it: the device peak of the
-    heaviest step read after a synchronize (not torchtitan's nested-stats 0), the NEFF cache watched where the run
-    set TORCH_NEURONX_NEFF_CACHE_DIR (OUT_DIR/neff_cache: a fresh folder, so cold, with .neff files), and the ops
-    TorchNeuron ran on the CPU read in the training process; step 2 profiled, the runtime's trace files under
-    OUT_DIR/profile_traces/neuron and listed; the installed packages for a problem report."""
+    """Two steps of the native script on one NeuronCore (CHILD_CORES, not this process's), as the runbook's step 4
+    runs it: the device peak of the heaviest step read after a synchronize (not torchtitan's nested-stats 0), the
+    NEFF cache watched where the run set TORCH_NEURONX_NEFF_CACHE_DIR (OUT_DIR/neff_cache: a fresh folder, so cold,
+    with .neff files), and the ops TorchNeuron ran on the CPU read in the training process; step 2 profiled, the
+    runtime's trace files under OUT_DIR/profile_traces/neuron and listed; the installed packages for a problem
+    report."""
     out = tmp_path / "o"
-    env = {k: v for k, v in os.environ.items() if k != device.NEFF_CACHE_VAR}
+    env = core_split(os.environ)[1]
     proc = subprocess.run([sys.executable, "examples/train_native_qwen3.py", "--device", "neuron", "--steps", "2",
                            "--profile", "--no-export", "--out_dir", str(out)], env=env, capture_output=True,
                           text=True, timeout=TIME_LIMIT_S)
