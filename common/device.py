@@ -267,6 +267,22 @@ def setup(requested: str = "auto", *, lnc: int = 2, neff_cache_dir: str | None =
     return DeviceInfo(device, device_type, BACKENDS[device_type], rank, local_rank, world_size)
 
 
+def agree_max(values: list[float], device=None) -> list[float]:
+    """Each value's largest over the ranks, in one all-reduce (the values themselves in a single process): what every
+    rank must decide alike (a stop, a save step, a held-out batch, a refusal) is decided from the same numbers.
+    `device`: where the collective runs (default: the device torchtitan trains on, routed by `setup`)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    if device is None:
+        from torchtitan.tools.utils import device_type as device  # bound by setup's routing
+    flags = torch.tensor([float(v) for v in values], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
+
+
 def teardown() -> None:
     import torch.distributed as dist
 

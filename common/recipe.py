@@ -6,7 +6,7 @@ and trained, the HF export written and re-read by transformers, results.json and
 paid run wants around that (preflight, the out_dir lock, resume and stop signals, the self-launcher, the
 dry run, the pilot report, held-out eval: common/harness/) plug in through `Hooks`; without them, as in a
 copy of an example with the core alone, `run_core` trains and exports. An example's entry chooses between the two
-(`common.harness_module`).
+(the harness's `run` where common/harness/ is there, `run_core` otherwise).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from common import checkpoint, cli, device, export, paths
 from common.errors import UserError
-from common.losses import finish_run
+from common.losses import finish_run, not_finite
 from common.results import versions
 
 
@@ -220,10 +220,11 @@ class Hooks:
         return []
 
     def build(self, tc, shape: dict):
-        """The trainer: the recipe's trainer class (the one `tc.build()` makes), as common/trainer.py extends it."""
-        from common.trainer import as_trainer_config, recipe_trainer
+        """The trainer: the recipe's own trainer class (the one `tc.build()` makes), its metrics recorded."""
+        from common.trainer import recorded
 
-        return as_trainer_config(recipe_trainer(type(tc)), tc).build()
+        recorded(tc)
+        return tc.build()
 
     def check_process(self, recipe: Recipe):
         """What runs a load or export check (common.export.verify_export_subprocess's `check`): this process, unless
@@ -262,10 +263,16 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
     shape = recipe.model_shape(cfg, tc, found)
     trainer = guards.build(tc, shape)
     extra = recipe.after_build(cfg, trainer, tc, found, log)
-    t0 = time.perf_counter()
-    trainer.train()  # loads the initial HF weights (or resumes), then trains
-    train_s = time.perf_counter() - t0
     rec = trainer.metrics_processor.record
+    t0 = time.perf_counter()
+    rec.start()
+    try:
+        trainer.train()  # loads the initial HF weights (or resumes), then trains
+    except RuntimeError as e:
+        if (line := not_finite(e)) is None:
+            raise
+        raise line from None
+    train_s = time.perf_counter() - t0
     history = guards.history(trainer)
     guarded = guards.results(trainer, dev, shape, out_dir)
     extra.update(recipe.after_train(cfg, trainer, found))
@@ -337,9 +344,6 @@ def hold_core_lock(out_dir: Path, dev: device.DeviceInfo) -> None:
     import fcntl
     import sys
 
-    import torch
-    import torch.distributed as dist
-
     from common.errors import one_line
 
     problem = ""
@@ -359,10 +363,7 @@ def hold_core_lock(out_dir: Path, dev: device.DeviceInfo) -> None:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)}\n".encode(), 0)
                 _core_lock.append(fd)
-    busy = torch.tensor([1 if problem else 0], device=dev.device)
-    if dist.is_initialized():
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
-    if busy.item():
+    if device.agree_max([1 if problem else 0], dev.device)[0]:
         raise UserError(f"--out_dir {out_dir}: {problem or 'refused on rank 0'}: wait for it to end, or choose "
                         "another --out_dir")
 

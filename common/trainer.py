@@ -1,11 +1,7 @@
-"""The core's torchtitan trainer: the recipe's own trainer class, extended the way torchtitan's extensions are
-(a subclass with its `Config`, components built from their own `Config`), keeping the run's loss curve.
-
-- `RecordingMetrics`: torchtitan's MetricsProcessor, which also keeps what it logs each step (loss, grad norm,
-  tokens seen, the time): results.json holds these numbers, never scraped log lines.
-- `recipe_trainer(base)`: `base` (torchtitan's `Trainer`, or the Transformers backend's `HFTransformerTrainer`) with
-  a non-finite loss reported as one line instead of a traceback on every rank.
-- `as_trainer_config(cls, tc)`: a recipe's `Trainer.Config` as `cls.Config`, the metrics recorded.
+"""The core's torchtitan component: `RecordingMetrics`, torchtitan's MetricsProcessor keeping what it logs each step
+(loss, grad norm, tokens seen, the time), so results.json holds these numbers, never scraped log lines. A recipe's
+config names it as its `metrics` (`recorded`); the trainer stays the recipe's own (torchtitan's `Trainer`, or the
+Transformers backend's `HFTransformerTrainer`), built by its Config's own `build()`.
 
 Import only after `common.device.setup()` (torchtitan binds its device at import time).
 """
@@ -15,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from torchtitan.components.metrics import MetricsProcessor
 
-from common.losses import LossRecorder, not_finite
+from common.losses import LossRecorder
 
 
 class RecordingMetrics(MetricsProcessor):
@@ -35,38 +31,13 @@ class RecordingMetrics(MetricsProcessor):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
 
-def recipe_trainer(config_class: type) -> type:
-    """The trainer a recipe's Trainer.Config class builds (`config_class._owner`: torchtitan's Trainer, or the
-    Transformers backend's HFTransformerTrainer for its TransformersBackendConfig) as the core runs it: its Config
-    (`config_class` with every field it has) with the metrics recorded (`as_trainer_config`), its training timed
-    from the start of `train`, and a non-finite loss one line."""
-    base = config_class._owner
-
-    class RecipeTrainer(base):
-        @dataclass(kw_only=True, slots=True)
-        class Config(config_class):
-            pass
-
-        def train(self):
-            self.metrics_processor.record.start()
-            try:
-                return super().train()
-            except RuntimeError as e:
-                if (line := not_finite(e)) is None:
-                    raise
-                raise line from None
-
-    RecipeTrainer.__name__ = RecipeTrainer.__qualname__ = f"Recipe{base.__name__}"
-    return RecipeTrainer
-
-
 def same_fields(cls, config, **changed):
     """`config` (a torchtitan Config) as an instance of `cls`, a subclass of its class: every field carried over."""
     values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
     return cls(**{**values, **changed})
 
 
-def as_trainer_config(cls: type, tc, metrics=None):
-    """The recipe's Trainer.Config `tc` as `cls.Config` (`cls`: a trainer class over the recipe's own), its metrics
-    processor `metrics` (a RecordingMetrics.Config; default: the recipe's metrics settings, recorded)."""
-    return same_fields(cls.Config, tc, metrics=metrics or same_fields(RecordingMetrics.Config, tc.metrics))
+def recorded(tc) -> None:
+    """The recipe's Trainer.Config with its metrics recorded: its own metrics settings, as RecordingMetrics'."""
+    if not isinstance(tc.metrics, RecordingMetrics.Config):
+        tc.metrics = same_fields(RecordingMetrics.Config, tc.metrics)

@@ -250,7 +250,7 @@ def test_bounds_messages():
 # --- a loss torchtitan finds non-finite: the documented one line, not its RuntimeError and traceback
 
 def test_torchtitans_non_finite_loss_becomes_the_documented_line():
-    """The core's trainer (common/trainer.py's RecipeTrainer.train) raises `not_finite`'s line instead of
+    """The core's run of the trainer (common/recipe.py's `train`) raises `not_finite`'s line instead of
     torchtitan's RuntimeError, whose text is read here from the installed torchtitan."""
     tt = Path(importlib.util.find_spec("torchtitan").origin).parent
     source = (tt / "trainer.py").read_text()  # the text the trainer reads, as the installed torchtitan raises it
@@ -260,6 +260,5 @@ def test_torchtitans_non_finite_loss_becomes_the_documented_line():
     line = not_finite(RuntimeError("Loss is not finite (global_avg_loss=nan) at step 3. Stopping training."))
     assert isinstance(line, UserError) and str(line).startswith("the loss at step 3 is nan: training diverged"), line
     assert not_finite(RuntimeError("something else")) is None  # any other error passes through untouched
-    trainer_source = (Path(__file__).resolve().parents[1] / "common" / "trainer.py").read_text()
-    assert "if (line := not_finite(e)) is None:\n                    raise\n                raise line from None" in \
-        trainer_source
+    trainer_source = (Path(__file__).resolve().parents[1] / "common" / "recipe.py").read_text()
+    assert "if (line := not_finite(e)) is None:\n            raise\n        raise line from None" in trainer_source

@@ -58,9 +58,8 @@ def test_the_verdict_flips_at_its_boundary():
 
 def test_the_auto_interval_from_the_run_s_measured_durations():
     stop = StopControl(end=None, margin_s=120, is_main=False)
-    watch = interval.SaveWatch(every="auto", mtbi_h=2, planned_save_s=20, notice_s=120, comm_timeout_s=600,
+    watch = interval.SaveWatch(stop, every="auto", mtbi_h=2, planned_save_s=20, notice_s=120, comm_timeout_s=600,
                                price_per_hour=None, evaluates=False, is_main=False)
-    watch.follow(stop)
     assert not watch.due(5, None)  # no step measured yet: no interval
     stop.steps_s = [30.0, 10.0, 10.0, 12.0]  # step 1 compiles: the median of the others, 10 s
     # before a save is measured: the planned 20 s, sqrt(2 x 20 x 7200) = 537 s, 54 steps
@@ -78,9 +77,8 @@ def test_an_asynchronous_save_s_wait_sets_the_interval_and_its_whole_write_the_v
     (sqrt(2 x 2 x 7200) = 170 s, 17 steps of 10 s), at once; the verdict (a stop's save is written whole) is the
     planned save's until the write has ended, then the write's: a step and 111 s do not fit 120 s."""
     stop = StopControl(end=None, margin_s=120, is_main=False)
-    watch = interval.SaveWatch(every="auto", mtbi_h=2, planned_save_s=20, notice_s=120, comm_timeout_s=600,
+    watch = interval.SaveWatch(stop, every="auto", mtbi_h=2, planned_save_s=20, notice_s=120, comm_timeout_s=600,
                                price_per_hour=None, evaluates=False, is_main=False, async_saves=True)
-    watch.follow(stop)
     stop.steps_s = [30.0, 10.0, 10.0]
     stop.saved(3, 2.0, None)  # the wait measured, the write going on
     watch.saved()

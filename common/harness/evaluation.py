@@ -152,9 +152,9 @@ class HeldOutGate:
     (measured with the Transformers backend on CPU: `is` false after each validation, true again after the next
     training step). Re-sharding returns the model to the state a training step leaves it in."""
 
-    def __init__(self, asked: int):
+    def __init__(self, asked: int, stop=None):
         self.asked = asked  # --eval_steps
-        self.stop = None
+        self.stop = stop  # the run's StopControl (None: no stop is agreed, only whether every rank has a batch)
         self.pass_batches: int | None = None  # batches a rank of one pass over the held-out data, once known
         self.batches = 0  # read in the current evaluation
 
@@ -222,16 +222,9 @@ class _GatedBatches:
 
 
 def _every_rank_has(have: bool) -> bool:
-    import torch
-    import torch.distributed as dist
+    from common.device import agree_max
 
-    if not dist.is_initialized():
-        return have
-    from torchtitan.tools import utils
-
-    flag = torch.tensor([0.0 if have else 1.0], device=utils.device_type)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not flag.item()
+    return not agree_max([0.0 if have else 1.0])[0]
 
 
 def _read_rows(path: Path) -> list[dict]:

@@ -94,7 +94,7 @@ class SaveWatch:
     reported as soon as a save is measured (`saved`). Durations come from the run's StopControl (its steps, held-out
     batches and saves)."""
 
-    def __init__(self, *, every: str, mtbi_h: float | None, planned_save_s: float | None, notice_s: float,
+    def __init__(self, stop, *, every: str, mtbi_h: float | None, planned_save_s: float | None, notice_s: float,
                  comm_timeout_s: float, price_per_hour: float | None, evaluates: bool, is_main: bool,
                  async_saves: bool = False):
         self.auto, self.async_saves = every == "auto", async_saves
@@ -103,11 +103,8 @@ class SaveWatch:
         self.price_per_hour, self.evaluates, self.is_main = price_per_hour, evaluates, is_main
         self.interval: dict | None = None
         self.verdict: dict | None = None
-        self.stop = None  # the run's StopControl: its measured steps, held-out batches and saves
+        self.stop = stop  # the run's StopControl: its measured steps, held-out batches and saves
         self.started_after = 0  # the step this process resumed from (0: a fresh run)
-
-    def follow(self, stop) -> None:
-        self.stop = stop
 
     def step_s(self) -> float | None:
         """A step's time: the median of the steps after this process's first (its compile), or that one alone."""
@@ -153,16 +150,11 @@ class SaveWatch:
     def _agreed(self, step_s: float | None, save: tuple[float | None, str]) -> tuple:
         """The longest step and save time over the ranks (one all-reduce): every rank derives the same interval,
         so all of them save at the same steps (a save is collective)."""
-        import torch
-        import torch.distributed as dist
+        from common.device import agree_max
 
         seconds, source = save
-        if not dist.is_initialized():
-            return step_s, (seconds, source)
-        mine = torch.tensor([-1.0 if step_s is None else step_s, -1.0 if seconds is None else seconds,
-                             1.0 if source == "measured" else 0.0], device=self.stop.device)
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        a, b, measured = mine.tolist()
+        a, b, measured = agree_max([-1.0 if step_s is None else step_s, -1.0 if seconds is None else seconds,
+                                    1.0 if source == "measured" else 0.0])
         return (a if a >= 0 else None), ((b if b >= 0 else None), self._measured() if measured else source)
 
     def saved(self) -> None:

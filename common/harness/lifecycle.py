@@ -19,7 +19,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from common import cli, device, export
 from common.errors import UserError
@@ -194,20 +193,6 @@ def run(recipe: Recipe, argv: list[str] | None = None, hooks: type | None = None
                        recipe.default_preset, argv, explain=explain_failure)
 
 
-class GuardedRecipe(Protocol):
-    """What the guards also ask of a recipe, beyond common.recipe.Recipe, each optional (defaults in brackets)."""
-    stack: str  # the preflight's set of symbols for this path, common/harness/preflight.py ["native"]
-
-    def stack_options(self, cfg) -> dict:
-        """The preflight's keyword arguments for this run [none]."""
-
-    def dry_run_inputs(self, cfg, out_dir: Path) -> Inputs:
-        """What a build on the meta device needs to know [nothing]."""
-
-    def describe(self, cfg, shape: dict) -> tuple[str, float | None]:
-        """--dry_run's label for the model, and the published parameter count it must match [the preset, none]."""
-
-
 def preflight(recipe: Recipe, cfg, host_checked: bool = False) -> Inputs:
     """Check every input before any process is launched or any model exists, so bad input fails fast. With
     `host_checked` (a worker of the scripts' own launch, whose launcher ran these checks on this host just before),
@@ -352,7 +337,8 @@ def say_replaced(out_dir: Path) -> None:
 def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
     """One rank's training with the guards: stop signals caught, the plan's memory, the trainer built and trained,
     exported; exit 75 after a stop."""
-    stop = stops.StopControl(end=checked.end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero())
+    stop = stops.StopControl(end=checked.end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero(),
+                             steps=cfg.steps)
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     plan = None
     if launcher.is_rank_zero():  # the dry run's memory for this very configuration, planned while this one trains
@@ -412,35 +398,35 @@ class GuardHooks(Hooks):
         return notes + ([note] if note else [])
 
     def components(self) -> dict:
-        """The guards' trainer factory and component classes (common/harness/trainer.py)."""
+        """The guards' component classes (common/harness/trainer.py): a test's hooks may slow them down."""
         from common.harness import trainer
 
-        return {"trainer": trainer.guarded_trainer, "metrics": trainer.GuardedMetrics,
-                "checkpoint": trainer.GuardedCheckpointer, "validator": trainer.GuardedValidator,
-                "profiler": trainer.GuardedProfiler}
+        return {"metrics": trainer.GuardedMetrics, "checkpoint": trainer.GuardedCheckpointer,
+                "validator": trainer.GuardedValidator, "profiler": trainer.GuardedProfiler}
 
     def build(self, tc, shape: dict):
-        """The recipe's trainer class with the guards, its components the guards' subclasses (the same settings)."""
-        from common.trainer import as_trainer_config, same_fields
+        """The recipe's trainer with the guards (GuardedTrainer, or its Transformers-backend twin), its components
+        the guards' subclasses of the recipe's (the same settings), handed this run's stop control and save watch."""
+        from common.harness.trainer import guarded_class
+        from common.trainer import same_fields
 
         made, cfg, dev = self.components(), self.cfg, self.dev
         self.saves = interval.SaveWatch(
-            every=cfg.checkpoint_every, mtbi_h=cfg.mean_hours_between_interruptions,
+            self.stop, every=cfg.checkpoint_every, mtbi_h=cfg.mean_hours_between_interruptions,
             planned_save_s=planned_save_s(shape, cfg), notice_s=cfg.stop_notice_s, comm_timeout_s=cfg.comm_timeout_s,
             price_per_hour=cfg.price_per_hour, evaluates=bool(cfg.eval_every), is_main=dev.is_main,
             async_saves=cfg.async_checkpoint)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
         peak = self.peak["value"]
-        metrics = same_fields(
+        config = same_fields(guarded_class(tc).Config, tc, metrics=same_fields(
             made["metrics"].Config, tc.metrics, flops_per_token=pilot.flops_per_token(shape, cfg.seq_len),
             peak_flops=peak if isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0 else 0.0,
             losses_path=str(self.losses_path) if self.losses_path else None,
-            eval_losses_path=str(self.eval_path) if self.eval_path else None)
-        config = as_trainer_config(made["trainer"](type(tc)), tc, metrics=metrics)
+            eval_losses_path=str(self.eval_path) if self.eval_path else None))
         config.checkpoint = same_fields(made["checkpoint"].Config, tc.checkpoint, last_save=cfg.export,
-                                        is_main=dev.is_main)
+                                        is_main=dev.is_main, _stop=self.stop, _watch=self.saves)
         if config.validator.enable:
-            config.validator = same_fields(made["validator"].Config, tc.validator)
+            config.validator = same_fields(made["validator"].Config, tc.validator, _stop=self.stop)
         if self.profile:
             config.profiler = same_fields(made["profiler"].Config, tc.profiler, device_mode=cfg.profile_device)
         built = config.build(guards=self)

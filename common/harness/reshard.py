@@ -132,6 +132,7 @@ def _make_loader_class():
     from typing import Any
 
     from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.observability.structured_logger import get_step
 
     class ShardedDataLoader(BaseDataLoader):
         """The run's data in its N shards on M data-parallel ranks (the module's docstring has the rule): one
@@ -157,14 +158,9 @@ def _make_loader_class():
             self.hosted = sorted({v for v, _ in self.mine})  # the shards this rank reads
             self.loaders = {v: config.shards.build(dp_world_size=shards, dp_rank=v, local_batch_size=local_batch_size,
                                                    **kwargs) for v in self.hosted}
-            self.step_of = None  # () -> the trainer's step, for the debug trace (`follow`)
             debug = os.environ.get(DEBUG_ENV)
             self.process, self.from_step = int(os.environ.get("RANK", "0")), None
             self.trace = Path(debug) / f"data-w{ranks}-r{dp_rank}-p{self.process}.jsonl" if debug else None
-
-        def follow(self, step_of) -> None:
-            """`step_of() -> int`: the trainer's step, for the debug trace (GuardedTrainer)."""
-            self.step_of = step_of
 
         def __iter__(self):
             iters = {v: iter(loader) for v, loader in self.loaders.items()}
@@ -187,7 +183,7 @@ def _make_loader_class():
                 return
             dataset = self.loaders[shard].dataset
             rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch[0]["input"]]
-            step = self.step_of() if self.step_of else None
+            step = get_step()  # the step torchtitan's train loop is in (its structured logging's, set before the step)
             self.from_step = step if self.from_step is None else self.from_step  # this launch's first traced step
             line = {"step": step, "world_size": self.ranks, "rank": self.rank, "process": self.process,
                     "from_step": self.from_step, "micro_step": micro, "shard": shard, "batch": batch_index,

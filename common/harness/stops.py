@@ -119,8 +119,9 @@ class StopControl:
 
     DUPLICATE_S = 1.0  # a launcher forwarding the signal this process already got is the same signal
 
-    def __init__(self, *, end: float | None, margin_s: float, is_main: bool):
+    def __init__(self, *, end: float | None, margin_s: float, is_main: bool, steps: int | None = None):
         self.end, self.margin_s, self.is_main = end, margin_s, is_main
+        self.steps = steps  # the run's last step (--steps): after it nothing is left to stop
         self.reason: str | None = None
         self.first_at = 0.0
         self.stopped_at: int | None = None
@@ -132,8 +133,6 @@ class StopControl:
         self.batch_s = 0.0  # the pace of the last evaluation: seconds a held-out batch
         self._last = time.monotonic()  # when the last step's work (its save, its evaluation) ended
         self._eval_start = 0.0
-        self.device = None  # the trainer's (`follow`)
-        self.trainer = None
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -185,34 +184,28 @@ class StopControl:
     def agree(self, ahead_s: float = 0.0, have: bool = True) -> tuple[int, bool]:
         """Every rank's stop wish and `have` (a held-out batch) in one all-reduce: (the stop code, 0 to go on; whether
         every rank has a batch). The same answer on every rank."""
-        import torch
-        import torch.distributed as dist
+        from common.device import agree_max
 
         wants = self._wants_stop(ahead_s)  # a signal's number, or TIME_LIMIT: the same reason on every rank
         code = 0 if not wants else TIME_LIMIT if self.reason == "time_limit" else signal.Signals[self.reason]
-        flag = torch.tensor([float(code), 0.0 if have else 1.0], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        code, lacking = (int(x) for x in flag.tolist())
+        code, lacking = (int(x) for x in agree_max([code, 0.0 if have else 1.0]))
         if code:
             self.reason = "time_limit" if code == TIME_LIMIT else signal.Signals(code).name
         return code, not lacking
 
-    def follow(self, trainer) -> None:
-        """The run's trainer (common/harness/trainer.py): its device for the agreement, its validator and steps."""
-        self.device, self.trainer = trainer.device, trainer
-        self._last = time.monotonic()
+    def _last_step(self, step: int) -> bool:
+        return self.steps is not None and step >= self.steps
 
-    def step_ended(self, step: int) -> None:
+    def step_ended(self, step: int, *, eval_due: bool = False) -> None:
         """At the end of each training step (before torchtitan's save and evaluation): the ranks agree on a stop,
         counting the evaluation due at this step. A stop makes this step the one saved and ends the loop
         (GuardedTrainer); after the last step nothing is left to stop: the run finishes."""
         now = time.monotonic()
         self.steps_s.append(now - self._last)
         self.step_s, self._last = max(self.step_s, now - self._last), now
-        if step >= self.trainer.config.training.steps:
+        if self._last_step(step):
             return
-        code, _ = self.agree(ahead_s=self.eval_s if self._eval_due(step) else 0.0)
+        code, _ = self.agree(ahead_s=self.eval_s if eval_due else 0.0)
         if code:
             self.stopped_at = step
 
@@ -266,7 +259,7 @@ class StopControl:
             self.batch_s = (now - self._eval_start) / batches
         if not interrupted:
             self.eval_s = max(self.eval_s, now - self._eval_start)
-        if interrupted and step < self.trainer.config.training.steps:  # GuardedTrainer saves it, then ends
+        if interrupted and not self._last_step(step):  # GuardedTrainer saves it, then ends
             if self.is_main:
                 print(f"[stop] {self.reason}: the evaluation of step {step} ended after {batches} held-out "
                       f"batches; saving step {step}", flush=True)

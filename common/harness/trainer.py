@@ -26,19 +26,21 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.validate import Validator
 from torchtitan.tools import utils as tt_utils
 from torchtitan.tools.profiler import Profiler
+from torchtitan.trainer import Trainer
 
 from common.device import neuron_peak_memory
 from common.harness.checks import append_row, keep_rows_before
 from common.harness.evaluation import HeldOutGate, HeldOutPass, reshard
 from common.harness.pilot import NEURON_TRACES
 from common.harness.stops import StopNow
-from common.trainer import RecordingMetrics, recipe_trainer
+from common.trainer import RecordingMetrics
 
 
 class GuardedMetrics(RecordingMetrics):
@@ -51,36 +53,13 @@ class GuardedMetrics(RecordingMetrics):
         losses_path: str | None = None  # OUT_DIR/losses.jsonl on rank 0
         eval_losses_path: str | None = None  # OUT_DIR/eval_losses.jsonl on rank 0
 
-    def __init__(self, config: Config, **kwargs):
-        self._no_mfu = False
-        super().__init__(config, **kwargs)
-        if config.peak_flops >= 0:
-            self.gpu_peak_flops = config.peak_flops
+    def __init__(self, config: Config, *, has_quantization: bool = False, **kwargs):
+        super().__init__(config, has_quantization=has_quantization, **kwargs)
+        self.quantized = has_quantization  # torchtitan's own reason to leave MFU out (its MFU is against bfloat16's)
         self.peak_bytes = 0  # the heaviest logged step's device memory peak
         self.eval_steps: list[int] = []
         self.eval_losses: list[float] = []
         self.first_step: int | None = None
-
-    # torchtitan's Trainer sets `num_flops_per_token` from its own count after the build: the run's own count (the
-    # same model's config.json, counted as results.json counts it) is what its step lines and TensorBoard show.
-    @property
-    def num_flops_per_token(self) -> int:
-        return self.config.flops_per_token if self.config.flops_per_token > 0 else self._torchtitan_flops
-
-    @num_flops_per_token.setter
-    def num_flops_per_token(self, value: int) -> None:
-        self._torchtitan_flops = value
-
-    # torchtitan leaves MFU out of a step's line and TensorBoard when `has_quantization` is set (its MFU is against
-    # the bfloat16 peak); a step whose MFU would be above 1, or any step with a peak that is not a positive number,
-    # is no measurement either, and is left out the same way.
-    @property
-    def has_quantization(self) -> bool:
-        return self._quantized or self._no_mfu
-
-    @has_quantization.setter
-    def has_quantization(self, value: bool) -> None:
-        self._quantized = value
 
     def start_at(self, step: int) -> None:
         """This process's first step: losses.jsonl and eval_losses.jsonl keep the steps of the run it resumes
@@ -92,11 +71,20 @@ class GuardedMetrics(RecordingMetrics):
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         self.peak_bytes = max(self.peak_bytes, step_peak_bytes())  # before torchtitan resets the peak
+        # torchtitan 0.3.0's MetricsProcessor takes its FLOPs per token and peak from the trainer and its own table,
+        # never from its Config: the run's own count (the model's config.json, as results.json counts it) and peak
+        # are set here, before its step line and TensorBoard use them. A step whose MFU would be above 1, or any step
+        # without a positive peak, is no measurement: left out as torchtitan leaves out a quantized run's
+        # (docs/torchtitan-workarounds.md).
+        if self.config.flops_per_token > 0:
+            self.num_flops_per_token = self.config.flops_per_token
+        if self.config.peak_flops >= 0:
+            self.gpu_peak_flops = self.config.peak_flops
         elapsed = (time.perf_counter() - self.time_last_log) * self.parallel_dims.non_data_parallel_size
         tps = self.ntokens_since_last_log / elapsed if elapsed > 0 else math.inf
         peak = self.gpu_peak_flops
         possible = isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0
-        self._no_mfu = not possible or self.num_flops_per_token * tps > peak
+        self.has_quantization = self.quantized or not possible or self.num_flops_per_token * tps > peak
         if self.config.losses_path:
             append_row(Path(self.config.losses_path), int(step), float(global_avg_loss))
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
@@ -134,18 +122,19 @@ class GuardedCheckpointer(CheckpointManager):
     class Config(CheckpointManager.Config):
         last_save: bool = True  # the last step's save (the HF export's weights); False with --no-export
         is_main: bool = False
+        # This run's stop control (a stop agreed at a step makes that step a save step) and save watch
+        # (common/harness/interval.py: the auto interval, the stop-safety verdict after each measured save), handed
+        # over where the config is written. Objects of the run, not settings: a leading underscore keeps them out
+        # of torchtitan's `to_dict` (the config it logs and gives TensorBoard).
+        _stop: Any = None
+        _watch: Any = None
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
         self.guard_config = config
-        self.stop = self.watch = None
+        self.stop, self.watch = config._stop, config._watch
         self.saved_at: int | None = None  # the step of this process's last resumable save
         self.writing: tuple[float, list] | None = None  # an asynchronous save in flight: its start, [its end]
-
-    def follow(self, stop, watch=None) -> None:
-        """The run's stop control (a stop agreed at a step makes that step a save step) and its save watch
-        (common/harness/interval.py: the auto interval, the stop-safety verdict after each measured save)."""
-        self.stop, self.watch = stop, watch
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         if last_step:
@@ -213,17 +202,14 @@ class GuardedValidator(Validator):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
-        pass
+        _stop: Any = None  # this run's stop control (see GuardedCheckpointer.Config)
 
     gate_class = HeldOutGate
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
-        self.gate = self.gate_class(asked=config.steps)
+        self.gate = self.gate_class(asked=config.steps, stop=config._stop)
         self.dl_config = HeldOutPass(self.dl_config, self.gate)
-
-    def follow(self, stop) -> None:
-        self.gate.stop = stop
 
     def should_validate(self, step: int) -> bool:
         stop = self.gate.stop
@@ -339,62 +325,68 @@ def neuron_trace_dir(base_folder: str, traces_folder: str) -> str:
     return os.path.join(base_folder, traces_folder, NEURON_TRACES, f"node{os.environ.get('GROUP_RANK', '0')}")
 
 
-def guarded_trainer(config_class: type) -> type:
-    """The trainer a recipe's Trainer.Config class builds (common.trainer.recipe_trainer) with the guards. Built with
-    `config.build(guards=...)`: the run's common.harness.lifecycle.GuardHooks (its stop control, load check and
-    compile-cache watch)."""
-    core = recipe_trainer(config_class)
-    base = config_class._owner
+class GuardedLoop:
+    """The guards in torchtitan's training loop, for a trainer class (torchtitan's `Trainer`, or the Transformers
+    backend's `HFTransformerTrainer`): GuardedTrainer and GuardedHFTrainer put it before their base. Built with
+    `config.build(guards=...)` (torchtitan's build keywords: objects of this run): the run's
+    common.harness.lifecycle.GuardHooks, its stop control, save watch, load check and compile-cache watch."""
 
-    class GuardedTrainer(core):
-        @dataclass(kw_only=True, slots=True)
-        class Config(core.Config):
-            pass
+    def __init__(self, config, *, guards):
+        self.guards = guards
+        self.first_step: int | None = None
+        super().__init__(config)
+        guards.check_settings(self)  # the built model's settings against the HF folder's, before it loads
 
-        def __init__(self, config: Config, *, guards):
-            super().__init__(config)
-            self.guards = guards
-            self.first_step: int | None = None
-            guards.stop.follow(self)
-            guards.saves.follow(guards.stop)
-            self.checkpointer.follow(guards.stop, guards.saves)
-            if config.validator.enable:
-                self.validator.follow(guards.stop)
-            if hasattr(self.dataloader, "follow"):  # the reshard guard's loader: the step, for its debug trace
-                self.dataloader.follow(lambda: self.step)
-            guards.check_settings(self)  # the built model's settings against the HF folder's, before it loads
+    def train(self):
+        self.guards.compile_cache.start()  # the compile cache's entries before step 1
+        trained = super().train()
+        self.checkpointer.finish_writing()  # an asynchronous save still being written: whole before the end
+        return trained
 
-        def train(self):
-            self.guards.compile_cache.start()  # the compile cache's entries before step 1
-            trained = super().train()
-            self.checkpointer.finish_writing()  # an asynchronous save still being written: whole before the end
-            return trained
+    def train_step(self, data_iterator):
+        guards, first = self.guards, self.first_step is None
+        if first:  # this process's first step: step 1, or the one after the resumed step
+            self.first_step = self.step
+            guards.saves.started_after = self.step - 1
+            self.metrics_processor.start_at(self.step)
+            guards.phases.mark("load")  # torchtitan's train() loaded the weights or the checkpoint
+            if self.step == 1:
+                guards.check_logits(self)  # the loaded weights against transformers' load of them
+                guards.phases.mark("load check")
+        super().train_step(data_iterator)  # ends in the metrics' log: loss, memory peak, MFU
+        if first:
+            guards.compile_cache.first_step()
+            guards.phases.mark("first step")
+        # The step's end: the ranks agree whether to stop; a stop makes this step a save step (torchtitan's save
+        # comes next) and skips its evaluation.
+        guards.stop.step_ended(self.step, eval_due=bool(
+            self.config.validator.enable and self.validator.should_validate(self.step)))
 
-        def train_step(self, data_iterator):
-            first = self.first_step is None
-            if first:  # this process's first step: step 1, or the one after the resumed step
-                self.first_step = self.step
-                self.guards.saves.started_after = self.step - 1
-                self.metrics_processor.start_at(self.step)
-                self.guards.phases.mark("load")  # torchtitan's train() loaded the weights or the checkpoint
-                if self.step == 1:
-                    self.guards.check_logits(self)  # the loaded weights against transformers' load of them
-                    self.guards.phases.mark("load check")
-            super().train_step(data_iterator)  # ends in the metrics' log: loss, memory peak, MFU
-            if first:
-                self.guards.compile_cache.first_step()
-                self.guards.phases.mark("first step")
-            # The step's end: the ranks agree whether to stop; a stop makes this step a save step (torchtitan's save
-            # comes next) and skips its evaluation.
-            self.guards.stop.step_ended(self.step)
+    def should_continue_training(self) -> bool:
+        stop = self.guards.stop
+        if stop.stopped_at is not None:
+            if self.checkpointer.saved_at != stop.stopped_at:  # a stop during the evaluation after the save
+                self.checkpointer.save(stop.stopped_at)
+            return False
+        return super().should_continue_training()
 
-        def should_continue_training(self) -> bool:
-            stop = self.guards.stop
-            if stop.stopped_at is not None:
-                if self.checkpointer.saved_at != stop.stopped_at:  # a stop during the evaluation after the save
-                    self.checkpointer.save(stop.stopped_at)
-                return False
-            return super().should_continue_training()
 
-    GuardedTrainer.__name__ = GuardedTrainer.__qualname__ = f"Guarded{base.__name__}"
-    return GuardedTrainer
+class GuardedTrainer(GuardedLoop, Trainer):
+    """torchtitan's Trainer with the guards (GuardedLoop)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+
+def guarded_class(tc) -> type:
+    """The guarded twin of the trainer a recipe's Trainer.Config builds: GuardedTrainer for torchtitan's own, the
+    Transformers backend's twin (common/harness/hf_trainer.py, imported only for it: it imports transformers)."""
+    if type(tc) is Trainer.Config:
+        return GuardedTrainer
+    from common.harness.hf_trainer import GuardedHFTrainer, TransformersBackendConfig
+
+    if isinstance(tc, TransformersBackendConfig):
+        return GuardedHFTrainer
+    raise TypeError(f"no guarded trainer for {type(tc).__qualname__}: a recipe's config is torchtitan's Trainer.Config "
+                    "or the Transformers backend's")
