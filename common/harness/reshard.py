@@ -8,7 +8,7 @@ A checkpoint holds three kinds of state, and each comes back on another world si
 - the data position. torchtitan's loader splits the documents into one shard per data-parallel rank and keeps one
   state per shard (`dataloader.dp_rank_{i}`: where the shard's reading is, and the tokens read but not yet
   trained), each usable only by a loader of that shard. So the data stays split as the run's first segment split
-  it, into its N shards, whatever the number of ranks later (`ShardedDataLoader`): every step takes G / (N x L)
+  it, into its N shards, whatever the number of ranks later (`ShardedDataLoader`, common/harness/trainer.py): every step takes G / (N x L)
   batches of L sequences from every shard (G the global batch, L the local one), as on N ranks. On M ranks the
   step's G / L batches are dealt in one fixed order: the slot s = m x M + r (micro-step m of rank r) gets batch
   s // N of the step from shard s % N; on M = N that is each rank its own shard, torchtitan's own order. A step's
@@ -27,7 +27,6 @@ will use, that a change of world size or layout loses nothing.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -116,99 +115,6 @@ def deal(shards: int, ranks: int, rank: int, micro_steps: int) -> dict[tuple[int
     return {((m * ranks + rank) % shards, (m * ranks + rank) // shards): m for m in range(micro_steps)}
 
 
-_loader_class = None
-
-
-def loader_class():
-    """ShardedDataLoader, made on first use: torchtitan may be imported only after common.device.setup()."""
-    global _loader_class
-    if _loader_class is None:
-        _loader_class = _make_loader_class()
-    return _loader_class
-
-
-def _make_loader_class():
-    from dataclasses import dataclass as config_dataclass
-    from typing import Any
-
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.observability.structured_logger import get_step
-
-    class ShardedDataLoader(BaseDataLoader):
-        """The run's data in its N shards on M data-parallel ranks (the module's docstring has the rule): one
-        torchtitan loader per shard this rank takes batches from, each built from the recipe's own loader config
-        with dp_rank = the shard and dp_world_size = N, its state saved under torchtitan's key for that shard."""
-
-        @config_dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            shards: Any = None  # the recipe's loader config (torchtitan's HuggingFaceTextDataLoader.Config)
-            data_shards: int = 0  # N; 0: one per data-parallel rank (a fresh run)
-            global_batch_size: int = -1  # G; -1: local batch x data-parallel ranks
-
-        def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, local_batch_size: int, **kwargs):
-            ranks, shards = dp_world_size, config.data_shards or dp_world_size
-            batch = config.global_batch_size if config.global_batch_size > 0 else local_batch_size * ranks
-            if batch % (local_batch_size * shards) or batch % (local_batch_size * ranks):
-                raise UserError(f"the global batch {batch} does not split into batches of {local_batch_size} over "
-                                f"{shards} data shards and {ranks} ranks")
-            self.ranks, self.rank, self.n_shards = ranks, dp_rank, shards
-            self.micro_steps = batch // (local_batch_size * ranks)  # of this rank, in a step
-            self.per_shard = batch // (local_batch_size * shards)  # batches a step takes from each shard
-            self.mine = deal(shards, ranks, dp_rank, self.micro_steps)
-            self.hosted = sorted({v for v, _ in self.mine})  # the shards this rank reads
-            self.loaders = {v: config.shards.build(dp_world_size=shards, dp_rank=v, local_batch_size=local_batch_size,
-                                                   **kwargs) for v in self.hosted}
-            debug = os.environ.get(DEBUG_ENV)
-            self.process, self.from_step = int(os.environ.get("RANK", "0")), None
-            self.trace = Path(debug) / f"data-w{ranks}-r{dp_rank}-p{self.process}.jsonl" if debug else None
-
-        def __iter__(self):
-            iters = {v: iter(loader) for v, loader in self.loaders.items()}
-            while True:
-                mine = [None] * self.micro_steps
-                for v in self.hosted:  # each shard this rank takes from, read to the end of the step
-                    for b in range(self.per_shard):
-                        try:
-                            batch = next(iters[v])
-                        except StopIteration:  # a finite dataset ran out: torchtitan cancels the step
-                            return
-                        m = self.mine.get((v, b))  # None: another rank's batch, read past
-                        if m is not None:
-                            mine[m] = batch
-                            self._traced(v, b, m, batch)
-                yield from mine
-
-        def _traced(self, shard: int, batch_index: int, micro: int, batch) -> None:
-            if self.trace is None:
-                return
-            dataset = self.loaders[shard].dataset
-            rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch[0]["input"]]
-            step = get_step()  # the step torchtitan's train loop is in (its structured logging's, set before the step)
-            self.from_step = step if self.from_step is None else self.from_step  # this launch's first traced step
-            line = {"step": step, "world_size": self.ranks, "rank": self.rank, "process": self.process,
-                    "from_step": self.from_step, "micro_step": micro, "shard": shard, "batch": batch_index,
-                    "shards": self.n_shards,
-                    "epoch": getattr(dataset, "_epoch", None), "documents_read": getattr(dataset, "_sample_idx", None),
-                    "rows": rows}
-            self.trace.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.trace, "a") as f:
-                f.write(json.dumps(line) + "\n")
-
-        def state_dict(self) -> dict:
-            out = {"world_size": self.n_shards}
-            for loader in self.loaders.values():  # {"dp_rank_v": its state, "world_size": N}
-                out.update(loader.state_dict())
-            return out
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            for v, loader in self.loaders.items():
-                key = f"dp_rank_{v}"
-                loader.load_state_dict({key: state_dict[key], "world_size": state_dict["world_size"]})
-
-    return ShardedDataLoader
-
-
-# ------------------------------------------------------------------------------------------ in a run
 @dataclass
 class Reshard:
     """The reshard guard of one run: its data plan, the loader swapped into the Trainer.Config, its segment."""
@@ -253,8 +159,10 @@ def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
         if dev.is_main:
             print(f"[reshard] the data position of step {p.step} cannot be carried over ({p.why}): the data starts "
                   "from its beginning, so documents trained on before are trained on again", flush=True)
+    from common.harness.trainer import ShardedDataLoader  # a torchtitan component: imported after the device setup
+
     inner = tc.dataloader
-    tc.dataloader = loader_class().Config(dataset=inner.dataset, dataset_path=inner.dataset_path, shards=inner,
+    tc.dataloader = ShardedDataLoader.Config(dataset=inner.dataset, dataset_path=inner.dataset_path, shards=inner,
                                           data_shards=p.shards or 0, global_batch_size=cfg.global_batch_size)
     m, n = dev.world_size // tp, p.shards  # data-parallel ranks, data shards
     if n and (p.saved_world_size not in (None, dev.world_size) or n != m) and dev.is_main:

@@ -1,7 +1,8 @@
-"""The guards inside a training run, as torchtitan's own extensions join its trainer: a `Trainer` subclass with its
-`Config` (`guarded_trainer`, over the recipe's own trainer class: torchtitan's `Trainer`, or the Transformers
-backend's `HFTransformerTrainer`) and components built from their own `Config`, set in the trainer's config by
-common/harness/lifecycle.py:
+"""The guards inside a training run, as torchtitan's own extensions join its trainer (torchft's
+FaultTolerantTrainer): static `Trainer` subclasses with their `Config` (`GuardedTrainer` over torchtitan's `Trainer`,
+its twin `GuardedHFTrainer` over the Transformers backend's, common/harness/hf_trainer.py, both the loop of
+`GuardedLoop`) and components built from their own `Config`, named in the trainer's config by
+common/harness/lifecycle.py, which hands them the run's stop control and save watch there:
 
 - `GuardedMetrics` (the metrics processor): each step's loss into losses.jsonl, the device's memory peak of each
   step read before torchtitan resets it, the run's FLOPs per token and peak in torchtitan's MFU, the held-out
@@ -11,16 +12,20 @@ common/harness/lifecycle.py:
   --export, the state a resume starts from (the reshard debug switch);
 - `GuardedValidator` (the validator): no evaluation after a stop, a stop between held-out batches, one pass over the
   held-out data;
+- `ShardedDataLoader` (the data loader): the run's data in the shards of its first part, on any number of ranks
+  (`--reshard`, common/harness/reshard.py);
 - `GuardedProfiler` (the profiler): a resumed run's steps traced as if it never stopped, no trace of a step a
   stop left unrun, and on Trainium the Neuron activity and runtime traces under the run.
 
-`GuardedTrainer` reads in the order the loop runs: the load check before step 1, the step (ending in the metrics'
+`GuardedLoop` reads in the order the loop runs: the load check before step 1, the step (ending in the metrics'
 log), the stop agreement at the step's end, then torchtitan's save and evaluation, and whether to go on.
 
 Import only after `common.device.setup()` (torchtitan binds its device at import time).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import time
@@ -30,14 +35,18 @@ from typing import Any
 
 import torch
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.validate import Validator
+from torchtitan.observability.structured_logger import get_step
 from torchtitan.tools import utils as tt_utils
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from common.device import neuron_peak_memory
+from common.errors import UserError
+from common.harness import reshard
 from common.harness.checks import append_row, keep_rows_before
-from common.harness.evaluation import HeldOutGate, HeldOutPass, reshard
+from common.harness.evaluation import HeldOutGate, HeldOutPass, reshard as reshard_fsdp
 from common.harness.pilot import NEURON_TRACES
 from common.harness.stops import StopNow
 from common.trainer import RecordingMetrics
@@ -183,8 +192,6 @@ class GuardedCheckpointer(CheckpointManager):
         self.note_written()
 
     def _load(self, step: int = -1) -> bool:
-        from common.harness import reshard
-
         loaded = super()._load(step)
         folder = os.environ.get(reshard.DEBUG_ENV)
         resumed = self.states["train_state"].step if "train_state" in self.states else 0
@@ -225,7 +232,7 @@ class GuardedValidator(Validator):
             for model in model_parts:  # what torchtitan's validate does at its end
                 model.train()
         finally:
-            reshard(model_parts)
+            reshard_fsdp(model_parts)
         if stop is not None:
             stop.eval_ended(step, interrupted=interrupted, batches=self.gate.batches)
 
@@ -323,6 +330,79 @@ def neuron_trace_dir(base_folder: str, traces_folder: str) -> str:
     """Where this node's Neuron runtime traces go: OUT_DIR/<traces>/neuron/node<N> (N: torchrun's GROUP_RANK, the
     node's rank), each process in a folder of its own below it."""
     return os.path.join(base_folder, traces_folder, NEURON_TRACES, f"node{os.environ.get('GROUP_RANK', '0')}")
+
+
+class ShardedDataLoader(BaseDataLoader):
+    """The run's data in its N shards on M data-parallel ranks (the rule: common/harness/reshard.py's docstring): one
+    torchtitan loader per shard this rank takes batches from, each built from the recipe's own loader config with
+    dp_rank = the shard and dp_world_size = N, its state saved under torchtitan's key for that shard. The debug
+    trace's step is the one torchtitan's loop is in (its structured logging's, set before each step)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        shards: Any = None  # the recipe's loader config (torchtitan's HuggingFaceTextDataLoader.Config)
+        data_shards: int = 0  # N; 0: one per data-parallel rank (a fresh run)
+        global_batch_size: int = -1  # G; -1: local batch x data-parallel ranks
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, local_batch_size: int, **kwargs):
+        ranks, shards = dp_world_size, config.data_shards or dp_world_size
+        batch = config.global_batch_size if config.global_batch_size > 0 else local_batch_size * ranks
+        if batch % (local_batch_size * shards) or batch % (local_batch_size * ranks):
+            raise UserError(f"the global batch {batch} does not split into batches of {local_batch_size} over "
+                            f"{shards} data shards and {ranks} ranks")
+        self.ranks, self.rank, self.n_shards = ranks, dp_rank, shards
+        self.micro_steps = batch // (local_batch_size * ranks)  # of this rank, in a step
+        self.per_shard = batch // (local_batch_size * shards)  # batches a step takes from each shard
+        self.mine = reshard.deal(shards, ranks, dp_rank, self.micro_steps)
+        self.hosted = sorted({v for v, _ in self.mine})  # the shards this rank reads
+        self.loaders = {v: config.shards.build(dp_world_size=shards, dp_rank=v, local_batch_size=local_batch_size,
+                                               **kwargs) for v in self.hosted}
+        debug = os.environ.get(reshard.DEBUG_ENV)
+        self.process, self.from_step = int(os.environ.get("RANK", "0")), None
+        self.trace = Path(debug) / f"data-w{ranks}-r{dp_rank}-p{self.process}.jsonl" if debug else None
+
+    def __iter__(self):
+        iters = {v: iter(loader) for v, loader in self.loaders.items()}
+        while True:
+            mine = [None] * self.micro_steps
+            for v in self.hosted:  # each shard this rank takes from, read to the end of the step
+                for b in range(self.per_shard):
+                    try:
+                        batch = next(iters[v])
+                    except StopIteration:  # a finite dataset ran out: torchtitan cancels the step
+                        return
+                    m = self.mine.get((v, b))  # None: another rank's batch, read past
+                    if m is not None:
+                        mine[m] = batch
+                        self._traced(v, b, m, batch)
+            yield from mine
+
+    def _traced(self, shard: int, batch_index: int, micro: int, batch) -> None:
+        if self.trace is None:
+            return
+        dataset = self.loaders[shard].dataset
+        rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch[0]["input"]]
+        step = get_step()  # the step torchtitan's train loop is in (its structured logging's, set before the step)
+        self.from_step = step if self.from_step is None else self.from_step  # this launch's first traced step
+        line = {"step": step, "world_size": self.ranks, "rank": self.rank, "process": self.process,
+                "from_step": self.from_step, "micro_step": micro, "shard": shard, "batch": batch_index,
+                "shards": self.n_shards,
+                "epoch": getattr(dataset, "_epoch", None), "documents_read": getattr(dataset, "_sample_idx", None),
+                "rows": rows}
+        self.trace.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.trace, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def state_dict(self) -> dict:
+        out = {"world_size": self.n_shards}
+        for loader in self.loaders.values():  # {"dp_rank_v": its state, "world_size": N}
+            out.update(loader.state_dict())
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for v, loader in self.loaders.items():
+            key = f"dp_rank_{v}"
+            loader.load_state_dict({key: state_dict[key], "world_size": state_dict["world_size"]})
 
 
 class GuardedLoop:
