@@ -102,13 +102,19 @@ EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAF
 
 
 def check_nodes(cfg) -> None:
-    """Before a multi-node launch, on each host: EFA present where it must be (--device neuron, or --check_efa) with
-    AWS's variables set, and node 0's rendezvous endpoint reachable from this node (a node started before node 0
-    waits for it, saying so, up to --rendezvous_wait_s). Each failure is one UserError naming this node."""
+    """Before a multi-node launch, on each host: on Neuron, a --master_addr the other hosts can reach (not loopback);
+    EFA present where it must be (--device neuron, or --check_efa) with AWS's variables set, and node 0's rendezvous
+    endpoint reachable from this node (a node started before node 0 waits for it, saying so, up to
+    --rendezvous_wait_s). Each failure is one UserError naming this node."""
     from common.device import resolve_device_type
 
     node = f"node {cfg.node_rank} of {cfg.nnodes}"
-    if cfg.check_efa or resolve_device_type(cfg.device) == "neuron":
+    neuron = cfg.device == "neuron" or resolve_device_type(cfg.device) == "neuron"
+    if neuron and is_loopback(cfg.master_addr):  # two "nodes" on one CPU host over loopback (the tests) stay allowed
+        raise UserError(f"{node}: --master_addr {cfg.master_addr} is this host's loopback address, which no other "
+                        f"host reaches: with --nnodes {cfg.nnodes} pass node 0's address (`hostname -I` on node 0), "
+                        "the same on every node")
+    if cfg.check_efa or neuron:
         check_efa(node)
         for var, value in EFA_ENV.items():
             os.environ.setdefault(var, value)  # the workers inherit them (torchrun passes its environment on)
@@ -116,15 +122,40 @@ def check_nodes(cfg) -> None:
         wait_for_endpoint(cfg.master_addr, cfg.master_port, cfg.rendezvous_wait_s, node)
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether every address `addr` resolves to is a loopback one (127.0.0.0/8, ::1; a host name that /etc/hosts maps
+    to 127.0.1.1 too); False for a name that does not resolve (node 0's endpoint check names that one)."""
+    import ipaddress
+
+    try:
+        found = {info[4][0].split("%")[0] for info in socket.getaddrinfo(addr, None)}
+    except (OSError, UnicodeError, ValueError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(a).is_loopback for a in found)
+
+
+# Where AWS's EFA installer puts libfabric's tools (fi_info), which AWS then tells users to add to PATH: non-login,
+# SLURM and container shells often lack it (aws-neuron-sdk@81ce03a:vllm-neuron/docs/getting-started/setup-guide.md:
+# 186-192, "This installs Libfabric under `/opt/amazon/efa`" ... `export PATH=/opt/amazon/efa/bin:$PATH`).
+EFA_BIN = Path("/opt/amazon/efa/bin")
+
+
+def find_fi_info() -> str | None:
+    """libfabric's fi_info: on PATH, else in AWS's EFA folder; None where neither has it."""
+    import shutil
+
+    return shutil.which("fi_info") or shutil.which("fi_info", path=str(EFA_BIN))
+
+
 def check_efa(node: str) -> int:
     """The EFA endpoints `fi_info -p efa` lists (AWS's documented check): none, or no fi_info, is a UserError."""
-    import shutil
     import subprocess
 
-    fi_info = shutil.which("fi_info")
+    fi_info = find_fi_info()
     if fi_info is None:
-        raise UserError(f"{node}: no fi_info on PATH: the EFA software (libfabric) is not installed, and the ranks "
-                        "of several hosts talk over EFA (install it, or see docs/first-hour-trn2.md)")
+        raise UserError(f"{node}: no fi_info on PATH nor in {EFA_BIN} (where AWS's EFA installer puts it): the EFA "
+                        "software (libfabric) is not installed, and the ranks of several hosts talk over EFA (install "
+                        "it: docs/first-hour-trn2.md, \"The second hour: two nodes\")")
     try:
         out = subprocess.run([fi_info, "-p", "efa"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
