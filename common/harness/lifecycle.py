@@ -382,7 +382,8 @@ class GuardHooks(Hooks):
         tc.checkpoint.interval = every or cfg.steps + 1
         tc.checkpoint.keep_latest_k = cfg.keep_checkpoints
         tc.checkpoint.async_mode = "async" if cfg.async_checkpoint else "disabled"
-        self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir)  # the data in its shards; segments.json
+        # the data in its shards (common/harness/trainer.py's ShardedDataLoader); segments.json
+        self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir, self.components()["dataloader"])
         pilot.apply_metrics_settings(tc, cfg.tensorboard)
         if cfg.profile:  # torchtitan's profiler, traces in OUT_DIR/profile_traces
             self.profile = pilot.apply_profile_settings(tc, steps=cfg.steps, profile_freq=cfg.profile_freq,
@@ -402,12 +403,29 @@ class GuardHooks(Hooks):
         from common.harness import trainer
 
         return {"metrics": trainer.GuardedMetrics, "checkpoint": trainer.GuardedCheckpointer,
-                "validator": trainer.GuardedValidator, "profiler": trainer.GuardedProfiler}
+                "validator": trainer.GuardedValidator, "profiler": trainer.GuardedProfiler,
+                "dataloader": trainer.ShardedDataLoader}
+
+    def trainer_class(self, tc) -> type:
+        """The guarded twin of the trainer the recipe's Trainer.Config builds: GuardedTrainer for torchtitan's own,
+        GuardedHFTrainer for the Transformers backend's (common/harness/hf_trainer.py, imported only for it: it
+        imports transformers)."""
+        from torchtitan.trainer import Trainer
+
+        from common.harness.trainer import GuardedTrainer
+
+        if type(tc) is Trainer.Config:
+            return GuardedTrainer
+        from common.harness.hf_trainer import GuardedHFTrainer, TransformersBackendConfig
+
+        if isinstance(tc, TransformersBackendConfig):
+            return GuardedHFTrainer
+        raise TypeError(f"no guarded trainer for {type(tc).__qualname__}: a recipe's config is torchtitan's "
+                        "Trainer.Config or the Transformers backend's")
 
     def build(self, tc, shape: dict):
         """The recipe's trainer with the guards (GuardedTrainer, or its Transformers-backend twin), its components
         the guards' subclasses of the recipe's (the same settings), handed this run's stop control and save watch."""
-        from common.harness.trainer import guarded_class
         from common.trainer import same_fields
 
         made, cfg, dev = self.components(), self.cfg, self.dev
@@ -418,7 +436,7 @@ class GuardHooks(Hooks):
             async_saves=cfg.async_checkpoint)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
         peak = self.peak["value"]
-        config = same_fields(guarded_class(tc).Config, tc, metrics=same_fields(
+        config = same_fields(self.trainer_class(tc).Config, tc, metrics=same_fields(
             made["metrics"].Config, tc.metrics, flops_per_token=pilot.flops_per_token(shape, cfg.seq_len),
             peak_flops=peak if isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0 else 0.0,
             losses_path=str(self.losses_path) if self.losses_path else None,

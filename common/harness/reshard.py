@@ -146,9 +146,10 @@ class Reshard:
         return {"segments": self.entries, "data_shards": self.summary()}
 
 
-def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
+def configure(tc, cfg, dev, out_dir: Path, loader: type) -> tuple[Reshard, list[str]]:
     """Before the build, on every rank: the data plan from the newest checkpoint, the recipe's data loader wrapped in
-    a ShardedDataLoader, this part of the run opened in segments.json (rank 0). Returns the guard and notes."""
+    `loader` (common/harness/trainer.py's ShardedDataLoader), this part of the run opened in segments.json (rank 0).
+    Returns the guard and notes."""
     p = plan(out_dir)
     tp = cfg.tensor_parallel_degree
     guard = Reshard(plan=p, world_size=dev.world_size, out_dir=Path(out_dir), is_main=dev.is_main,
@@ -159,10 +160,8 @@ def configure(tc, cfg, dev, out_dir: Path) -> tuple[Reshard, list[str]]:
         if dev.is_main:
             print(f"[reshard] the data position of step {p.step} cannot be carried over ({p.why}): the data starts "
                   "from its beginning, so documents trained on before are trained on again", flush=True)
-    from common.harness.trainer import ShardedDataLoader  # a torchtitan component: imported after the device setup
-
     inner = tc.dataloader
-    tc.dataloader = ShardedDataLoader.Config(dataset=inner.dataset, dataset_path=inner.dataset_path, shards=inner,
+    tc.dataloader = loader.Config(dataset=inner.dataset, dataset_path=inner.dataset_path, shards=inner,
                                           data_shards=p.shards or 0, global_batch_size=cfg.global_batch_size)
     m, n = dev.world_size // tp, p.shards  # data-parallel ranks, data shards
     if n and (p.saved_world_size not in (None, dev.world_size) or n != m) and dev.is_main:

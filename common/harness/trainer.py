@@ -457,16 +457,3 @@ class GuardedTrainer(GuardedLoop, Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         pass
-
-
-def guarded_class(tc) -> type:
-    """The guarded twin of the trainer a recipe's Trainer.Config builds: GuardedTrainer for torchtitan's own, the
-    Transformers backend's twin (common/harness/hf_trainer.py, imported only for it: it imports transformers)."""
-    if type(tc) is Trainer.Config:
-        return GuardedTrainer
-    from common.harness.hf_trainer import GuardedHFTrainer, TransformersBackendConfig
-
-    if isinstance(tc, TransformersBackendConfig):
-        return GuardedHFTrainer
-    raise TypeError(f"no guarded trainer for {type(tc).__qualname__}: a recipe's config is torchtitan's Trainer.Config "
-                    "or the Transformers backend's")
