@@ -282,7 +282,7 @@ CHECKPOINT_BYTES_PER_PARAMETER = 12  # torchtitan saves the float32 weights (4) 
 
 
 def checkpoint_plan(parameters: int, cfg, have: int = 0, shape: dict | None = None) -> dict:
-    """The disk a run's saves take at their peak in OUT_DIR: the resumable checkpoints it keeps (--keep_checkpoints
+    """The disk a run's saves take at their peak in OUT_DIR: the resumable checkpoints it holds (--keep_checkpoints
     of its --checkpoint_every saves, or a stop's one save), one more while the newest is written and before
     torchtitan removes the oldest, and the HF export; less the `have` whole checkpoints already there. A tied
     embedding (`shape`'s tie_word_embeddings) is saved under both its names, its weights twice (measured: the tiny
@@ -291,9 +291,18 @@ def checkpoint_plan(parameters: int, cfg, have: int = 0, shape: dict | None = No
     per_checkpoint = parameters * CHECKPOINT_BYTES_PER_PARAMETER + tied * 4
     export = parameters * (4 if cfg.dtype == "float32" else 2) if cfg.export else 0  # checkpoint.export_dtype
     every = 1 if cfg.checkpoint_every == "auto" else int(cfg.checkpoint_every)  # auto: at most every step
-    saves = cfg.steps // every + 1 if every else 1  # + a stop's save
-    kept = min(saves, cfg.keep_checkpoints) if cfg.keep_checkpoints else saves
-    peak = kept + (1 if cfg.keep_checkpoints and saves > kept else 0)
+    # The last step's save is never a resumable one: torchtitan 0.3.0 saves that step model-only as the export
+    # (checkpointer/dcp.py:413-418, its `last_step` branch), or not at all with --no-export (GuardedCheckpointer).
+    # The most a run holds: the periodic saves before the last step and a stop's (common/harness/trainer.py's
+    # should_continue_training saves a stop that came during the last step's evaluation, beside the export).
+    saves = (cfg.steps - 1) // every + 1 if every else 1  # no periodic saves: a stop's one
+    # With --async_checkpoint torchtitan lists the step folders to purge (dcp.py:466, 825-841) right after it
+    # starts the background write, before that write creates its own folder (DCP's FileSystemWriter makes it in
+    # prepare_local_plan, in the writer's thread: torch/distributed/checkpoint/filesystem.py:656,
+    # state_dict_saver.py:349): the purge keeps --keep_checkpoints older ones beside the new, one more at rest.
+    keep = cfg.keep_checkpoints + (1 if cfg.keep_checkpoints and cfg.async_checkpoint else 0)
+    kept = min(saves, keep) if keep else saves
+    peak = kept + (1 if keep and saves > kept else 0)  # the newest being written before the oldest goes
     return {"checkpoint_bytes": per_checkpoint, "checkpoints_kept": kept, "peak_checkpoints": peak,
             "export_bytes": export, "existing_checkpoints": have,
             "needed_bytes": max(peak - have, 0) * per_checkpoint + export}
