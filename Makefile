@@ -21,7 +21,9 @@ setup: env assets browser
 
 env: $(STAMP)
 
-$(STAMP): requirements.txt
+# The stamp's name holds a hash of requirements.txt's content: a changed file is a new stamp, so make need not
+# compare times (a fresh clone's requirements.txt is always newer than the environment it reuses).
+$(STAMP):
 	@echo "== creating $(VENV) and installing requirements.txt (a few minutes the first time)"
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
