@@ -122,6 +122,10 @@ WHOLE = ("tp", "rank", "downloads", "trending_score", "likes", "compile_graphs",
 
 
 FIRST_LINE = ("error", "exclusion")  # prose (a traceback, a reason): its first line stands for it in a cell
+# The least a figure can be in a row a run wrote: below it (a hand-edited or corrupt row) it is no measurement, and
+# shows as '-', as tools/report.py leaves a figure outside its range out.
+AT_LEAST = {"tp": 1, "rank": 1, "wall_s": 0, "hbm_peak_gb": 0, "downloads": 0, "trending_score": 0, "likes": 0,
+            "compile_graphs": 0, "compile_recompiles": 0, "compile_graph_breaks": 0}
 
 
 def _shown(value, col: str) -> str:
@@ -134,6 +138,8 @@ def _shown(value, col: str) -> str:
         return "-"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (int, float)) and (not math.isfinite(value) or value < AT_LEAST.get(col, -math.inf)):
+        return "-"
     if isinstance(value, (int, float)) and col in WHOLE:
         return f"{value:.0f}"
     if isinstance(value, float):
