@@ -30,7 +30,10 @@ def installed_version(dist: str) -> str | None:
 def versions() -> dict[str, str | None]:
     """The version stack a result was produced with (torch, torchtitan and transformers always named)."""
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("torch", "torchtitan", "transformers", "safetensors", "datasets", "torch-neuronx", "neuronx-cc"):
+    # nki and nki-library: AWS's pip names (aws-neuron-sdk@81ce03a:nki/get-started/setup-env.rst:126,
+    # nki/library/quickstart-nkl.rst:76); the nodes of one run compare these too (launcher.check_same_stack)
+    for name in ("torch", "torchtitan", "transformers", "safetensors", "datasets", "torch-neuronx", "neuronx-cc", "nki",
+                 "nki-library"):
         version = installed_version(name)
         if version is not None or name in ("torch", "torchtitan", "transformers"):
             out[name.replace("-", "_")] = version

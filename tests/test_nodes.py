@@ -51,3 +51,115 @@ def test_a_loopback_master_addr_with_several_nodes_is_refused_on_neuron_before_a
 def test_two_nodes_over_loopback_stay_allowed_on_cpu():
     """Two "nodes" on one CPU host over loopback (the multi-node tests): node 0 has nothing to wait for."""
     launcher.check_nodes(_nodes(device="cpu", node_rank=0))
+
+
+def _record(*flags: str) -> dict:
+    """The run record a node computes for the scripts' tiny recipe started with `flags` (resume.run_record, which a
+    resume must match and the launch hands its workers)."""
+    from common import cli
+    from common.harness import lifecycle, resume
+    from slow_native_qwen3 import recipe
+
+    guarded = lifecycle.guarded(recipe())
+    cfg = cli.parse_config(guarded.config, guarded.presets, ["--no-export", "--out_dir", "o", *flags], guarded.doc,
+                           guarded.default_preset)
+    return resume.run_record(guarded.name, cfg, world_size=cfg.nproc_per_node * cfg.nnodes, dataset=None)
+
+
+def _node(rank: int, record: dict, stack: dict | None = None, nnodes: int = 2, nproc: int = 1) -> dict:
+    return {"node": rank, "host": f"host{rank}", "stack": stack if stack is not None else launcher.node_stack(),
+            "settings": {"--nnodes": nnodes, "--nproc_per_node": nproc, **launcher.node_settings(record)}}
+
+
+def test_nodes_started_with_other_settings_are_one_line_naming_the_node_and_each_setting():
+    """67.1: another --lr on node 1 trained; another --nnodes or --nproc_per_node was accepted (the record then held
+    node 0's world size); another --steps ended in gloo tracebacks. Each is named against node 0's value."""
+    same = _record("--steps", "3")
+    launcher.compare_nodes([_node(0, same), _node(1, _record("--steps", "3"))])  # the same command: nothing to say
+    with pytest.raises(UserError, match=r"^node 1 \(host1\) was started with other settings than node 0 \(host0\): "
+                                        r"--lr 0\.03 \(node 0: 0\.003\); run the same command on every node, only "
+                                        r"--node_rank differing$"):
+        launcher.compare_nodes([_node(0, same), _node(1, _record("--steps", "3", "--lr", "0.03"))])
+    with pytest.raises(UserError) as said:
+        launcher.compare_nodes([_node(1, _record("--steps", "5"), nnodes=3, nproc=2), _node(0, same)])
+    assert str(said.value) == ("node 1 (host1) was started with other settings than node 0 (host0): --nnodes 3 "
+                               "(node 0: 2), --nproc_per_node 2 (node 0: 1), --steps 5 (node 0: 3); run the same "
+                               "command on every node, only --node_rank differing")
+
+
+def test_the_neuron_os_packages_and_libfabric_are_compared_absent_on_both_being_equal():
+    """66.4: the runtime, collectives and driver OS packages, nki, nki-library and libfabric join the stack the
+    nodes compare: one package of another version is named; on CPU (none of them here) two nodes are equal."""
+    here = launcher.node_stack()
+    assert not {"aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms", "libfabric", "nki",
+                "nki_library"} & set(here)  # this CPU host has none of them
+    record = _record("--steps", "3")
+    launcher.compare_nodes([_node(0, record, here), _node(1, record, dict(here))])
+    neuron = {**here, "nki": "0.7.0", "aws-neuronx-runtime-lib": "2.35.30.0", "aws-neuronx-collectives": "2.35.43.0",
+              "aws-neuronx-dkms": "2.31.7.0", "libfabric": "2.1.0"}
+    with pytest.raises(UserError, match=r"^node 1 \(host1\) runs another stack than node 0 \(host0\): "
+                                        r"aws-neuronx-collectives 2\.35\.44\.0 \(node 0: 2\.35\.43\.0\); install the "
+                                        r"same packages on every node$"):
+        launcher.compare_nodes([_node(0, record, neuron),
+                                _node(1, record, {**neuron, "aws-neuronx-collectives": "2.35.44.0"})])
+    # what the package manager lists (dpkg-query's Package, status, Version): installed ones only
+    listing = ("aws-neuronx-collectives\tii \t2.35.43.0-1a2b3c\naws-neuronx-dkms\trc \t2.30.2.0\n"
+               "aws-neuronx-runtime-lib\tii \t2.35.30.0-4d5e6f\n")
+    assert launcher.installed_os_packages(listing) == {"aws-neuronx-collectives": "2.35.43.0-1a2b3c",
+                                                       "aws-neuronx-runtime-lib": "2.35.30.0-4d5e6f"}
+
+
+NODE = """
+import os, sys
+import torch.distributed as dist
+from common.errors import UserError
+from common.harness import launcher
+dist.init_process_group("gloo")
+try:
+    launcher.check_same_stack()  # as the guarded run calls it, right after the process group exists
+    print("no error")
+except UserError as e:
+    print("error:", e)
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_two_nodes_exchange_their_settings_and_packages_and_each_names_node_1(tmp_path):
+    """Two "nodes" of one process each on this host (gloo over loopback), as the scripts' own launch starts them:
+    each worker's run record from its launcher (record.json), torchrun's variables. Node 1 was started with --lr
+    0.03 and has another collectives package (a dpkg-query on its PATH that lists one): both nodes say so in the
+    same line, before anything is built."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from common.harness.stops import SELF_LAUNCHED
+    from conftest import ROOT, script_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dpkg = tmp_path / "bin" / "dpkg-query"
+    dpkg.parent.mkdir()
+    dpkg.write_text("#!/bin/sh\nprintf 'aws-neuronx-collectives\\tii \\t2.35.43.0\\n'\n")
+    dpkg.chmod(0o755)
+    procs = []
+    for rank, flags in ((0, ()), (1, ("--lr", "0.03"))):
+        launch = tmp_path / f"launch{rank}"
+        launch.mkdir()
+        (launch / launcher.LAUNCH_RECORD).write_text(json.dumps(_record("--steps", "3", *flags)))
+        env = {**script_env(), "PYTHONPATH": str(ROOT), SELF_LAUNCHED: str(launch / "stopped"), "RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
+               "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        if rank:
+            env["PATH"] = f"{dpkg.parent}:{env['PATH']}"
+        procs.append(subprocess.Popen([sys.executable, "-c", NODE], env=env, cwd=ROOT, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    said = [p.communicate(timeout=120)[0].strip() for p in procs]
+    host = socket.gethostname()
+    assert said == [f"error: node 1 ({host}) runs another stack than node 0 ({host}): aws-neuronx-collectives "
+                    f"2.35.43.0 (node 0: not installed) and was started with other settings: --lr 0.03 (node 0: "
+                    "0.003); install the same packages on every node and run the same command on every node, only "
+                    "--node_rank differing"] * 2, said

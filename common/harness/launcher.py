@@ -189,31 +189,162 @@ def wait_for_endpoint(addr: str, port: int, wait_s: float, node: str) -> None:
         time.sleep(1.0)
 
 
-def check_same_stack() -> None:
-    """On a run over several hosts (WORLD_SIZE above LOCAL_WORLD_SIZE), right after the process group exists: every
-    rank's package versions (common.results.versions) gathered over a gloo group; a node whose stack differs from
-    node 0's is one UserError on every rank, naming the node, its host and the packages."""
+def check_same_stack(record: dict | None = None) -> None:
+    """On a run over several hosts (WORLD_SIZE above LOCAL_WORLD_SIZE), right after the process group exists, before
+    anything is built: each node's stack (node_stack: packages, the Neuron OS packages, libfabric) and settings (its
+    --nnodes and --nproc_per_node as torchrun got them, and `record`, the run record it checked: every setting a
+    resume must match; by default the one the scripts' own launch handed its workers) gathered over a gloo group from
+    each node's local rank 0. A node that differs from node 0 is one UserError on every rank (compare_nodes)."""
     import torch.distributed as dist
-
-    from common import results
 
     if not dist.is_initialized() or dist.get_world_size() <= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         return
-    mine = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(), "versions": results.versions()}
+    mine = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: the same command, packages and settings on each
+        record = record if record is not None else launched_record()  # rank (and 64 dpkg queries at once, none)
+        mine = {"node": int(os.environ.get("GROUP_RANK", "0")), "host": socket.gethostname(), "stack": node_stack(),
+                "settings": None if record is None else {
+                    # torchrun's own: the --nnodes and --nproc_per_node this node was started with (torch's
+                    # local_elastic_agent sets both for every worker; static rendezvous: GROUP_WORLD_SIZE = --nnodes)
+                    "--nnodes": _env_int("GROUP_WORLD_SIZE"), "--nproc_per_node": _env_int("LOCAL_WORLD_SIZE"),
+                    **node_settings(record)}}
     everyone: list = [None] * dist.get_world_size()
     group = dist.new_group(backend="gloo")  # host objects over TCP, whatever the device's backend
     try:
         dist.all_gather_object(everyone, mine, group=group)
     finally:
         dist.destroy_process_group(group)
-    base = everyone[0]
-    for other in everyone[1:]:
-        differ = sorted(k for k in set(base["versions"]) | set(other["versions"])
-                        if base["versions"].get(k) != other["versions"].get(k))
-        if differ:
-            what = ", ".join(f"{k} {other['versions'].get(k)} (node 0: {base['versions'].get(k)})" for k in differ)
-            raise UserError(f"node {other['node']} ({one_line(other['host'])}) runs another stack than node 0 "
-                            f"({one_line(base['host'])}): {what}; install the same packages on every node")
+    compare_nodes([n for n in everyone if n is not None])
+
+
+def _env_int(name: str) -> int | str | None:
+    value = os.environ.get(name)
+    return int(value) if value is not None and value.isdigit() else value
+
+
+def compare_nodes(nodes: list[dict]) -> None:
+    """Each node's {"node", "host", "stack", "settings"} against node 0's: where any differ, one UserError naming
+    each such node, its host, and each package and setting with node 0's value beside it. A value absent on both
+    (an OS package on CPU) is equal; settings are compared only between nodes that both report them (a node under
+    a torchrun of the user's reports none unless the caller passes its record)."""
+    nodes = sorted(nodes, key=lambda n: n["node"])
+    base, problems, fixes = nodes[0], [], {}
+    for other in nodes[1:]:
+        stack = _differing(base["stack"], other["stack"])
+        settings = _differing(base["settings"], other["settings"]) if base["settings"] and other["settings"] else []
+        if not stack and not settings:
+            continue
+        if stack:
+            fixes["install the same packages on every node"] = True
+        if settings:
+            fixes["run the same command on every node, only --node_rank differing"] = True
+        said = f"node {other['node']} ({one_line(other['host'])})"
+        if stack:
+            said += f" runs another stack than node 0 ({one_line(base['host'])}): {', '.join(stack)}"
+        if settings:
+            said += (" and was started with other settings: " if stack else
+                     f" was started with other settings than node 0 ({one_line(base['host'])}): ") + ", ".join(settings)
+        problems.append(said)
+    if problems:
+        raise UserError(f"{'; '.join(problems)}; {' and '.join(fixes)}")
+
+
+def _differing(base: dict, other: dict) -> list[str]:
+    """`name value (node 0: value)` for each key whose values differ (a key one side lacks: None there)."""
+    out = []
+    for key in sorted(set(base) | set(other), key=str):
+        a, b = base.get(key), other.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) or isinstance(b, dict):  # files: which ones, not their hashes
+            names = sorted(n for n in set(a or {}) | set(b or {}) if (a or {}).get(n) != (b or {}).get(n))
+            out.append(f"{key} differ from node 0's ({', '.join(map(one_line, names[:5]))}"
+                       f"{f' and {len(names) - 5} more' if len(names) > 5 else ''})")
+        else:
+            shown = [json.dumps(v, default=str) if key[:2] == "--" or not isinstance(v, (str, type(None))) else
+                     "not installed" if v is None else v for v in (b, a)]  # packages: their version, as pip says
+            out.append(f"{key} {one_line(shown[0])} (node 0: {one_line(shown[1])})")
+    return out
+
+
+def node_settings(record: dict) -> dict:
+    """What every node's run record must share (common/harness/resume.py's run_record: the script, every setting a
+    resume must match, --steps as the schedule's length, the data), flattened to `--flag: value`, leaving out what
+    differs between hosts that hold the same files: modification times (the hf_checkpoint folder's safetensors are
+    compared by name and size, the training files by size and hash)."""
+    view = {"script": record.get("script"), "--steps": record.get("schedule_steps"), "data": record.get("dataset")}
+    for key, value in (record.get("settings") or {}).items():
+        view[f"--{key}"] = value
+    weights = view.get("--hf_checkpoint")
+    if isinstance(weights, dict):
+        view["--hf_checkpoint"] = weights.get("path")
+        view["--hf_checkpoint files"] = {"config.json": weights.get("config_sha256"), **{
+            name: entry[0] for name, entry in (weights.get("safetensors") or {}).items()}}
+    data = record.get("data")
+    if isinstance(data, dict) and isinstance(data.get("files"), dict):
+        view["training files"] = {name: {k: v for k, v in entry.items() if k != "mtime_ns"}
+                                  for name, entry in data["files"].items() if isinstance(entry, dict)}
+    return view
+
+
+# The Neuron OS packages a multi-node run's collectives depend on (the runtime, collectives and driver AWS's update
+# page installs: apt `aws-neuronx-dkms`, `aws-neuronx-runtime-lib`, `aws-neuronx-collectives`, the same names for dnf;
+# aws-neuron-sdk@81ce03a:setup/pytorch/update-dlami.rst:149-151,171-173). Neuron 2.33.1 changed only these three.
+NEURON_OS_PACKAGES = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
+
+
+def node_stack() -> dict[str, str | None]:
+    """What a node's ranks run on and two nodes must share: the pip packages results.json records
+    (common.results.versions: nki and nki-library among them where installed), the Neuron OS packages where this host
+    has them, and libfabric's version where fi_info is (all absent on CPU: absent on every node is equal)."""
+    from common import results
+
+    return {**results.versions(), **neuron_os_packages(), **libfabric_version()}
+
+
+def neuron_os_packages() -> dict[str, str]:
+    """NEURON_OS_PACKAGES installed here, by dpkg (Ubuntu) or rpm (Amazon Linux): {name: version}; {} where neither
+    tool is or none of them is installed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("dpkg-query"):  # -W: what dpkg knows, the status beside each ("ii": installed)
+        cmd = ["dpkg-query", "-W", "-f=${Package}\t${db:Status-Abbrev}\t${Version}\n", *NEURON_OS_PACKAGES]
+    elif shutil.which("rpm"):  # rpm -q lists installed packages only (the rest as "package X is not installed")
+        cmd = ["rpm", "-q", "--queryformat", "%{NAME}\tii\t%{VERSION}-%{RELEASE}\n", *NEURON_OS_PACKAGES]
+    else:
+        return {}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return installed_os_packages(out)
+
+
+def installed_os_packages(listing: str) -> dict[str, str]:
+    """NEURON_OS_PACKAGES from a `name<TAB>status<TAB>version` listing (neuron_os_packages' queries), installed only."""
+    found = {}
+    for line in listing.splitlines():
+        name, status, version = (line.split("\t") + ["", "", ""])[:3]
+        if name in NEURON_OS_PACKAGES and status.startswith("ii") and version:
+            found[name] = version
+    return found
+
+
+def libfabric_version() -> dict[str, str]:
+    """{"libfabric": version} as `fi_info --version` prints it (its line `libfabric: VERSION`: ofiwg/libfabric@af8ddbe
+    util/info.c:356-357), {} where there is no fi_info or it prints no such line."""
+    import subprocess
+
+    fi_info = find_fi_info()
+    if fi_info is None:
+        return {}
+    try:
+        out = subprocess.run([fi_info, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("libfabric:")]
+    return {"libfabric": found[0]} if found and found[0] else {}
 
 
 LOCK = GUARDED_LOCK  # in OUT_DIR: flock'd for the whole run; holds who holds it (a run of the core alone refuses it)
