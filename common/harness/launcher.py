@@ -97,7 +97,9 @@ def check_nproc(cfg) -> None:
                         f"and {free:.1f} GiB are free; pass --oversubscribe to start them anyway")
 
 
-# AWS's variables for EFA between trn2 hosts (TorchNeuron's multi-node example), set for the workers where unset.
+# AWS's variables for EFA between hosts ("When running an application make sure the following environment variables are
+# set": aws-neuron-sdk@81ce03a:frameworks/torch/torch-neuronx/setup-trn1-multi-node-execution.rst:160-166; FORK_SAFE
+# for kernels before 5.15: neuron-runtime/nrt-troubleshoot.rst:748-758), set for the workers where unset.
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
 
 
