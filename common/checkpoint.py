@@ -10,6 +10,8 @@ import contextlib
 import json
 import math
 import os
+import re
+import shlex
 import struct
 from pathlib import Path
 
@@ -22,11 +24,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 
 
 # --------------------------------------------------------------------------- reading, validating
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")  # the Hub's owner/name
+
+
+def hub_id_hint(text: str) -> str:
+    """For a missing folder named like a Hub model id (owner/name): the scripts never download, so the hint to fetch
+    it first, as a command (the id quoted), else ''."""
+    if not HUB_ID.fullmatch(text) or text.startswith(".") or ".." in text:
+        return ""
+    folder = f"assets/hf/{text.split('/')[1]}"
+    return (f": these scripts read a local folder and never download; if {text} is a Hub model id, download it "
+            f"first (hf download {shlex.quote(text)} --local-dir {shlex.quote(folder)}) and give that folder")
+
+
 def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
     """config.json of an HF checkpoint folder, with a clear error for each way it can be wrong."""
     path = Path(ckpt_dir)
     if not path.exists():
-        raise UserError(f"checkpoint folder {path} does not exist")
+        raise UserError(f"checkpoint folder {path} does not exist{hub_id_hint(str(ckpt_dir))}")
     if not path.is_dir():
         raise UserError(f"checkpoint path {path} is not a folder")
     if not any(path.iterdir()):

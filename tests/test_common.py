@@ -202,3 +202,21 @@ def test_a_python_without_torch_gets_one_line_naming_the_environment(script):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {sys.executable} has no torch: use the environment")
     assert "venv/bin/python" in lines[0] and "venv/bin/activate" in lines[0]
+
+
+def test_a_hub_id_given_for_a_folder_gets_the_download_hint_quoted(tmp_path, monkeypatch):
+    """A missing --hf_checkpoint named like a Hub model id says the scripts never download and how to fetch it; a
+    name that is not a Hub id gets no command (nothing a user might copy is built from it)."""
+    from pathlib import Path
+
+    from common.checkpoint import read_hf_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        read_hf_config("Qwen/Qwen3-0.6B")
+    assert str(e.value).endswith("download it first (hf download Qwen/Qwen3-0.6B --local-dir assets/hf/Qwen3-0.6B) "
+                                 "and give that folder"), e.value
+    for name in ("a/b;rm -rf x", "../x/y", "./x/y", "x"):
+        with pytest.raises(UserError) as e:
+            read_hf_config(name)
+        assert str(e.value) == f"checkpoint folder {Path(name)} does not exist", e.value
