@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import os
 import platform
 import re
 import shutil
@@ -29,17 +30,39 @@ from pathlib import Path
 from common.errors import ArgumentParser, UserError, one_line
 from common.results import installed_version
 
-# The tested stacks, as version specifiers. CPU: the `==` pins of requirements.txt. trn2: the AWS guide's, the
-# Neuron 2.33.0 release's own versions (requirements-trn2.txt; tests/test_preflight.py checks both against the
-# release's table). TorchNeuron is published as the family 2.14.3.0.*, which `==2.14.3` does not match.
+# The tested stacks, as version specifiers. CPU: the `==` pins of requirements.txt. trn2: one of two Neuron releases,
+# found from the installed TorchNeuron (`trn2_stack`) and held to its own versions (TRN2_STACKS).
+# 2.33: the AWS guide's, the Neuron 2.33.0 release's own versions (requirements-trn2.txt; tests/test_preflight.py
+# checks both against the release's table). TorchNeuron is published as the family 2.14.3.0.*, which `==2.14.3` does
+# not match.
 TRN2_PINS = {"torch": "==2.14.0", "torch-neuronx": "==2.14.3.0.*", "neuronx-cc": "==2.28.7631.0", "nki": "==0.7.0",
              "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.1"}  # torchtitan-neuron: release-2.33
+# 2.34 (2026-11-30; requirements-trn2-2.34.txt): torch-neuronx 2.14.3.1 ("torch-neuronx 2.13.3.1 and 2.14.3.1 (Neuron
+# 2.34.0 Release)", "install torch-neuronx==2.14.* with PyTorch 2.14":
+# https://github.com/aws-neuron/torch-neuronx/releases/tag/v2.34.0) and TorchTitan Neuron 0.2.2+neuron.2 ("Latest
+# version (in 2.34.0)": awsdocs-neuron.readthedocs-hosted.com/en/v2.34.0/release-notes/components/torchtitan-neuron.html).
+# Its compiler and NKI versions could not be read from a 2.34 page here: held to "newer than 2.33's", and the rows say
+# so (TRN2_UNCONFIRMED). torch: the 2.14 line torch-neuronx 2.14.* is built for (its own requirement fixes the patch).
+TRN2_234_PINS = {"torch": "==2.14.*", "torch-neuronx": "==2.14.3.1.*", "neuronx-cc": ">2.28.7631.0,<3",
+                 "nki": ">0.7.0,<1", "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.2"}
+TRN2_UNCONFIRMED = {"2.34": ("neuronx-cc", "nki")}  # the range is ours, not a version AWS's pages were read for
+TRN2_STACKS = {"2.33": (TRN2_PINS, "requirements-trn2.txt"), "2.34": (TRN2_234_PINS, "requirements-trn2-2.34.txt")}
+# Which release a TorchNeuron build belongs to, by its first four numbers (2.13 and 2.14 lines alike).
+TORCH_NEURONX_RELEASE = {(3, 0): "2.33", (3, 1): "2.34"}
+# TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION's default, per stack: 2.34 documents True ("When 1 (the default), a
+# torch.compile(backend="neuron") graph that fails to compile raises the error instead of falling back to eager
+# execution ... Affects the torch.compile path only": awsdocs-neuron.readthedocs-hosted.com/en/v2.34.0/torch/reference/
+# env-vars.html). For 2.33 no page read here states it; TorchNeuron's April pre-release source defaulted to False.
+FALLBACK_VAR = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
+FALLBACK_DEFAULT = {"2.34": "True (a graph that fails to compile raises)",
+                    "2.33": "not stated for 2.33 (TorchNeuron's April source: False, eager fallback)"}
 TRN2_PYTHON = (3, 12)
 TRN2_INFO = ("nki-library",)  # reported: the public index has only a placeholder (the kernels: nkilib, neuronx-cc's)
 # The Neuron runtime, collectives and driver are OS packages (deb or rpm), at least at the Neuron 2.33.1 release's
 # versions (tests/assets/neuron-2.33.1.json): 2.33.1 changes only these (the pip stack stays 2.33.0's) and fixes a
 # hang when HWDGE DMA transposes race collectives, as the blockwise MoE backward kernel's transposes do while FSDP's
 # collectives run. An older one is a warning row; one not found (a container's driver is the host's) is reported.
+# On the 2.34 stack the same minimums hold and newer is expected (2.34's own versions are not pinned here).
 NEURON_SYSTEM = {"aws-neuronx-runtime-lib": "2.35.33.0", "aws-neuronx-collectives": "2.35.49.0",
                  "aws-neuronx-dkms": "2.31.8.0"}
 SYSTEM_RELEASE = "Neuron 2.33.1"
@@ -210,23 +233,63 @@ def admits(spec: str, version: str | None) -> bool:
         return False
 
 
-def _versions(target: str) -> list[tuple[str, str, str]]:
-    py = platform.python_version()
-    rows = [("python" + (" >= 3.12" if target == "trn2" else ""), py,
-             WARN if target == "trn2" and sys.version_info[:2] < TRN2_PYTHON else OK)]
-    pins, unread = (TRN2_PINS, []) if target == "trn2" else _cpu_pins()
-    rows += [("requirements.txt", problem, ERROR) for problem in unread]
-    for dist, want in pins.items():
-        have = installed_version(dist) or (installed_version("torchtitan") if dist == "torchtitan-neuron"
-                                           else None)
-        rows.append((f"{dist}{want}", have or "not installed", OK if admits(want, have) else WARN))
-    if target == "trn2":
-        rows += [(dist, installed_version(dist) or "not installed", INFO) for dist in TRN2_INFO]
-        rows += [_system_row(pkg, minimum) for pkg, minimum in NEURON_SYSTEM.items()]
+def trn2_stack(read=installed_version) -> tuple[str, str]:
+    """(stack, why): which Neuron release the installed TorchNeuron belongs to ("2.33" or "2.34", TRN2_STACKS), from
+    its version as `read` (a distribution name -> version or None) gives it; without TorchNeuron, or with a build of
+    another release, the AWS guide's 2.33, said so in `why`."""
+    have = read("torch-neuronx")
+    numbers = tuple(int(n) for n in re.findall(r"\d+", (have or "").split("+")[0])[:4])
+    stack = TORCH_NEURONX_RELEASE.get(numbers[2:4]) if len(numbers) >= 4 and numbers[:2] in ((2, 13), (2, 14)) else None
+    if stack:
+        return stack, f"torch-neuronx {have}"
+    return "2.33", (f"torch-neuronx {have} is neither release's: checked against 2.33" if have
+                    else "no torch-neuronx: checked against 2.33, the AWS guide's")
+
+
+def _stack_rows(stack: str, why: str, read=installed_version) -> list[tuple[str, str, str]]:
+    """The rows that name the Neuron stack found and what differs between the two: the pins file, the compile
+    fallback's default (and the variable where it is set), and how the memory peak is read."""
+    from common.device import accelerator_memory_documented
+
+    rows = [("Neuron stack", f"{stack} ({why}); pins: {TRN2_STACKS[stack][1]}", INFO)]
+    value = os.environ.get(FALLBACK_VAR)
+    rows.append((f"{FALLBACK_VAR} (torch.compile only)",
+                 f"set to {value!r}" if value is not None else f"unset: default {FALLBACK_DEFAULT[stack]}", INFO))
+    documented = accelerator_memory_documented(read("torch-neuronx"))
+    rows.append(("device memory peak read with",
+                 "torch.accelerator.max_memory_allocated (documented from torch-neuronx 2.14.3.1 / 2.13.3.1)"
+                 if documented else "torch.neuron.max_memory_allocated (torch.accelerator's documented from 2.34)",
+                 INFO))
     return rows
 
 
-def _system_row(pkg: str, minimum: str) -> tuple[str, str, str]:
+def _versions(target: str, read=installed_version) -> list[tuple[str, str, str]]:
+    """The version rows of the `target` stack; `read` gives a distribution's installed version (None: not
+    installed), the installed metadata's by default. trn2: the stack `trn2_stack` finds, held to its own pins."""
+    py = platform.python_version()
+    rows = [("python" + (" >= 3.12" if target == "trn2" else ""), py,
+             WARN if target == "trn2" and sys.version_info[:2] < TRN2_PYTHON else OK)]
+    stack = None
+    if target == "trn2":
+        stack, why = trn2_stack(read)
+        pins, unread = TRN2_STACKS[stack][0], []
+        rows += _stack_rows(stack, why, read)
+    else:
+        pins, unread = _cpu_pins()
+    rows += [("requirements.txt", problem, ERROR) for problem in unread]
+    for dist, want in pins.items():
+        have = read(dist) or (read("torchtitan") if dist == "torchtitan-neuron" else None)
+        found = have or "not installed"
+        if have and dist in TRN2_UNCONFIRMED.get(stack, ()):
+            found += f" ({stack}'s own version unconfirmed: newer than 2.33's)"
+        rows.append((f"{dist}{want}", found, OK if admits(want, have) else WARN))
+    if target == "trn2":
+        rows += [(dist, read(dist) or "not installed", INFO) for dist in TRN2_INFO]
+        rows += [_system_row(pkg, minimum, stack) for pkg, minimum in NEURON_SYSTEM.items()]
+    return rows
+
+
+def _system_row(pkg: str, minimum: str, stack: str | None = "2.33") -> tuple[str, str, str]:
     """An OS package of the Neuron stack against the version of SYSTEM_RELEASE: older is a warning (not an error:
     the pip stack runs on 2.33.0's packages too, with the hang 2.33.1 fixes); newer is a warning too (a later
     release's runtime under 2.33.0's pip packages is a pairing nobody tested: keep the table with any report)."""
@@ -240,6 +303,8 @@ def _system_row(pkg: str, minimum: str) -> tuple[str, str, str]:
     if found < _release_numbers(minimum):
         return requirement, f"{have}: older than {SYSTEM_RELEASE}'s", WARN
     if found > _release_numbers(minimum):
+        if stack == "2.34":  # 2.34's own runtime is newer than 2.33.1's: expected, its exact version not pinned here
+            return requirement, f"{have}: newer than {SYSTEM_RELEASE}'s (2.34's not pinned here)", INFO
         return requirement, f"{have}: newer than tested ({SYSTEM_RELEASE}'s)", WARN
     return requirement, have, OK
 
@@ -566,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the {target} stack is not usable: {'; '.join(missing)}", file=sys.stderr, flush=True)
         return 2
     warned = sum(v == WARN for _, _, v in rows)
-    print(f"[preflight] {target} stack: all {len(rows)} checks passed ({warned} version warnings)")
+    label = f"trn2 (Neuron {trn2_stack()[0]})" if target == "trn2" else target
+    print(f"[preflight] {label} stack: all {len(rows)} checks passed ({warned} version warnings)")
     return 0
 
 
