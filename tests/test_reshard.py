@@ -49,7 +49,7 @@ def test_moe_resumes_2_then_1_rank_as_if_it_never_changed_size(tmp_path, shared_
     res = read_results(out)
     assert [(s["steps"], s["world_size"], s["stopped"]) for s in res["segments"]] == [
         ([1, s1], 2, "SIGTERM"), ([s1 + 1, 6], 1, None)]
-    assert res["segments"][1]["data"]["resharded_from"] == {"step": s1, "world_size": 2}
+    assert res["segments"][1]["data"]["resharded_from"] == {"step": s1, "world_size": 2, "tensor_parallel": 1}
     same_state(out, s1, tmp_path / "debug" / f"resumed-step{s1}-w1.pt", tmp_path)
     trained = by_batch(trace(tmp_path / "debug"))
     assert sorted(trained) == [(step, shard, 0) for step in range(1, 7) for shard in (0, 1)]
@@ -190,3 +190,20 @@ def test_a_damaged_segments_json_is_refused_never_replaced(tmp_path, content):
     proc = run_in_process("train_native_qwen3.py", "--steps", "1", "--no-export", "--out_dir", str(out))
     assert_clean_error(proc, "segments.json is damaged", "left as it is")
     assert (out / reshard.SEGMENTS).read_bytes() == content
+
+
+def test_a_change_of_tensor_parallel_degree_at_one_world_size_is_recorded(tmp_path):
+    """A run stopped at TP 2 on 2 ranks and resumed at TP 1 on 2 ranks (--reshard): its segments say each part's
+    tensor-parallel degree, and the resumed part's `data_shards` says it was resharded from that layout."""
+    first = reshard.Reshard(plan=reshard.Plan(), world_size=2, out_dir=tmp_path, is_main=True, tensor_parallel=2)
+    reshard.open_segment(tmp_path, 1, 2, first.summary(), tensor_parallel=2)
+    reshard.close_segment(tmp_path, 3, "SIGTERM")
+    resumed = reshard.Reshard(plan=reshard.Plan(step=3, shards=1, saved_world_size=2), world_size=2,
+                              out_dir=tmp_path, is_main=True, first_step=4, tensor_parallel=1,
+                              saved_tensor_parallel=reshard.segment_tensor_parallel(tmp_path, 3))
+    rows = reshard.open_segment(tmp_path, 4, 2, resumed.summary(), tensor_parallel=1)
+    assert [(r["steps"], r["world_size"], r["tensor_parallel"]) for r in rows] == [([1, 3], 2, 2), ([4, None], 2, 1)]
+    assert resumed.summary()["resharded_from"] == {"step": 3, "world_size": 2, "tensor_parallel": 2}
+    same = reshard.Reshard(plan=reshard.Plan(step=3, shards=1, saved_world_size=2), world_size=2, out_dir=tmp_path,
+                           is_main=True, first_step=4, tensor_parallel=2, saved_tensor_parallel=2)
+    assert "resharded_from" not in same.summary()  # the same layout: a plain resume

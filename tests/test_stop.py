@@ -173,8 +173,10 @@ def test_resumed_on_another_layout_the_run_trains_as_if_it_never_stopped(chain, 
         ([1, s1], 2, "SIGTERM"), ([s1 + 1, s2], 2, "SIGTERM"), ([s2 + 1, s3], 1, "SIGTERM"),
         ([s3 + 1, STEPS], 2, None)]
     assert [s["data"].get("data_parallel", s["world_size"]) for s in res["segments"]] == [2, 1, 1, 2], res["segments"]
-    assert [s["data"].get("resharded_from") for s in res["segments"]] == [  # the world size's changes
-        None, None, {"step": s2, "world_size": 2}, {"step": s3, "world_size": 1}]
+    assert [s["data"].get("resharded_from") for s in res["segments"]] == [  # the layout's changes
+        None, {"step": s1, "world_size": 2, "tensor_parallel": 1}, {"step": s2, "world_size": 2, "tensor_parallel": 2},
+        {"step": s3, "world_size": 1, "tensor_parallel": 1}]
+    assert [s["tensor_parallel"] for s in res["segments"]] == [1, 2, 1, 1]
     assert f"[reshard] step {s1} of 2 ranks resumed on 2 ranks (tensor parallel 2: 1 data-parallel)" in \
         chain["stops"][1][2]
     assert all(s["data"]["shards"] == 2 and s["data"]["exact"] for s in res["segments"]), res["segments"]

@@ -125,6 +125,7 @@ class Reshard:
     first_step: int = 1
     entries: list = field(default_factory=list)
     tensor_parallel: int = 1  # the ranks of a tensor-parallel group read the same data: world_size / this read it
+    saved_tensor_parallel: int | None = None  # the degree of the part the checkpoint is from (its segment's)
 
     def summary(self) -> dict:
         """results.json's `data_shards`: how the data was read in this part of the run."""
@@ -132,8 +133,11 @@ class Reshard:
         out = {"shards": shards, "world_size": self.world_size, "exact": self.plan.exact}
         if self.tensor_parallel > 1:
             out["data_parallel"] = self.world_size // self.tensor_parallel
-        if self.plan.step and self.plan.saved_world_size not in (None, self.world_size):
-            out["resharded_from"] = {"step": self.plan.step, "world_size": self.plan.saved_world_size}
+        saved_tp = self.saved_tensor_parallel or self.tensor_parallel
+        if self.plan.step and (self.plan.saved_world_size not in (None, self.world_size)
+                               or saved_tp != self.tensor_parallel):
+            out["resharded_from"] = {"step": self.plan.step, "world_size": self.plan.saved_world_size or
+                                     self.world_size, "tensor_parallel": saved_tp}
         if not self.plan.exact:
             out["why"] = self.plan.why
         return out
@@ -153,7 +157,8 @@ def configure(tc, cfg, dev, out_dir: Path, loader: type) -> tuple[Reshard, list[
     p = plan(out_dir)
     tp = cfg.tensor_parallel_degree
     guard = Reshard(plan=p, world_size=dev.world_size, out_dir=Path(out_dir), is_main=dev.is_main,
-                    first_step=p.step + 1, tensor_parallel=tp)
+                    first_step=p.step + 1, tensor_parallel=tp,
+                    saved_tensor_parallel=segment_tensor_parallel(out_dir, p.step) if p.step else None)
     notes = []
     if not p.exact:  # nothing to carry over: the data starts from its beginning
         tc.checkpoint.exclude_from_loading = [*tc.checkpoint.exclude_from_loading, "dataloader"]
@@ -174,7 +179,7 @@ def configure(tc, cfg, dev, out_dir: Path, loader: type) -> tuple[Reshard, list[
               f"{cfg.global_batch_size if cfg.global_batch_size > 0 else cfg.local_batch_size * m}", flush=True)
         notes.append(f"data: {n} shard{'s' * (n != 1)} on {m} data-parallel rank{'s' * (m != 1)}")
     if dev.is_main:
-        open_segment(out_dir, guard.first_step, dev.world_size, guard.summary())
+        open_segment(out_dir, guard.first_step, dev.world_size, guard.summary(), tensor_parallel=tp)
     return guard, notes
 
 
@@ -232,7 +237,17 @@ def read_segments(out_dir: Path) -> list[dict]:
         if isinstance(rows, list) else []
 
 
-def open_segment(out_dir: Path, first: int, world_size: int, data: dict) -> list[dict]:
+def segment_tensor_parallel(out_dir: Path, step: int) -> int | None:
+    """The tensor-parallel degree of the part of the run that trained `step` (None: unknown, or no such part)."""
+    for row in read_segments(out_dir):
+        start, end = row["steps"]
+        if isinstance(start, int) and start <= step and (end is None or step <= end):
+            tp = row.get("tensor_parallel", 1)
+            return tp if isinstance(tp, int) and tp > 0 else None
+    return None
+
+
+def open_segment(out_dir: Path, first: int, world_size: int, data: dict, tensor_parallel: int = 1) -> list[dict]:
     """A part of the run starts at step `first`: the earlier parts are kept up to step first - 1 (a part that ended
     without results is closed there: its checkpoint is where this one starts), later ones dropped (their steps
     are trained again), and this one added, open."""
@@ -244,7 +259,8 @@ def open_segment(out_dir: Path, first: int, world_size: int, data: dict) -> list
         if end is None:  # it never said where it ended
             row = {**row, "stopped": NO_RESULT}
         kept.append({**row, "steps": [start, first - 1 if end is None else min(end, first - 1)]})
-    kept.append({"steps": [first, None], "world_size": world_size, "stopped": None, "data": data})
+    kept.append({"steps": [first, None], "world_size": world_size, "tensor_parallel": tensor_parallel,
+                 "stopped": None, "data": data})
     atomic_write_text(Path(out_dir) / SEGMENTS, json.dumps(kept, indent=1) + "\n")
     return kept
 
