@@ -110,11 +110,86 @@ def test_with_async_saves_training_waits_for_the_copy_and_a_stop_for_the_whole_w
     assert res["stop_safety"]["save_s"] == max(r["write_s"] for r in res["saves"]["each"])
 
 
-def test_auto_needs_its_two_figures(tmp_path):
-    proc = run_in_process("train_native_qwen3.py", "--checkpoint_every", "auto", "--out_dir", str(tmp_path / "o"))
-    assert_clean_error(proc, "--checkpoint_every auto needs --mean_hours_between_interruptions")
-    proc = run_in_process("train_native_qwen3.py", "--checkpoint_every", "often", "--out_dir", str(tmp_path / "o"))
+def test_a_lone_interruption_interval_and_absurd_storage_are_refused(tmp_path):
+    """--mean_hours_between_interruptions sets the auto interval alone: without auto it is one error line, not
+    ignored (--storage_gb_per_s alone is used: the stop-notice verdict, the dry run's); a bandwidth below any
+    storage's is refused by its bounds (1e-300 was an OverflowError at step 1)."""
+    out = str(tmp_path / "o")
+    proc = run_in_process("train_native_qwen3.py", "--mean_hours_between_interruptions", "5", "--dry_run",
+                          "--out_dir", out)
+    assert_clean_error(proc, "--mean_hours_between_interruptions sets the --checkpoint_every auto interval and "
+                             "nothing else: add --checkpoint_every auto (it is '0')")
+    proc = run_in_process("train_native_qwen3.py", "--checkpoint_every", "auto", "--storage_gb_per_s", "1e-300",
+                          "--dry_run", "--out_dir", out)
+    assert_clean_error(proc, "--storage_gb_per_s", "1e-06", "1e-6 is 1 kB/s")
+    proc = run_in_process("train_native_qwen3.py", "--checkpoint_every", "often", "--out_dir", out)
     assert_clean_error(proc, "--checkpoint_every takes a number of steps (0 to 10000000) or auto, got 'often'")
+
+
+def test_the_interval_of_a_save_planned_over_absurd_storage_is_never_an_overflow():
+    # a save of 1e299 s over a million hours: sqrt(2 x 1e299 x 3.6e9) overflows as one product; here, MAX_EVERY
+    assert interval.young_interval_steps(1e299, 0.5, 3.6e9) == interval.MAX_EVERY
+    assert interval.young_interval_steps(float("inf"), 1.0, 3600) == interval.MAX_EVERY
+    f = interval.interval_facts(interval.MAX_EVERY, save_s=1e299, step_s=0.5, mtbi_s=3.6e9, save_source="planned")
+    assert len(interval.format_interval(f)) < 400  # figures of three digits, not of 300
+
+
+def test_without_an_interruption_interval_the_published_one_is_assumed_and_said(capsys, monkeypatch):
+    """No --mean_hours_between_interruptions: DEFAULT_MTBI_H a host over the job's hosts (torchrun's WORLD_SIZE /
+    LOCAL_WORLD_SIZE), said in the interval's line with the flag that sets one's own."""
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # 2 hosts: 1500 h
+    stop = StopControl(end=None, margin_s=120, is_main=False)
+    watch = interval.SaveWatch(stop, every="auto", mtbi_h=None, planned_save_s=20, notice_s=120,
+                               comm_timeout_s=600, price_per_hour=None, evaluates=False, is_main=True)
+    stop.steps_s = [30.0, 10.0, 10.0]
+    assert watch.due(10**6, None)
+    # sqrt(2 x 20 x 1500 x 3600) = 14697 s, 1470 steps of 10 s
+    assert watch.interval["mean_time_between_interruptions_s"] == 1500 * 3600
+    assert watch.interval["every_steps"] == 1470
+    line = capsys.readouterr().out
+    assert "mean time between interruptions 1500 h, assumed: 3000 h a host from Llama 3's failure rate, over 2 " \
+           "hosts; --mean_hours_between_interruptions H for your own" in line, line
+
+
+def test_the_interval_is_said_again_only_when_it_moves_materially(capsys):
+    """The median step moves the interval by a step or so nearly every step: said once, then again only when it
+    moves by more than a fifth (and more than one step)."""
+    stop = StopControl(end=None, margin_s=120, is_main=False)
+    watch = interval.SaveWatch(stop, every="auto", mtbi_h=2, planned_save_s=20, notice_s=120, comm_timeout_s=600,
+                               price_per_hour=None, evaluates=False, is_main=True)
+    stop.steps_s = [30.0, 10.0]
+    watch.due(1, None)  # 54 steps of 10 s
+    for s in (10.2, 10.4, 10.6, 10.8, 11.0, 11.2):  # 54 to 51 steps: no news
+        stop.steps_s.append(s)
+        watch.due(1, None)
+    assert watch.interval["every_steps"] < 54
+    assert capsys.readouterr().out.count("[checkpoint] auto: every") == 1
+    stop.steps_s = [30.0, 5.0]  # 107 steps: a material change
+    watch.due(1, None)
+    out = capsys.readouterr().out
+    assert out.count("[checkpoint] auto: every") == 1 and "every 107 steps" in out, out
+
+
+def test_the_write_probe_measures_and_leaves_nothing(tmp_path):
+    gb_per_s = interval.write_probe(tmp_path, nbytes=4 << 20)
+    assert math.isfinite(gb_per_s) and gb_per_s > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_auto_alone_measures_the_storage_and_assumes_the_interruption_interval(tmp_path):
+    """--checkpoint_every auto with neither figure: OUT_DIR's bandwidth measured before step 1 and said, the
+    interruption interval the published one, said with its flag; the run trains and records its interval."""
+    out = tmp_path / "o"
+    proc = run_in_process("train_native_qwen3.py", "--checkpoint_every", "auto", "--steps", "3", "--no-export",
+                          "--seq_len", "64", "--out_dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "[checkpoint] OUT_DIR's write bandwidth: " in text and " GB/s measured (32 MiB written" in text, text
+    assert "assumed: 3000 h a host from Llama 3's failure rate, over 1 host;" in text, text
+    res = read_results(out)
+    assert res["checkpoint_interval"]["mean_time_between_interruptions_s"] == 3000 * 3600
+    assert res["config"]["storage_gb_per_s"] > 0 and not list(out.glob(".write-probe-*"))
 
 
 @pytest.mark.extended

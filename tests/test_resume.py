@@ -113,3 +113,52 @@ def test_a_run_starting_anew_over_a_finished_run_says_it_replaces_it(tmp_path, c
     lifecycle.say_replaced(tmp_path)
     out = capsys.readouterr().out
     assert out.startswith(f"[rerun] {tmp_path} holds a finished run's results") and "and its hf_export" in out
+
+
+def test_a_rerun_over_a_finished_run_says_where_it_starts(tmp_path, capsys, monkeypatch):
+    """A finished run (results.json to step 3, not stopped) keeps no whole checkpoint of its last step. A rerun says
+    in one line where it starts: anew from step 1 (no checkpoint; with the export's weights as the way to train on),
+    or from the newest whole checkpoint before the last step, naming the steps trained again; a checkpoint written
+    after the results (a later run's, killed since) is resumed without claiming it retrains the finished run."""
+    import json
+
+    from common.harness import lifecycle, stops
+
+    monkeypatch.delenv(stops.SELF_LAUNCHED, raising=False)
+    (tmp_path / "hf_export").mkdir()
+    (tmp_path / "hf_export" / "config.json").write_text("{}")
+    step = tmp_path / "checkpoint" / "step-1"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    os.utime(step / ".metadata", ns=(10**18, 10**18))  # written before the results
+    (tmp_path / "results.json").write_text(json.dumps({"stopped": None, "steps": [1, 2, 3]}))
+    lifecycle.say_replaced(tmp_path, None)
+    anew = capsys.readouterr().out
+    assert anew.count("\n") == 1 and f"[rerun] {tmp_path} holds a finished run's results (to step 3, " in anew
+    assert ("this run starts anew from step 1 (no whole checkpoint to resume: a finished run's last save is its "
+            "export, model-only) and replaces them and its hf_export; to train on from its last weights instead "
+            f"(optimizer and schedule anew), --hf_checkpoint {tmp_path / 'hf_export'} with another --out_dir") in anew
+    lifecycle.say_replaced(tmp_path, 1)
+    again = capsys.readouterr().out
+    assert ("this run resumes from step 1, the newest whole checkpoint (a finished run's last save is its export, "
+            "model-only), trains steps 2 to 3 again and replaces them and its hf_export; choose another --out_dir "
+            "to keep both") in again, again
+    os.utime(step / ".metadata", ns=(4 * 10**18, 4 * 10**18))  # written after the results: a later run's
+    lifecycle.say_replaced(tmp_path, 1)
+    later = capsys.readouterr().out
+    assert "resumes from step 1" in later and "again" not in later, later
+
+
+def test_train_longer_after_a_finished_run_says_it_resumes_before_its_last_step(tmp_path):
+    """The issue's "train longer": 2 steps saved at step 1, then --steps 3 in the same out_dir. The rerun resumes
+    from step 1 (the finished run's last save is no resumable checkpoint) and says so before anything trains."""
+    out = tmp_path / "o"
+    common = ("--checkpoint_every", "1", "--no-export", "--seq_len", "64", "--out_dir", str(out))
+    run_example(SCRIPT, "--steps", "2", *common)
+    proc = run_example(SCRIPT, "--steps", "3", *common)
+    rerun = [line for line in proc.stdout.splitlines() if line.startswith("[rerun]")]
+    assert len(rerun) == 1, proc.stdout[-3000:]
+    assert "holds a finished run's results (to step 2, " in rerun[0], rerun
+    assert "this run resumes from step 1, the newest whole checkpoint" in rerun[0] and "trains step 2 again" in \
+        rerun[0], rerun
+    assert read_results(out)["resumed_from_step"] == 1

@@ -7,7 +7,9 @@ work, and the stop-safety verdict, whether a stop notice covers the stop.
   optimum checkpoint interval", CACM 1974) is T = sqrt(2 C M) seconds of training between saves; here in whole
   steps. C is the longest save measured in this run (with --async_checkpoint, the part of it training waits for:
   the copy of the state; the write goes on beside the steps), or before the first one the planned checkpoint's size
-  over --storage_gb_per_s; it is derived again after each measured save.
+  over --storage_gb_per_s (without it, OUT_DIR's write bandwidth measured before step 1: `write_probe`); it is
+  derived again after each measured save, and said again only when it moves by more than a fifth.
+- M without --mean_hours_between_interruptions: DEFAULT_MTBI_H per host over the hosts (see there).
 - The verdict. A stop (common/harness/stops.py) ends at the next step boundary and saves: after a signal it needs
   the rest of the step in progress (at most one step), or, during a held-out evaluation, the rest of one held-out
   batch (a stop agreed at a step skips that step's evaluation), then the save. It fits when that worst case is
@@ -19,14 +21,52 @@ work, and the stop-safety verdict, whether a stop notice covers the stop.
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import time
+from pathlib import Path
 
 EC2_SPOT_NOTICE_S = 120.0  # EC2's interruption notice for a Spot Instance
+# M per host when --mean_hours_between_interruptions is not given. Meta's Llama 3 report (Dubey et al., "The Llama 3
+# Herd of Models", 2024, section 3.3.4) counts 419 unexpected interruptions in a 54-day snapshot of pre-training on
+# up to 16,384 GPUs, 8 a host: 2,048 hosts x 1,296 h / 419 = about 6,300 host-hours between failures. Half that, for
+# a conservative figure (hosts other than those, and a snapshot of one cluster): 3,000 h a host, over the run's hosts
+# (a job is interrupted when any of them fails). Failures only: spot reclaims come far more often (give your own).
+DEFAULT_MTBI_H = 3000.0
+MAX_EVERY = 10**7  # the largest --checkpoint_every: an interval past it is "never" for any run
+MATERIAL = 0.2  # an interval said again only when it moves by more than this share (or one step)
+PROBE_BYTES = 32 << 20  # the write probe: enough to pass a page cache's first burst, under a second on a local SSD
 
 
 def young_interval_steps(save_s: float, step_s: float, mtbi_s: float) -> int:
-    """T = sqrt(2 x save x MTBI) seconds of training, in steps of `step_s`: at least 1."""
-    return max(1, round(math.sqrt(2 * save_s * mtbi_s) / step_s))
+    """T = sqrt(2 x save x MTBI) seconds of training, in steps of `step_s`: at least 1, at most MAX_EVERY (a save
+    planned over absurdly slow storage gives an interval longer than any run, not an overflow)."""
+    steps = math.sqrt(2 * save_s) * math.sqrt(mtbi_s) / step_s  # two roots: no product of two huge numbers
+    return max(1, min(MAX_EVERY, round(steps))) if math.isfinite(steps) else MAX_EVERY
+
+
+def default_mtbi_h(hosts: int) -> float:
+    """DEFAULT_MTBI_H for a job on `hosts` hosts: any host's failure interrupts it."""
+    return DEFAULT_MTBI_H / max(1, hosts)
+
+
+def write_probe(folder: Path, nbytes: int = PROBE_BYTES) -> float:
+    """OUT_DIR's write bandwidth in GB/s, measured: `nbytes` written to a file in `folder`, fsync'd, timed and
+    removed. One writer: a checkpoint written by every rank at once may go faster, so the planned save is longer
+    than the real one, and the first interval shorter (more saves, not fewer)."""
+    path = Path(folder) / f".write-probe-{os.getpid()}"
+    block = os.urandom(1 << 20)  # incompressible: a compressing filesystem would flatter zeros
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(max(1, nbytes >> 20)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        seconds = time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)
+    return max(1, nbytes >> 20) * len(block) / max(seconds, 1e-9) / 1e9
 
 
 def interval_facts(every: int, *, save_s: float, step_s: float, mtbi_s: float, save_source: str,
@@ -42,14 +82,21 @@ def interval_facts(every: int, *, save_s: float, step_s: float, mtbi_s: float, s
             "save_cost_per_hour": overhead * price_per_hour if price_per_hour else None}
 
 
-def format_interval(f: dict) -> str:
+def _figure(x: float, digits: int = 1) -> str:
+    """A duration as the lines print it: fixed digits, or three significant ones past 100000 (a save planned over
+    absurdly slow storage is not a number of 300 digits)."""
+    return f"{x:.{digits}f}" if abs(x) < 1e5 else f"{x:.3g}"
+
+
+def format_interval(f: dict, assumed: str = "") -> str:
+    """The interval's line; `assumed`: where M comes from when it is not the user's (said with the flag to set it)."""
     cost = (f", {f['cost_lost_per_interruption']:.2f} at the price" if f["cost_lost_per_interruption"] is not None
             else "")
-    return (f"[checkpoint] auto: every {f['every_steps']} steps ({f['interval_s'] / 60:.1f} min of training; save "
-            f"{f['save_s']:.1f} s {f['save_source']}, step {f['step_s']:.2f} s, mean time between interruptions "
-            f"{f['mean_time_between_interruptions_s'] / 3600:g} h): {f['expected_lost_s_per_interruption'] / 60:.1f} "
-            f"min of training lost per interruption on average{cost}, {100 * f['save_overhead']:.1f}% of the time "
-            "saving")
+    return (f"[checkpoint] auto: every {f['every_steps']} steps ({_figure(f['interval_s'] / 60)} min of training; "
+            f"save {_figure(f['save_s'])} s {f['save_source']}, step {f['step_s']:.2f} s, mean time between "
+            f"interruptions {f['mean_time_between_interruptions_s'] / 3600:g} h{assumed}): "
+            f"{_figure(f['expected_lost_s_per_interruption'] / 60)} min of training lost per interruption on "
+            f"average{cost}, {100 * f['save_overhead']:.1f}% of the time saving")
 
 
 def stop_verdict(*, step_s: float, batch_s: float, save_s: float, notice_s: float, comm_timeout_s: float,
@@ -98,10 +145,17 @@ class SaveWatch:
                  comm_timeout_s: float, price_per_hour: float | None, evaluates: bool, is_main: bool,
                  async_saves: bool = False):
         self.auto, self.async_saves = every == "auto", async_saves
-        self.mtbi_s = mtbi_h * 3600 if mtbi_h else None
+        # without --mean_hours_between_interruptions: the published failure rate, over this job's hosts (torchrun's
+        # WORLD_SIZE / LOCAL_WORLD_SIZE), said in the interval's line with the flag that sets the user's own
+        hosts = int(os.environ.get("WORLD_SIZE", "1")) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.assumed = "" if mtbi_h else (f", assumed: {DEFAULT_MTBI_H:g} h a host from Llama 3's failure rate, "
+                                          f"over {max(1, hosts)} host{'s' * (hosts > 1)}; "
+                                          "--mean_hours_between_interruptions H for your own")
+        self.mtbi_s = (mtbi_h or default_mtbi_h(hosts)) * 3600
         self.planned_save_s, self.notice_s, self.comm_timeout_s = planned_save_s, notice_s, comm_timeout_s
         self.price_per_hour, self.evaluates, self.is_main = price_per_hour, evaluates, is_main
         self.interval: dict | None = None
+        self.said: int | None = None  # the interval last printed (in steps)
         self.verdict: dict | None = None
         self.stop = stop  # the run's StopControl: its measured steps, held-out batches and saves
         self.started_after = 0  # the step this process resumed from (0: a fresh run)
@@ -143,8 +197,12 @@ class SaveWatch:
         if self.interval is None or self.interval["every_steps"] != every or self.interval["save_source"] != source:
             self.interval = interval_facts(every, save_s=seconds, step_s=step_s, mtbi_s=self.mtbi_s,
                                            save_source=source, price_per_hour=self.price_per_hour)
-            if self.is_main:
-                print(format_interval(self.interval), flush=True)
+            # said when first known and when it moves materially: the median step moves the interval by a step
+            # or two nearly every step, which is no news
+            if self.said is None or abs(every - self.said) > max(1, MATERIAL * self.said):
+                self.said = every
+                if self.is_main:
+                    print(format_interval(self.interval, self.assumed), flush=True)
         return every
 
     def _agreed(self, step_s: float | None, save: tuple[float | None, str]) -> tuple:

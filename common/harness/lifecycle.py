@@ -40,10 +40,11 @@ class Guards:
         every = self.checkpoint_every
         if every != "auto" and not (every.isdigit() and int(every) <= 10**7):
             raise UserError(f"--checkpoint_every takes a number of steps (0 to 10000000) or auto, got {every!r}")
-        if every == "auto" and not (self.mean_hours_between_interruptions and self.storage_gb_per_s):
-            raise UserError("--checkpoint_every auto needs --mean_hours_between_interruptions (how often this box is "
-                            "taken away: your own record) and --storage_gb_per_s (OUT_DIR's write bandwidth, for the "
-                            "interval before the first save is measured)")
+        # --storage_gb_per_s alone is used too (the stop-notice verdict before a save is measured, the dry run's);
+        # the interruption interval sets the auto interval and nothing else: given without it, it would be ignored
+        if every != "auto" and self.mean_hours_between_interruptions is not None:
+            raise UserError("--mean_hours_between_interruptions sets the --checkpoint_every auto interval and nothing "
+                            f"else: add --checkpoint_every auto (it is {every!r}) or leave it out")
         super().validate()
     eval_every: int = field(default=0, metadata={
         "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on data training never "
@@ -63,16 +64,23 @@ class Guards:
         "help": "save a resumable checkpoint every N steps in OUT_DIR/checkpoint (0: only when stopped); the same "
                 "command resumes from the latest. auto: the interval that loses the least expected work, from the "
                 "measured save and step times and --mean_hours_between_interruptions (Young's sqrt(2 x save x MTBI); "
-                "before the first save, the checkpoint's size over --storage_gb_per_s), printed and in results.json",
+                "before the first save, the checkpoint's size over --storage_gb_per_s, else over OUT_DIR's write "
+                "bandwidth measured before step 1), printed when it first is known and when it moves by more than "
+                "a fifth, and in results.json",
         "metavar": "N|auto"})
     mean_hours_between_interruptions: float | None = field(default=None, metadata={
         "help": "with --checkpoint_every auto: how often, on average, this kind of box is taken away or fails, in "
-                "hours (your own record: AWS publishes none for on-demand, only frequency bands for spot)",
-        **cli.bounds(above=0.0, high=1e6)})
+                "hours. Default: 3000 h a host, over the run's hosts (about half the 6,300 host-hours between the "
+                "unexpected interruptions of Llama 3's pre-training, Dubey et al. 2024, section 3.3.4: hardware "
+                "and software failures, not reclaims; AWS publishes no figure for on-demand, only frequency bands "
+                "for spot: spot users, give your own)", **cli.bounds(above=0.0, high=1e6)})
     storage_gb_per_s: float | None = field(default=None, metadata={
         "help": "OUT_DIR's write bandwidth, GB/s, all ranks together: the planned save time (checkpoint size over "
-                "it) for --checkpoint_every auto before a save is measured, and the stop-notice verdict before one",
-        **cli.bounds(above=0.0, high=1e5)})
+                "it) for --checkpoint_every auto before a save is measured (without it: one process's write of "
+                "32 MiB to OUT_DIR, measured before step 1), the stop-notice verdict before one, and --dry_run's",
+        # 1e-6 GB/s is 1 kB/s, slower than any storage a checkpoint is written to; below it a planned save's
+        # seconds only grow toward an overflow (1e-300 was an OverflowError at step 1)
+        **cli.bounds(1e-6, 1e5, why="GB/s of real storage: 1e-6 is 1 kB/s")})
     stop_notice_s: float = field(default=120.0, metadata={
         "help": "the warning a stop comes with (EC2 spot: 120 s; SLURM: its --signal's lead): the run says whether a "
                 "stop (the rest of a step or held-out batch, then the save) fits it, as soon as a save is measured. "
@@ -300,8 +308,15 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     found = preflight(recipe, cfg, host_checked=launched is not None)
     record = launched or resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
     resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.reshard)  # the same run, steps left
-    if resumed is None and launcher.is_rank_zero():
-        say_replaced(out_dir)
+    if launcher.is_rank_zero() and cfg.node_rank == 0:
+        say_replaced(out_dir, resumed)
+    if cfg.checkpoint_every == "auto" and not cfg.storage_gb_per_s and not launch and launcher.is_rank_zero():
+        # the first auto interval plans its save over OUT_DIR's bandwidth: measured here, before anything is built,
+        # by the process that trains as rank 0 (the ranks agree on the longest planned save: the others need none)
+        cfg.storage_gb_per_s = max(interval.write_probe(out_dir), 1e-6)
+        print(f"[checkpoint] OUT_DIR's write bandwidth: {cfg.storage_gb_per_s:.3g} GB/s measured ("
+              f"{interval.PROBE_BYTES >> 20} MiB written and fsync'd by one process), the save the first auto "
+              "interval plans with; --storage_gb_per_s B for your storage's own, all ranks together", flush=True)
     return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
 
 
@@ -323,15 +338,36 @@ def stopped_part(out_dir: Path) -> dict:
     return old if old.get("stopped") else {}
 
 
-def say_replaced(out_dir: Path) -> None:
-    """A run starting anew in a folder that holds a finished run's results says so: this run replaces them (and the
-    export), which a rerun of the same command would otherwise do without a word."""
+def say_replaced(out_dir: Path, resumed: int | None = None) -> None:
+    """A run in a folder that holds a finished run's results says, in one line before anything trains, where it
+    starts and what it replaces (a rerun of the same command, or one with more --steps, would otherwise do it
+    without a word). A finished run keeps no whole checkpoint of its last step (its last save is the export,
+    model-only), so a rerun starts anew from step 1 (`resumed` None) or resumes from the newest whole checkpoint
+    before the last step and trains the steps after it again."""
     old, path = previous_results(out_dir), out_dir / "results.json"
-    if old and not old.get("stopped") and not os.environ.get(stops.SELF_LAUNCHED):
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
-        export = " and its hf_export" if (out_dir / "hf_export").is_dir() else ""
-        print(f"[rerun] {out_dir} holds a finished run's results (results.json of {when}): this run starts anew and "
-              f"replaces them{export}; choose another --out_dir to keep both", flush=True)
+    if not old or old.get("stopped") or os.environ.get(stops.SELF_LAUNCHED):
+        return  # nothing finished here, or a stopped part this run resumes
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+    steps = old.get("steps")
+    last = steps[-1] if isinstance(steps, list) and steps and type(steps[-1]) is int else None
+    done = f"to step {last}, " if last is not None else ""
+    export = " and its hf_export" if (out_dir / "hf_export").is_dir() else ""
+    if resumed is None:
+        weights = out_dir / "hf_export"
+        start = ("this run starts anew from step 1 (no whole checkpoint to resume: a finished run's last save is "
+                 f"its export, model-only) and replaces them{export}" +
+                 (f"; to train on from its last weights instead (optimizer and schedule anew), --hf_checkpoint "
+                  f"{weights} with another --out_dir" if (weights / "config.json").is_file() else ""))
+    else:
+        # the finished run's own checkpoint (written before its results), or a later run's, killed since
+        meta = out_dir / "checkpoint" / f"step-{resumed}" / ".metadata"
+        own = last is not None and last > resumed and meta.stat().st_mtime_ns <= path.stat().st_mtime_ns
+        again = ("" if not own else f", trains step {last} again" if last == resumed + 1 else
+                 f", trains steps {resumed + 1} to {last} again")
+        start = (f"this run resumes from step {resumed}, the newest whole checkpoint (a finished run's last save is "
+                 f"its export, model-only){again} and replaces them{export}")
+    print(f"[rerun] {out_dir} holds a finished run's results ({done}results.json of {when}): {start}; choose "
+          "another --out_dir to keep both", flush=True)
 
 
 def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
