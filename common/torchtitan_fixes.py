@@ -10,6 +10,7 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,23 +25,44 @@ from common.device import DeviceInfo
 ATTN_BACKENDS = ("sdpa", "flex")
 
 
+DOCUMENT_MASK_CHOICES = ("auto", "on", "off")
+
+
+def document_masking(choice: str, device_type: str) -> bool:
+    """Whether the SDPA attention keeps packed documents apart (`choice`: on, off, or auto: on every device but
+    Neuron). Why not on Neuron by default: TorchNeuron runs its fused NKI flash-attention kernel only without a mask
+    (TorchNeuron's pre-release source, github.com/parmoham-aws/test-repo-parmoham@98154b8
+    torch_neuronx/python_ops/scaled_dot_product_fused_attention.py:44-57: sequence a multiple of 512, head_dim at most
+    128, no dropout, `attn_bias is None`); with one it falls back to an unfused attention that materialises float32
+    Q @ K^T scores with K and V repeated for grouped-query attention (torch_neuronx/python_ops/torch_mlir/ops/
+    scaled_dot_product_attention.py:50-80, 148-151). AWS's TorchTitan recipes run plain causal attention: a token
+    then also attends to the earlier documents packed into its sequence."""
+    if choice not in DOCUMENT_MASK_CHOICES:
+        raise ValueError(f"unknown document mask choice {choice!r} (one of {', '.join(DOCUMENT_MASK_CHOICES)})")
+    return choice == "on" or (choice == "auto" and device_type != "neuron")
+
+
 class SDPADocumentAttention(VarlenAttention):
-    """Causal attention with packed-document masking through `scaled_dot_product_attention`.
+    """Causal attention through `scaled_dot_product_attention`, with packed-document masking or without
+    (`document_mask`: document_masking above).
 
     Why: torchtitan 0.3.0 language models accept only FlexAttention (no CPU backward, needs Triton/inductor) or varlen
     attention (a CUDA kernel), and its plain SDPA class cannot mask documents. Subclassing the varlen config makes the
     trainer hand us the per-document boundaries it computes from `positions`; the mask is materialised once per
-    forward (B x L x L booleans) and reused by every layer. Remove when torchtitan ships a document-masked SDPA
-    backend for language models."""
+    forward (B x L x L booleans) and reused by every layer. Without document masking the boundaries are ignored and
+    SDPA runs `is_causal=True`, the form TorchNeuron's fused kernel takes. Remove when torchtitan ships a
+    document-masked SDPA backend for language models."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(VarlenAttention.Config):
-        pass
+        document_mask: Literal["auto", "on", "off"] = "auto"  # auto: off on Neuron, on elsewhere (document_masking)
 
     _last_mask: tuple = (None, None)  # (VarlenMetadata, mask) of the latest forward
 
     def __init__(self, config: Config) -> None:
         super(VarlenAttention, self).__init__()  # skip the CUDA flash-attention set-up
+        document_masking(config.document_mask, "cpu")  # a wrong choice fails at the build, not at the first step
+        self.document_mask = config.document_mask
 
     @staticmethod
     def document_causal_mask(meta: VarlenMetadata, batch: int, seq_len: int, device) -> torch.Tensor:
@@ -58,7 +80,8 @@ class SDPADocumentAttention(VarlenAttention):
             raise NotImplementedError("SDPADocumentAttention does not support out_transform (attention sinks)")
         B, L = q_BLNH.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-        if attention_masks is None:  # a bare forward (no positions): plain causal attention
+        # No boundaries (a bare forward, no positions) or no document masking: plain causal attention
+        if attention_masks is None or not document_masking(self.document_mask, q.device.type):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
         else:
@@ -72,21 +95,48 @@ class SDPADocumentAttention(VarlenAttention):
         return out.transpose(1, 2)
 
 
-def use_attention_backend(model_config, backend: str) -> list[str]:
+def use_attention_backend(model_config, backend: str, document_mask: str = "auto") -> list[str]:
     """Point every attention of a torchtitan model config at `backend`; returns the changed FQNs.
-    `sdpa` runs everywhere (CPU, Trainium, CUDA); `flex` is torchtitan's default, CUDA only."""
+    `sdpa` runs everywhere (CPU, Trainium, CUDA), with packed-document masking as `document_mask` says (auto: off
+    on Neuron, on elsewhere; document_masking); `flex` is torchtitan's default, CUDA only, always document-masked."""
     if backend not in ATTN_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}")
+    document_masking(document_mask, "cpu")  # the choice checked before anything changes
     if backend == "flex":
         return []
     changed = []
     for fqn, _cfg, parent, attr in list(model_config.traverse(FlexAttention.Config)):
         if isinstance(parent, list):
-            parent[attr] = SDPADocumentAttention.Config()
+            parent[attr] = SDPADocumentAttention.Config(document_mask=document_mask)
         else:
-            setattr(parent, attr, SDPADocumentAttention.Config())
+            setattr(parent, attr, SDPADocumentAttention.Config(document_mask=document_mask))
         changed.append(fqn)
     return changed
+
+
+# The attention a run's layers take, by path (attention_path); the dry run plans its memory by the same names
+# (common/harness/dryrun.py attention_bytes).
+ATTENTION_PATHS = {
+    "sdpa_causal": "causal SDPA, documents not masked (Neuron: TorchNeuron's fused NKI flash attention)",
+    "sdpa_document_mask": "SDPA with the packed-document mask (the device's own masked SDPA kernel)",
+    "sdpa_document_mask_neuron": "SDPA with the packed-document mask on Neuron: TorchNeuron's unfused fallback, "
+                                 "float32 heads x seq x seq scores",
+    "flex": "torchtitan's FlexAttention with its document mask (CUDA)",
+    "other": "the model's own attention (not swapped by these scripts)",
+}
+
+
+def attention_path(model_config, device_type: str) -> str:
+    """The attention path (a key of ATTENTION_PATHS) the layers of `model_config` take on `device_type`: for a
+    run's record (results.json) and the dry run's memory plan."""
+    ours = [node for _fqn, node, _p, _a in model_config.traverse(SDPADocumentAttention.Config)]
+    if ours:
+        if not document_masking(ours[0].document_mask, device_type):
+            return "sdpa_causal"
+        return "sdpa_document_mask_neuron" if device_type == "neuron" else "sdpa_document_mask"
+    if any(True for _ in model_config.traverse(FlexAttention.Config)):
+        return "flex"
+    return "other"
 
 
 def force_sum_reduction_on_gloo(model_spec) -> None:
@@ -185,15 +235,18 @@ def full_logits(model):
         model._skip_lm_head = skip
 
 
-def sdpa_document_attention(cfg: FlexAttention.Config) -> SDPADocumentAttention.Config:
+def sdpa_document_attention(cfg: FlexAttention.Config, *, document_mask: str = "auto") -> SDPADocumentAttention.Config:
     """Override factory (torchtitan's override registry): FlexAttention -> SDPADocumentAttention.
-    Activate with `override.imports = ["common.torchtitan_fixes.sdpa_document_attention"]`; the same change as
-    `use_attention_backend(model_config, "sdpa")`, logged per layer by torchtitan."""
+    Activate with `override.imports = ["common.torchtitan_fixes.sdpa_document_attention"]`, or with the choice as
+    `("common.torchtitan_fixes.sdpa_document_attention", {"document_mask": "on"})`; the same change as
+    `use_attention_backend(model_config, "sdpa", document_mask)`, logged per layer by torchtitan."""
     del cfg  # FlexAttention's options (block sizes, mask kinds) have no SDPA counterpart
-    return SDPADocumentAttention.Config()
+    document_masking(document_mask, "cpu")
+    return SDPADocumentAttention.Config(document_mask=document_mask)
 
 
 override(target=FlexAttention.Config, exact=True,
-         description="causal + packed-document attention through SDPA (CPU, Trainium, CUDA)")(sdpa_document_attention)
+         description="causal attention through SDPA, packed documents masked apart but on Neuron (CPU, Trainium, "
+                     "CUDA)")(sdpa_document_attention)
 
 

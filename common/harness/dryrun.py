@@ -27,13 +27,38 @@ def _bytes(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
+def attention_bytes(path: str, *, batch: int, seq_len: int, heads: int, compute_bytes: int, tp: int = 1) -> dict:
+    """What the attention of the layer in its backward adds per rank, by path (common/torchtitan_fixes.py
+    ATTENTION_PATHS): `mask`, the packed-document mask; `scores`, heads x seq x seq tensors (the heads a rank holds
+    under tensor parallel). Causal SDPA and FlexAttention hold neither (fused, tiled kernels). With the document
+    mask: the boolean mask built once a forward (1 byte) and SDPA's copy of it in the query's dtype for each call
+    (torch's attention.cpp converts a boolean mask for the fused backends: `convert_boolean_attn_mask`). On Neuron,
+    where the mask sends TorchNeuron to its unfused fallback (github.com/parmoham-aws/test-repo-parmoham@98154b8
+    torch_neuronx/python_ops/scaled_dot_product_fused_attention.py:56-57, then torch_mlir/ops/
+    scaled_dot_product_attention.py): a float32 copy of the mask in its backward (:219) and float32 scores, which
+    its forward computes and drops (logits, exponentials, probabilities: :54-72; only the log-sum-exp is kept) and
+    its backward recomputes: probabilities, their gradient and the scores' gradient in float32 together, and that
+    gradient again in the compute dtype as the mask's gradient (:232-255): 3 x 4 + c bytes a score. An upper bound
+    from the source as written: Neuron's compiler may fuse some of them (to be measured on the device). "other"
+    (an attention these scripts do not swap, the Transformers backend's): a float32 mask, as measured on CPU."""
+    tokens2 = batch * seq_len * seq_len
+    scores = batch * (heads // tp) * seq_len * seq_len
+    c = compute_bytes
+    return {"sdpa_causal": {"mask": 0, "scores": 0},
+            "flex": {"mask": 0, "scores": 0},
+            "sdpa_document_mask": {"mask": tokens2 * (1 + c), "scores": 0},
+            "sdpa_document_mask_neuron": {"mask": tokens2 * (1 + c + 4), "scores": scores * (3 * 4 + c)},
+            "other": {"mask": tokens2 * 4, "scores": 0}}[path]
+
+
 def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes: int, ac: str = "full",
-                        loss_chunks: int = 1, tp: int = 1) -> dict:
+                        loss_chunks: int = 1, tp: int = 1, attention: str = "sdpa_document_mask") -> dict:
     """Activation bytes per rank for one micro-batch (docs/memory-model.md) of the model an HF config.json dict
     describes. `ac`: torchtitan's activation checkpointing, none, selective or full. `loss_chunks`: the chunks of
     torchtitan's ChunkedLossWrapper (1: the whole logits at once). `tp`: the tensor-parallel degree, with sequence
     parallel on (torchtitan's default): the checkpointed activations and the logits are split over the `tp` ranks,
-    the layer being recomputed in the backward is not (measured)."""
+    the layer being recomputed in the backward is not (measured). `attention`: the layers' attention path
+    (attention_bytes)."""
     c, tokens = compute_bytes, batch * seq_len
     d, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     heads = shape["num_attention_heads"]
@@ -49,17 +74,21 @@ def activation_estimate(shape: dict, *, batch: int, seq_len: int, compute_bytes:
     # selective (torchtitan's per-op policy): the block's input, the attention's output, and every second matmul's
     # output (q, k, v, o and the MLP's; the others are recomputed in the backward)
     selective = tokens * (d + d_q + (d_q + 2 * d_kv + d + mlp_mm) // 2) * c // tp
-    in_flight = (tokens * mlp_in_flight * c + tokens * d * 4) // tp + batch * seq_len * seq_len * 4  # dh; the mask
+    in_flight = (tokens * mlp_in_flight * c + tokens * d * 4) // tp  # the MLP's gradients; dh
+    att = attention_bytes(attention, batch=batch, seq_len=seq_len, heads=heads, compute_bytes=c, tp=tp)
     kept = {"full": layers * tokens * d * c // tp, "selective": layers * selective, "none": layers * saved}[ac]
+    if ac == "none" and att["mask"]:  # each layer keeps SDPA's copy of the mask for its backward
+        kept += layers * batch * seq_len * seq_len * c
     chunk = tokens // max(loss_chunks, 1) * vocab // tp
     loss_work = max(chunk * (c + 12), chunk * 8 + vocab * d * c // tp) + tokens * d * (c + 4) // tp
     if tp > 1:  # the vocabulary-parallel cross entropy holds one more float32 copy of a chunk's logit slice
         loss_work += chunk * 4  # (measured at TP 2: the loss phase 1.26 of the estimate without it)
     # The layer in its backward is held whole under tensor parallel: measured at TP 2, the decoder's backward took
     # 1.7 to 2.1 times its 1/tp share (0.9 to 1.1 of the whole layer's)
-    decoder_work = ({"full": saved, "selective": saved - selective, "none": 0}[ac] + in_flight - batch * seq_len
-                    * seq_len * 4) * tp + batch * seq_len * seq_len * 4
+    decoder_work = ({"full": saved, "selective": saved - selective, "none": 0}[ac] + in_flight) * tp \
+        + att["mask"] + att["scores"]
     return {"checkpointed_or_kept": kept, "loss_working_set": loss_work, "recomputed_layer": decoder_work,
+            "attention": attention, "attention_mask": att["mask"], "attention_scores": att["scores"],
             "loss_phase": kept + loss_work, "decoder_backward_phase": kept + decoder_work,
             "total": kept + max(loss_work, decoder_work)}
 
@@ -97,16 +126,19 @@ def _loss_chunks(tc) -> int:
 
 
 def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_params: float | None,
-            label: str) -> dict:
+            label: str, device_type: str = "neuron") -> dict:
     """Build `tc`'s model on meta, shard it for `world_size` ranks with torchtitan's plan, and size one rank.
-    `shape`: the model's config.json. Call without a process group (a fake one is made and destroyed), once per
-    process: torchtitan 0.3.0's spmd_types path refuses a second plan in the same process."""
+    `shape`: the model's config.json. `device_type`: the device planned for (trn2's Neuron by default), which
+    decides the attention path of `tc`'s layers (common/torchtitan_fixes.py attention_path). Call without a
+    process group (a fake one is made and destroyed), once per process: torchtitan 0.3.0's spmd_types path refuses
+    a second plan in the same process."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torchtitan.config import apply_overrides
     from torchtitan.distributed import ParallelDims
     from common.recipe import activation_checkpoint_mode
+    from common.torchtitan_fixes import ATTENTION_PATHS, attention_path
 
     if world_size <= 0:
         raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
@@ -118,6 +150,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
     model_config.update_from_config(config=tc)
     if tc.override.imports:
         apply_overrides(tc.override, tc)
+    attention = attention_path(model_config, device_type)  # after the overrides: the MoE recipe swaps it there
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         parallel_dims = ParallelDims.from_config(tc.parallelism, world_size)
@@ -140,7 +173,8 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
 
     built = {"shape": shape, "local": local, "outside_blocks": max(other_units, default=0),
              "largest_block": largest_block, "world_size": world_size, "seq_len": tc.training.seq_len,
-             "compute": _bytes(tc.training.mixed_precision_param), "loss_chunks": _loss_chunks(tc)}
+             "compute": _bytes(tc.training.mixed_precision_param), "loss_chunks": _loss_chunks(tc),
+             "attention": attention}
     tp, ac = parallel_dims.tp, activation_checkpoint_mode(tc)
     per_rank, act = per_rank_terms(built, tp=tp, ac=ac, local_batch=lbs)
     total = sum(per_rank.values())
@@ -152,6 +186,9 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
         "parameters_vs_published": (n_params / published_params - 1) if published_params else None,
         "local_parameters_per_rank": local, "data_parallel_shard": parallel_dims.dp_shard,
         "tensor_parallel": tp, "activation_checkpoint": activation_checkpoint_mode(tc), "local_batch_size": lbs,
+        "attention": {"path": attention, "description": ATTENTION_PATHS[attention], "device_type": device_type,
+                      "mask_bytes": act["attention_mask"],
+                      "score_bytes": act["attention_scores"]},
         "fsdp_units": {"largest_outside_blocks": max(other_units, default=0), "largest_block": largest_block},
         "per_rank_bytes": per_rank, "activation_terms": act, "total_bytes": total,
         "per_core_limit_bytes": limit, "fits": total <= limit,
@@ -168,7 +205,8 @@ def per_rank_terms(built: dict, *, tp: int, ac: str, local_batch: int) -> tuple[
     shape, world_size, local, compute = (built[k] for k in ("shape", "world_size", "local", "compute"))
     r = REDUCE_BYTES
     act = activation_estimate(shape, batch=local_batch, seq_len=built["seq_len"], compute_bytes=compute, ac=ac,
-                              loss_chunks=built["loss_chunks"], tp=tp)
+                              loss_chunks=built["loss_chunks"], tp=tp,
+                              attention=built.get("attention", "sdpa_document_mask"))
     dp = world_size // tp  # FSDP's ranks: it gathers and reduces over these only
     k = 2 if dp > 1 else 1
     unit = (built["outside_blocks"] + built["largest_block"]) // tp
@@ -251,6 +289,10 @@ def format_table(r: dict) -> str:
             f"{r['local_batch_size']}):"]
     for name, b in r["per_rank_bytes"].items():
         rows.append(f"    {name:16s} {b / GIB:9.3f} GiB")
+    if r.get("attention"):
+        a = r["attention"]
+        rows.insert(2, f"[dry run] attention on {a['device_type']}: {a['description']} (in activations: "
+                       f"mask {a['mask_bytes'] / GIB:.3f} GiB, scores {a['score_bytes'] / GIB:.3f} GiB)")
     rows.append(f"    {'total':16s} {r['total_bytes'] / GIB:9.3f} GiB of {r['per_core_limit_bytes'] / GIB:.1f} GiB"
                 f" per core: {'fits' if r['fits'] else 'DOES NOT FIT'}")
     return "\n".join(rows + ([format_layouts(r)] if r.get("layouts") else []))
