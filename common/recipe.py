@@ -302,11 +302,11 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
 
 
 CORE_ONLY = ("[guards] off: common/harness/ was not copied with common/, so this run has no preflight, load check, "
-             "resume (it never resumes: a folder holding a checkpoint is refused; so is one another run of the core "
-             "alone is writing), stop signals, "
+             "resume (it never resumes: a folder holding a checkpoint is refused; so is one another run is "
+             "writing), stop signals, "
              "self-launch, dry run, pilot report or held-out eval, and their flags are not taken: it trains, exports "
              "and checks the export")
-GUARDED_LOCK = ".run.lock"  # the lock file a guarded run leaves in its out_dir (common/harness/launcher.py)
+GUARDED_RECORD = "run.json"  # in OUT_DIR/checkpoint: a guarded run's record (common/harness/resume.py)
 
 
 def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
@@ -332,50 +332,32 @@ def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
                        argv, unknown_hint="this copy has the core alone: the guards' flags need common/harness/")
 
 
-CORE_LOCK = ".core.lock"  # in OUT_DIR: flock'd by rank 0 of a run of the core alone while it runs
-_core_lock: list[int] = []  # that lock's descriptor, open until the process ends
-
-
 def hold_core_lock(out_dir: Path, dev: device.DeviceInfo) -> None:
-    """Two runs of the core alone into one out_dir would write one checkpoint folder and one export at once (a
-    torchtitan traceback, or a mix of both runs): rank 0 takes an exclusive lock on OUT_DIR/.core.lock for the
-    run (the OS releases it however the run ends), every rank learns whether it got it (one all-reduce), and a
-    second run is one UserError naming the first on every rank."""
-    import fcntl
-    import sys
-
-    from common.errors import one_line
+    """Two runs into one out_dir would write one checkpoint folder and one export at once (a torchtitan traceback, or
+    a mix of both runs): rank 0 takes the out_dir's lock (common.results.hold_lock, the one a guarded run takes
+    too) for the run, every rank learns whether it got it (one all-reduce), and a second run is one UserError naming
+    the first on every rank."""
+    from common.results import hold_lock
 
     problem = ""
     if dev.rank == 0:
         try:
-            fd = os.open(out_dir / CORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            problem = f"its {CORE_LOCK} cannot be opened ({e.strerror or e})"
-        else:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said which"
-                problem = f"another run of the core alone is writing it ({one_line(holder)[:300]})"
-                os.close(fd)
-            else:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)}\n".encode(), 0)
-                _core_lock.append(fd)
+            hold_lock(out_dir)
+        except UserError as e:
+            problem = str(e)
     if device.agree_max([1 if problem else 0], dev.device)[0]:
-        raise UserError(f"--out_dir {out_dir}: {problem or 'refused on rank 0'}: wait for it to end, or choose "
-                        "another --out_dir")
+        raise UserError(problem or f"--out_dir {out_dir}: refused on rank 0 (its lock): wait for the other run to end, "
+                        "or choose another --out_dir")
 
 
 def never_resume(out_dir: Path) -> None:
     """The core alone starts every run at step 1: an out_dir holding a checkpoint (which torchtitan would load,
     whatever run wrote it) or a guarded run's lock is one UserError."""
+    if (out_dir / "checkpoint" / GUARDED_RECORD).exists() or (out_dir / "checkpoint" / GUARDED_RECORD).is_symlink():
+        raise UserError(f"--out_dir {out_dir} is a guarded run's folder (it holds checkpoint/{GUARDED_RECORD}, its "
+                        "run record): choose another --out_dir for a run of the core alone")
     checkpoints = out_dir / "checkpoint"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise UserError(f"--out_dir {out_dir} holds checkpoints ({checkpoints}): the core alone never resumes, having "
                         "no run record to tell whether they are this run's; choose another --out_dir, or copy "
                         "common/harness/ too to resume")
-    if (out_dir / GUARDED_LOCK).exists() or (out_dir / GUARDED_LOCK).is_symlink():
-        raise UserError(f"--out_dir {out_dir} is a guarded run's folder (it holds {GUARDED_LOCK}): choose another "
-                        "--out_dir for a run of the core alone")

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import glob
 import json
 import os
 import platform
 import re
+import shlex
 import shutil
+import socket
 import stat
+import sys
+import time
 import uuid
 from importlib import metadata
 from pathlib import Path
 
-from common.errors import UserError
+from common.errors import UserError, one_line
 
 
 def installed_version(dist: str) -> str | None:
@@ -139,3 +144,94 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     return repr(o)
+
+
+# --------------------------------------------------------------------------- the out_dir's lock
+LOCK = ".run.lock"  # in OUT_DIR: flock'd for the whole run by one process of it; holds who holds it
+HELD_LOCKS: list[int] = []  # this process's lock descriptors, open until it exits
+# What a lock file of these scripts holds: the line hold_out_dir writes (or nothing, when a run ended before it wrote).
+_LOCK_LINE = re.compile(rb"(pid [0-9]+ on [^\n]* since [^\n]*\n?)?")
+_LOCK_MAX = 1 << 20  # bytes: a lock line is one command line long
+
+
+def hold_lock(out_dir: Path) -> None:
+    """An exclusive lock on OUT_DIR for the whole run, released by the OS however the holder ends; a second run
+    into the same folder (a run with the guards or of the core alone: both take this lock) refuses in one line
+    naming the holder.
+
+    The lock file is created anew (O_EXCL) or is the one a run of these scripts left: a regular file of one name
+    holding nothing or a lock line. Anything else of that name (a link, followed never: O_NOFOLLOW; a folder, a
+    FIFO, a file holding other text, such as a hard link of a user's file) is a UserError naming it, left as it is.
+    One implementation for both (not filelock, the kept library: its lock file holds nothing, and a refusal here
+    names the run that holds the folder, from the line this writes in it)."""
+    path = Path(out_dir) / LOCK
+    fd = _open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said which"
+        os.close(fd)
+        raise UserError(f"--out_dir {out_dir} is in use by another run ({one_line(holder)}){_holder_gone(holder)}: "
+                        "wait for it to end, or choose another --out_dir") from None
+    try:
+        _check_own_lock(fd, path)  # read under the lock: no other run is writing it now
+    except UserError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
+                  f"{shlex.join([Path(sys.executable).name, *sys.argv])}\n".encode(), 0)
+    HELD_LOCKS.append(fd)
+
+
+def _holder_gone(holder: str) -> str:
+    """What to add when the lock line names a process of this host that has ended: the processes it started (a
+    self-launch's torchrun and workers inherit the lock) still hold the folder, as while a stop's save finishes."""
+    match = re.match(r"pid ([0-9]+) on (\S+) since", holder)
+    if not match or match[2] != socket.gethostname():
+        return ""
+    try:
+        os.kill(int(match[1]), 0)
+    except ProcessLookupError:
+        return (f"; pid {match[1]} has ended, but the processes it started (its torchrun and workers) still hold "
+                "the folder, saving or ending")
+    except (PermissionError, OverflowError):
+        pass
+    return ""
+
+
+def _refuse_lock(path: Path, what: str) -> UserError:
+    return UserError(f"{path} {what}: it is left alone; move it or choose another --out_dir")
+
+
+def _open_lock(path: Path) -> int:
+    """A descriptor of the lock file: created here, or the existing regular file, never through a link, never
+    blocking (a FIFO)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for _ in range(3):  # created and removed by another run meanwhile: look again
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        if path.is_symlink():
+            raise _refuse_lock(path, "is a symbolic link, not a lock file of these scripts (a lock never follows a link)")
+        kind = not_a_file(path)
+        if kind is not None:
+            raise _refuse_lock(path, f"is {kind}, not a lock file of these scripts")
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # ELOOP: a link put there since the look; EACCES, EISDIR...
+            raise _refuse_lock(path, f"cannot be opened as a lock file ({one_line(e.strerror or str(e))})") from None
+    raise _refuse_lock(path, "keeps appearing and disappearing: another program is making and removing it")
+
+
+def _check_own_lock(fd: int, path: Path) -> None:
+    """The file open at `fd` is one this run may truncate: a regular file holding a lock line or nothing (a copy
+    of an out_dir made with hard links shares the lock file a run made: taken too)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse_lock(path, "is not a regular file, not a lock file of these scripts")
+    if st.st_size > _LOCK_MAX or not _LOCK_LINE.fullmatch(os.pread(fd, _LOCK_MAX, 0)):
+        raise _refuse_lock(path, "is not a lock file of these scripts (it holds other text)")

@@ -123,9 +123,9 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
     saved_sigs = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
                                                    signal.SIGUSR2)}
     root_handlers = list(logging.getLogger().handlers)
-    from common.harness import launcher
+    from common import results
 
-    held = len(launcher._held)  # the out_dir locks this process holds (a process's end releases them)
+    held = len(results.HELD_LOCKS)  # the out_dir locks this process holds (a process's end releases them)
     import torch
     import torch.distributed as dist
 
@@ -158,8 +158,8 @@ def run_in_process(script: str, *args: str, cwd: Path | None = None,
         for s, handler in saved_sigs.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         logging.getLogger().handlers[:] = root_handlers
-        while len(launcher._held) > held:  # the run's lock, released as its process's end would release it
-            os.close(launcher._held.pop())
+        while len(results.HELD_LOCKS) > held:  # the run's lock, released as its process's end would release it
+            os.close(results.HELD_LOCKS.pop())
         if dist.is_initialized() and not grouped:  # the run's process group and meshes, ended as its process would
             dist.destroy_process_group()
         torch._dynamo.reset()  # what the run compiled: a later run compiles afresh, as a new process would

@@ -66,13 +66,14 @@ def take_lock_naming_holders(out) -> int:
     the caller to close. Where it is refused, the test fails naming every process that still has the lock file open
     (its pid, parent and command line), after allowing 10 s for the last of them to end."""
     from common.errors import UserError
+    from common import results
     from common.harness import launcher
 
-    deadline, lock = time.monotonic() + 10, (Path(out) / launcher.LOCK).resolve()
+    deadline, lock = time.monotonic() + 10, (Path(out) / results.LOCK).resolve()
     while True:
         try:
             launcher.hold_out_dir(out)
-            return launcher._held.pop()
+            return results.HELD_LOCKS.pop()
         except UserError as e:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{e}; processes with the lock file open: {lock_holders(lock)}") from None

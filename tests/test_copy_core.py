@@ -38,7 +38,7 @@ def test_example_runs_from_a_copy_of_the_core_alone(name, tmp_path, prepared_ass
 def test_the_core_alone_never_resumes_and_says_what_is_off(tmp_path, capsys):
     """The core alone (common.recipe.run_core, what a copy without common/harness/ runs), in this process: an
     out_dir holding a checkpoint (torchtitan would load it, whatever run wrote it, a changed --lr ignored) or a
-    guarded run's lock is one error line, nothing moved; a guard's flag is unknown with the reason; --help and
+    guarded run's record is one error line, nothing moved; a guard's flag is unknown with the reason; --help and
     the run's first line say what is off."""
     from common.recipe import run_core
     from slow_native_qwen3 import recipe
@@ -55,8 +55,8 @@ def test_the_core_alone_never_resumes_and_says_what_is_off(tmp_path, capsys):
     assert err.startswith("error: ") and "holds checkpoints" in err and "never resumes" in err, err
     assert (out / "checkpoint" / "step-2").is_dir()
     guarded = tmp_path / "guarded"
-    guarded.mkdir()
-    (guarded / ".run.lock").write_text("")
+    (guarded / "checkpoint").mkdir(parents=True)
+    (guarded / "checkpoint" / "run.json").write_text("{}")  # a guarded run's record
     assert run_core(native, ["--out_dir", str(guarded)]) == 2
     assert "is a guarded run's folder" in capsys.readouterr().err
     with pytest.raises(SystemExit) as unknown:
@@ -68,28 +68,43 @@ def test_the_core_alone_never_resumes_and_says_what_is_off(tmp_path, capsys):
     assert "[guards] off" in capsys.readouterr().out
 
 
-def test_a_second_run_of_the_core_alone_into_one_folder_is_refused(tmp_path, capsys):
-    """Two runs of the core alone into one out_dir: while the first holds OUT_DIR/.core.lock (held here, as its
-    rank 0 holds it), the second is one error line naming it and writes nothing; once it is released, a run takes it
-    and says who holds it."""
-    import fcntl
+def test_the_core_alone_and_a_guarded_run_share_one_lock_on_the_out_dir(tmp_path, capsys):
+    """One lock for both copy modes (common.results.hold_lock): while a guarded run holds the out_dir (its launcher's
+    lock, taken here as a rerun takes it), a run of the core alone into it is one error line naming that run and
+    writes nothing; a lock file that is a hard link of a user's file, or a FIFO, is refused and left as it is."""
     import os
     from unittest import mock
 
-    from common import recipe as core
+    from common import recipe as core, results
+    from common.harness import launcher
     from slow_native_qwen3 import recipe
+
+    def core_run(out):
+        with mock.patch.dict(os.environ):  # device.setup fills the variables of a process group of one
+            return core.run_core(recipe(), ["--steps", "1", "--no-export", "--out_dir", str(out)])
 
     out = tmp_path / "o"
     out.mkdir()
-    fd = os.open(out / core.CORE_LOCK, os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, b"pid 4242: python train_native_qwen3.py --out_dir o\n")
+    launcher.hold_out_dir(out)  # the guarded run's lock
     try:
-        with mock.patch.dict(os.environ):  # device.setup fills the variables of a process group of one
-            assert core.run_core(recipe(), ["--steps", "1", "--no-export", "--out_dir", str(out)]) == 2
+        assert core_run(out) == 2
     finally:
-        os.close(fd)
+        os.close(results.HELD_LOCKS.pop())
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert "another run of the core alone is writing it (pid 4242: python train_native_qwen3.py" in err, err
-    assert sorted(p.name for p in out.iterdir()) == [core.CORE_LOCK]
+    assert f"--out_dir {out} is in use by another run (pid {os.getpid()} on " in err, err
+    assert sorted(p.name for p in out.iterdir()) == [results.LOCK]
+    users = tmp_path / "notes.txt"
+    users.write_text("a user's file\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.link(users, linked / results.LOCK)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / results.LOCK)
+    for folder, what in ((linked, "is not a lock file of these scripts (it holds other text)"),
+                         (fifo, "is a FIFO, not a lock file of these scripts")):
+        assert core_run(folder) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and what in err, err
+    assert users.read_text() == "a user's file\n"

@@ -18,12 +18,13 @@ SCRIPT = "train_native_qwen3.py"
 # --------------------------------------------------------------------------- the out_dir lock file
 def _lock_refusal(out_dir) -> str:
     from common.errors import UserError
+    from common import results
     from common.harness import launcher
 
-    held = list(launcher._held)
+    held = list(results.HELD_LOCKS)
     with pytest.raises(UserError) as refused:
         launcher.hold_out_dir(out_dir)
-    assert launcher._held == held  # nothing held, nothing left open
+    assert results.HELD_LOCKS == held  # nothing held, nothing left open
     return str(refused.value)
 
 
@@ -80,6 +81,7 @@ def test_a_linked_lock_file_is_refused_by_a_training_run_and_the_file_kept(tmp_p
 def test_the_lock_file_a_run_made_is_taken_again(tmp_path):
     """The lock file a run left (its `pid N on HOST since ...` line), and an empty one, are the run's own: taken
     again; while held, another run is refused naming the holder."""
+    from common import results
     from common.harness import launcher
 
     out = tmp_path / "o"
@@ -88,7 +90,7 @@ def test_the_lock_file_a_run_made_is_taken_again(tmp_path):
         if text is not None:
             (out / ".run.lock").write_bytes(text)
         launcher.hold_out_dir(out)
-        fd = launcher._held.pop()
+        fd = results.HELD_LOCKS.pop()
         try:
             assert (out / ".run.lock").read_text().startswith(f"pid {os.getpid()} on ")
             assert f"is in use by another run (pid {os.getpid()} on " in _lock_refusal(out)

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from common.errors import UserError
+from common import results
 from common.harness import launcher, stops
 from conftest import ROOT, assert_clean_error, run_example, run_in_process, script_env
 from stop_helpers import SCRIPT, alive, take_lock_naming_holders
@@ -35,7 +36,7 @@ def test_a_lock_whose_named_holder_has_ended_says_its_processes_still_hold_the_f
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid of this host that has ended
-    lock = tmp_path / launcher.LOCK
+    lock = tmp_path / results.LOCK
     lock.write_text(f"pid {dead.pid} on {socket.gethostname()} since 2026-12-06 05:00:00 UTC: python x.py\n")
     with open(lock) as held:  # held by "its workers": another open file description of this process
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -4,21 +4,17 @@ host) with its checks of cores and memory.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import re
-import shlex
 import signal
 import socket
-import stat
 import sys
 import time
 from pathlib import Path
 
 from common.device import GIB
 from common.errors import UserError, one_line
-from common.recipe import GUARDED_LOCK
+from common.results import HELD_LOCKS, hold_lock
 from common.harness import torchrun_parent
 from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
 
@@ -349,96 +345,12 @@ def libfabric_version() -> dict[str, str]:
     return {"libfabric": found[0]} if found and found[0] else {}
 
 
-LOCK = GUARDED_LOCK  # in OUT_DIR: flock'd for the whole run; holds who holds it (a run of the core alone refuses it)
-_held: list[int] = []  # this process's lock descriptors, open until it exits
-# What a lock file of these scripts holds: the line hold_out_dir writes (or nothing, when a run ended before it wrote).
-_LOCK_LINE = re.compile(rb"(pid [0-9]+ on [^\n]* since [^\n]*\n?)?")
-_LOCK_MAX = 1 << 20  # bytes: a lock line is one command line long
-
-
 def hold_out_dir(out_dir: Path, node_rank: int = 0) -> None:
-    """An exclusive lock on OUT_DIR for the whole run, released by the OS however the holder ends; a second run
-    into the same folder refuses in one line naming the holder. The holder is the process the user started on node
-    0 (a self-launch's torchrun inherits it), or rank 0 under a torchrun of the user's.
-
-    The lock file is created anew (O_EXCL) or is the one a run of these scripts left: a regular file of one name
-    holding nothing or a lock line. Anything else of that name (a link, followed never: O_NOFOLLOW; a folder, a
-    FIFO, a file holding other text) is a UserError naming it, left as it is."""
+    """The out_dir's lock (common.results.hold_lock) for the whole run. The holder is the process the user started on
+    node 0 (a self-launch's torchrun inherits it), or rank 0 under a torchrun of the user's."""
     if os.environ.get(SELF_LAUNCHED) or int(os.environ.get("RANK", "0")) != 0 or node_rank != 0:
         return
-    path = Path(out_dir) / LOCK
-    fd = _open_lock(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said which"
-        os.close(fd)
-        raise UserError(f"--out_dir {out_dir} is in use by another run ({one_line(holder)}){_holder_gone(holder)}: "
-                        "wait for it to end, or choose another --out_dir") from None
-    try:
-        _check_own_lock(fd, path)  # read under the lock: no other run is writing it now
-    except UserError:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: "
-                  f"{shlex.join([Path(sys.executable).name, *sys.argv])}\n".encode(), 0)
-    _held.append(fd)
-
-
-def _holder_gone(holder: str) -> str:
-    """What to add when the lock line names a process of this host that has ended: the processes it started (a
-    self-launch's torchrun and workers inherit the lock) still hold the folder, as while a stop's save finishes."""
-    match = re.match(r"pid ([0-9]+) on (\S+) since", holder)
-    if not match or match[2] != socket.gethostname():
-        return ""
-    try:
-        os.kill(int(match[1]), 0)
-    except ProcessLookupError:
-        return (f"; pid {match[1]} has ended, but the processes it started (its torchrun and workers) still hold "
-                "the folder, saving or ending")
-    except (PermissionError, OverflowError):
-        pass
-    return ""
-
-
-def _refuse_lock(path: Path, what: str) -> UserError:
-    return UserError(f"{path} {what}: it is left alone; move it or choose another --out_dir")
-
-
-def _open_lock(path: Path) -> int:
-    """A descriptor of the lock file: created here, or the existing regular file, never through a link, never
-    blocking (a FIFO)."""
-    from common.results import not_a_file
-
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    for _ in range(3):  # created and removed by another run meanwhile: look again
-        try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            pass
-        if path.is_symlink():
-            raise _refuse_lock(path, "is a symbolic link, not a lock file of these scripts (a lock never follows a link)")
-        kind = not_a_file(path)
-        if kind is not None:
-            raise _refuse_lock(path, f"is {kind}, not a lock file of these scripts")
-        try:
-            return os.open(path, flags)
-        except FileNotFoundError:
-            continue
-        except OSError as e:  # ELOOP: a link put there since the look; EACCES, EISDIR...
-            raise _refuse_lock(path, f"cannot be opened as a lock file ({one_line(e.strerror or str(e))})") from None
-    raise _refuse_lock(path, "keeps appearing and disappearing: another program is making and removing it")
-
-
-def _check_own_lock(fd: int, path: Path) -> None:
-    """The file open at `fd` is one this run may truncate: a regular file holding a lock line or nothing (a copy
-    of an out_dir made with hard links shares the lock file a run made: taken too)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise _refuse_lock(path, "is not a regular file, not a lock file of these scripts")
-    if st.st_size > _LOCK_MAX or not _LOCK_LINE.fullmatch(os.pread(fd, _LOCK_MAX, 0)):
-        raise _refuse_lock(path, "is not a lock file of these scripts (it holds other text)")
+    hold_lock(Path(out_dir))
 
 
 def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = None,
@@ -478,7 +390,7 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
         env = worker_env(os.environ, marker, deadline)
         started = time.time()
         parent = [sys.executable, "-S", torchrun_parent.__file__, str(os.getpid())]
-        proc = subprocess.Popen([*parent, *cmd], start_new_session=True, env=env, pass_fds=tuple(_held))
+        proc = subprocess.Popen([*parent, *cmd], start_new_session=True, env=env, pass_fds=tuple(HELD_LOCKS))
         first = []
 
         def stop(signum, _frame):  # only signals here: the main thread's wait() below sees the exit

@@ -387,7 +387,7 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
                        neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, checked.out_dir))
     phases.mark("device")
     try:
-        launcher.check_same_stack()  # several hosts: the same packages on each, before anything is built
+        launcher.check_same_stack(checked.record)  # several hosts: the same settings and packages on each
         results = train(recipe, cfg, dev, checked.out_dir, checked.found,
                         hooks(recipe, cfg, checked, stop, plan=plan))
     finally:
