@@ -654,8 +654,16 @@ def preset_config(script: str, preset: str):
     import torch
 
     from common import device
-    from common.harness import lifecycle
-    from common.recipe import Inputs
+
+    # Optional, by name: the preflight is copied alone beside the compatibility check and the RoPE parity script
+    # (their headers list common/harness/preflight.py, not the training harness); there this comparison, which only
+    # the training presets have, says which file is missing instead of the preflight failing to import.
+    try:
+        lifecycle = importlib.import_module("common.harness.lifecycle")
+        Inputs = importlib.import_module("common.recipe").Inputs
+    except ModuleNotFoundError as e:
+        raise UserError(f"{script}'s presets need the training harness beside the preflight: no module {e.name}"
+                        ) from None
 
     path = Path(__file__).resolve().parents[2] / "examples" / script
     module = sys.modules.get(path.stem)
