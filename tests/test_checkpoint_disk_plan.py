@@ -18,6 +18,7 @@ device.route_torchtitan_device("cpu")  # before torchtitan is imported below
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
+from common.errors import UserError  # noqa: E402
 from common.harness import dryrun  # noqa: E402
 
 PARAMETERS = 1_000_000
@@ -92,3 +93,12 @@ def test_the_last_steps_save_is_the_export_not_a_resumable_checkpoint(one_rank):
     most, left = _save_like_a_run(one_rank, steps=6, keep=0, async_mode="disabled")
     assert left == [f"step-{s}" for s in range(1, 7)] and most == 5  # step-6 is the export
     assert small["peak_checkpoints"] == most + 1  # the resumable saves it holds + a stop's
+
+
+def test_the_refusal_names_the_asynchronous_saves_extra_checkpoint(tmp_path):
+    plan = dryrun.checkpoint_plan(10**12, _cfg(async_checkpoint=True))  # 4 checkpoints of 11 TiB: never free
+    with pytest.raises(UserError, match=r"4 checkpoint\(s\) .* drop --async_checkpoint \(it holds one more\)"):
+        dryrun.check_disk(tmp_path, plan)
+    with pytest.raises(UserError) as synchronous:
+        dryrun.check_disk(tmp_path, dryrun.checkpoint_plan(10**12, _cfg()))
+    assert "async" not in str(synchronous.value)

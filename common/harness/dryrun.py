@@ -142,10 +142,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
 
     if world_size <= 0:
         raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
-    from common.harness.launcher import check_batch_split
-
-    lbs = tc.training.local_batch_size
-    check_batch_split(tc.training.global_batch_size, lbs, world_size, tc.parallelism.tensor_parallel_degree)
+    lbs = tc.training.local_batch_size  # the layout divides: checked before (common.recipe.check_layout)
     model_config = tc.model_spec.model
     model_config.update_from_config(config=tc)
     if tc.override.imports:
@@ -346,7 +343,7 @@ def checkpoint_plan(parameters: int, cfg, have: int = 0, shape: dict | None = No
     kept = min(saves, keep) if keep else saves
     peak = kept + (1 if keep and saves > kept else 0)  # the newest being written before the oldest goes
     return {"checkpoint_bytes": per_checkpoint, "checkpoints_kept": kept, "peak_checkpoints": peak,
-            "export_bytes": export, "existing_checkpoints": have,
+            "export_bytes": export, "existing_checkpoints": have, "async_checkpoint": bool(cfg.async_checkpoint),
             "needed_bytes": max(peak - have, 0) * per_checkpoint + export}
 
 
@@ -363,7 +360,7 @@ def free_bytes(folder: Path) -> tuple[int, Path]:
 def format_disk(plan: dict, out_dir) -> str:
     free, where = free_bytes(out_dir)
     return (f"[dry run] disk: {plan['peak_checkpoints']} checkpoint(s) of {plan['checkpoint_bytes'] / GIB:.1f} GiB at "
-            f"the peak (--keep_checkpoints, --checkpoint_every) + the export {plan['export_bytes'] / GIB:.1f} GiB = "
+            f"the peak (--keep_checkpoints, --checkpoint_every, --async_checkpoint) + the export {plan['export_bytes'] / GIB:.1f} GiB = "
             f"{plan['needed_bytes'] / GIB:.1f} GiB in OUT_DIR (free on this machine's {where}: {free / GIB:.1f} GiB; "
             "the run checks its own before the launch)")
 
@@ -377,7 +374,8 @@ def check_disk(out_dir, plan: dict) -> None:
             f"({plan['peak_checkpoints']} checkpoint(s) of {plan['checkpoint_bytes'] / GIB:.2f} GiB at the peak, "
             f"{plan['existing_checkpoints']} already there, + the export {plan['export_bytes'] / GIB:.2f} GiB) and "
             f"{where} has {free / GIB:.1f} GiB free: free space, lower --keep_checkpoints (at least 2, 0 keeps all), "
-            "or choose another --out_dir")
+            + ("drop --async_checkpoint (it holds one more), " if plan.get("async_checkpoint") else "")
+            + "or choose another --out_dir")
 
 
 def parameter_estimate(shape: dict) -> int:
