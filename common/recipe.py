@@ -102,6 +102,7 @@ class Recipe:
     doc: ClassVar[str]  # the script's docstring: its --help
     default_preset: ClassVar[str] = "tiny"
     pass_positions: ClassVar[bool] = False  # the model's forward takes position_ids (the Transformers backend)
+    seq_divisor: ClassVar[int] = 1  # under tensor parallel, --seq_len is a multiple of the degree times this
     # The trainer patches transformers (the Transformers backend replaces its init functions): the load and export
     # checks, which read the HF folder with transformers, then run in a process of their own.
     patches_transformers: ClassVar[bool] = False
@@ -154,6 +155,38 @@ def inputs(recipe: Recipe, cfg) -> Inputs:
                 found.shape, "vocab_size", int, found.hf_folder or "the model's config.json"),
                 str(found.hf_folder or "its config.json"))
     return found
+
+
+def check_layout(shape: dict | None, *, tp: int, seq_len: int, world_size: int, global_batch: int,
+                 local_batch: int, seq_divisor: int = 1) -> int:
+    """The one check that a layout divides, before anything is built or launched (the training path's, the dry run's,
+    the core's): the ranks split into `tp`-rank tensor-parallel groups, the rest data parallel; the global batch (-1:
+    local x data-parallel ranks) splits into local batches on every data-parallel rank (torchtitan adds gradient
+    accumulation for the rest); tensor parallel splits each layer's heads (query and key/value), MLP width and the
+    vocabulary over `tp` ranks and, with sequence parallel, each sequence (a multiple of tp x `seq_divisor`: the
+    Transformers backend's 2 x its context-parallel degree). `shape`: the model's config.json (None: unknown yet).
+    Returns the data-parallel degree."""
+    if world_size % tp:
+        raise UserError(f"--tensor_parallel_degree {tp} does not divide the {world_size} rank"
+                        f"{'s' * (world_size != 1)}")
+    dp = world_size // tp
+    if global_batch > 0 and global_batch % (local_batch * dp):
+        split = f"{dp} data-parallel ranks ({world_size} ranks / tensor parallel {tp})" if tp > 1 else \
+            f"{world_size} ranks"
+        raise UserError(f"global batch {global_batch} is not a multiple of local batch {local_batch} x {split}")
+    if tp == 1:
+        return dp
+    if seq_len % (tp * seq_divisor):
+        times = f" x {seq_divisor}" if seq_divisor > 1 else ""
+        raise UserError(f"--seq_len {seq_len} does not split over --tensor_parallel_degree {tp}{times} (sequence "
+                        "parallel splits every sequence over the tensor-parallel ranks)")
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                "vocab_size"):
+        n = (shape or {}).get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n % tp:
+            raise UserError(f"--tensor_parallel_degree {tp} does not divide the model's {key} {n}: each rank "
+                            f"holds an equal slice (whole heads); choose a degree that divides {n}")
+    return dp
 
 
 def apply_settings(tc, cfg, dev, out_dir: Path, found: Inputs) -> list[str]:
@@ -323,6 +356,9 @@ def run_core(recipe: Recipe, argv: list[str] | None = None) -> int:
         dev = device.setup(cfg.device, lnc=cfg.lnc, neff_cache_dir=device.neff_cache_dir(cfg.neff_cache_dir, out_dir),
                            timeout_s=cfg.comm_timeout_s)
         try:
+            check_layout(found.shape, tp=cfg.tensor_parallel_degree, seq_len=cfg.seq_len, world_size=dev.world_size,
+                         global_batch=cfg.global_batch_size, local_batch=cfg.local_batch_size,
+                         seq_divisor=recipe.seq_divisor)
             hold_core_lock(out_dir, dev)
             return train(recipe, cfg, dev, out_dir, found, Hooks())
         finally:

@@ -112,6 +112,7 @@ class HFBackend(Recipe):
     name, config, presets, doc = "train_hf_backend.py", Config, PRESETS, __doc__
     stack = "hf"  # the preflight's set of torchtitan symbols (common/harness/preflight.py)
     pass_positions = True
+    seq_divisor = 2  # the backend asserts seq_len % (TP x 2 x its context-parallel degree, 1)
     patches_transformers = True  # the backend replaces transformers' init functions: checks in their own process
 
     def check_inputs(self, cfg: Config) -> Inputs:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.harness import launcher, resume
+from common.harness import resume
 from common.errors import UserError
 from conftest import SAME_RUN, assert_clean_error, read_results, run_example, run_in_process
 
@@ -88,24 +88,41 @@ def test_full_activation_checkpointing_computes_what_none_does():
 
 
 # ---- without training ---------------------------------------------------------------------------------------
+def _layout(shape=None, *, tp, seq_len=64, world_size, global_batch=-1, local_batch=2, seq_divisor=1):
+    from common.recipe import check_layout
+
+    return check_layout(shape, tp=tp, seq_len=seq_len, world_size=world_size, global_batch=global_batch,
+                        local_batch=local_batch, seq_divisor=seq_divisor)
+
+
 def test_the_batch_splits_over_data_parallel_ranks_only():
-    assert launcher.check_batch_split(2, 2, 2, tp=2) == 1  # 2 ranks at tensor parallel 2: one data-parallel rank
-    assert launcher.check_batch_split(64, 1, 64, tp=4) == 16
+    assert _layout(tp=2, world_size=2, global_batch=2) == 1  # 2 ranks at tensor parallel 2: one data-parallel rank
+    assert _layout(tp=4, world_size=64, global_batch=64, local_batch=1) == 16
     with pytest.raises(UserError, match="does not divide the 6 ranks"):
-        launcher.check_batch_split(-1, 2, 6, tp=4)
+        _layout(tp=4, world_size=6)
+    with pytest.raises(UserError, match="--tensor_parallel_degree 2 does not divide the 1 rank$"):
+        _layout(tp=2, world_size=1)  # the core copy on one process
     with pytest.raises(UserError, match=r"local batch 2 x 2 data-parallel ranks \(4 ranks / tensor parallel 2\)"):
-        launcher.check_batch_split(6, 2, 4, tp=2)
+        _layout(tp=2, world_size=4, global_batch=6)
 
 
 @pytest.mark.parametrize("shape, seq_len, needle", [
     ({"num_attention_heads": 4, "num_key_value_heads": 2}, 30, "--seq_len 30 does not split"),
     ({"num_attention_heads": 4, "num_key_value_heads": 2}, 32, "num_key_value_heads 2"),
     ({"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 102}, 32, "intermediate_size 102"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 151935}, 32, "vocab_size 151935"),
 ])
 def test_a_model_that_does_not_split_over_the_degree_is_refused(shape, seq_len, needle):
     with pytest.raises(UserError, match=needle):
-        launcher.check_tp_split(shape, 4, seq_len)
-    launcher.check_tp_split(shape, 1, seq_len)  # no tensor parallel: nothing to split
+        _layout(shape, tp=4, seq_len=seq_len, world_size=4)
+    _layout(shape, tp=1, seq_len=seq_len, world_size=4)  # no tensor parallel: nothing to split
+
+
+def test_the_transformers_backend_s_sequence_divisor_is_checked_with_the_degree():
+    """The Transformers backend asserts seq_len % (TP x 2 x CP) (torchtitan's ParallelDims.seq_len_divisor)."""
+    with pytest.raises(UserError, match=r"--seq_len 66 does not split over --tensor_parallel_degree 2 x 2"):
+        _layout(tp=2, seq_len=66, world_size=2, seq_divisor=2)
+    assert _layout(tp=2, seq_len=68, world_size=2, seq_divisor=2) == 1
 
 
 def test_a_resume_names_the_layout_that_changed():

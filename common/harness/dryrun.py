@@ -142,10 +142,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
 
     if world_size <= 0:
         raise UserError(f"--dry_run_ranks must be positive, got {world_size}")
-    from common.harness.launcher import check_batch_split
-
-    lbs = tc.training.local_batch_size
-    check_batch_split(tc.training.global_batch_size, lbs, world_size, tc.parallelism.tensor_parallel_degree)
+    lbs = tc.training.local_batch_size  # the layout divides: checked before (common.recipe.check_layout)
     model_config = tc.model_spec.model
     model_config.update_from_config(config=tc)
     if tc.override.imports:

@@ -34,36 +34,6 @@ def launches(cfg) -> bool:
     return (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and not under_launcher()
 
 
-def check_batch_split(global_batch: int, local_batch: int, world_size: int, tp: int = 1) -> int:
-    """The ranks split into `tp`-rank tensor-parallel groups, the rest data parallel; the global batch (-1: local x
-    data-parallel ranks) must split into local batches on every data-parallel rank (torchtitan adds gradient
-    accumulation for the rest). Returns the data-parallel degree."""
-    if world_size % tp:
-        raise UserError(f"--tensor_parallel_degree {tp} does not divide the {world_size} ranks")
-    dp = world_size // tp
-    if global_batch > 0 and global_batch % (local_batch * dp):
-        split = f"{dp} data-parallel ranks ({world_size} ranks / tensor parallel {tp})" if tp > 1 else \
-            f"{world_size} ranks"
-        raise UserError(f"global batch {global_batch} is not a multiple of local batch {local_batch} x {split}")
-    return dp
-
-
-def check_tp_split(shape: dict | None, tp: int, seq_len: int) -> None:
-    """Tensor parallel splits each layer's heads (query and key/value) and MLP width over `tp` ranks and, with
-    sequence parallel, each sequence: the model's numbers must divide (known before the build where a config.json
-    is)."""
-    if tp == 1:
-        return
-    if seq_len % tp:
-        raise UserError(f"--seq_len {seq_len} does not split over --tensor_parallel_degree {tp} (sequence parallel "
-                        "splits every sequence over the tensor-parallel ranks)")
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
-        n = (shape or {}).get(key)
-        if isinstance(n, int) and n % tp:
-            raise UserError(f"--tensor_parallel_degree {tp} does not divide the model's {key} {n}: each rank "
-                            f"holds an equal slice (whole heads); choose a degree that divides {n}")
-
-
 PROCESS_GIB = 1.5  # one tiny-preset training process on CPU: torchtitan logs about 1.4 GiB resident at step 1
 
 

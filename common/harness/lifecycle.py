@@ -29,7 +29,7 @@ from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_ev
 from common.harness.phases import Phases, format_line as phases_line
 from common.harness.preflight import installed_lists, require_stack, wants_neuron
 from common.processes import die_with_parent
-from common.recipe import Hooks, Inputs, Recipe, inputs, train
+from common.recipe import Hooks, Inputs, Recipe, check_layout, inputs, train
 
 
 @dataclass
@@ -209,7 +209,9 @@ def preflight(recipe: Recipe, cfg, host_checked: bool = False) -> Inputs:
         options = recipe.stack_options(cfg) if hasattr(recipe, "stack_options") else {}
         require_stack("trn2", getattr(recipe, "stack", "native"), **options)
     found = inputs(recipe, cfg)
-    launcher.check_tp_split(found.shape, cfg.tensor_parallel_degree, cfg.seq_len)
+    check_layout(found.shape, tp=cfg.tensor_parallel_degree, seq_len=cfg.seq_len,
+                 world_size=launcher.planned_world_size(cfg), global_batch=cfg.global_batch_size,
+                 local_batch=cfg.local_batch_size, seq_divisor=recipe.seq_divisor)
     if host_checked:  # the held-out data, the disk and the memory: checked by this host's launcher
         return found
     if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
@@ -292,8 +294,7 @@ def hold(cfg) -> Path:
 def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     """The checks before a launch: batch split, the outputs, this host, the inputs, the resume
     record. Each failure is one UserError."""
-    world_size = launcher.planned_world_size(cfg)
-    launcher.check_batch_split(cfg.global_batch_size, cfg.local_batch_size, world_size, cfg.tensor_parallel_degree)
+    world_size = launcher.planned_world_size(cfg)  # the layout is checked with the model's shape (preflight)
     export.check_replaceable(out_dir)
     check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training
@@ -572,6 +573,9 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
     target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.dry_run_ranks)
     tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
     shape = recipe.model_shape(cfg, tc, found)
+    check_layout(shape, tp=tc.parallelism.tensor_parallel_degree, seq_len=tc.training.seq_len,
+                 world_size=ranks or cfg.dry_run_ranks, global_batch=tc.training.global_batch_size,
+                 local_batch=tc.training.local_batch_size, seq_divisor=recipe.seq_divisor)
     label, published = recipe.describe(cfg, shape) if hasattr(recipe, "describe") else (cfg.preset, None)
     r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
                        published_params=published, label=label)
