@@ -4,6 +4,13 @@ The assets (a Qwen3 tokenizer, an English corpus, small HF models) are built by 
 prepare` (run by `make setup`) into CACHE_DIR, one folder each with a manifest.json listing every file's size and
 sha256. This module only finds them and checks them against their manifest; it never builds anything. On trn2 the
 presets read real Hub folders instead, and none of this is used.
+
+The training data (`--dataset`): the corpus, torchtitan's c4_test folder (`--dataset c4_test --dataset_path D`), or
+the user's own JSON lines, a folder or one .jsonl file. Own data without a validation split (a validation*.jsonl file
+beside the training files) keeps its held-out share out of training, with or without --eval_every, so that the
+training data never depends on whether the run evaluates: every HELD_OUT_EVERY-th document (documents 100, 200, ...
+in the order `datasets` reads the files: sorted file names, then lines). --eval_every evaluates on that share
+(common/harness/evaluation.py).
 """
 from __future__ import annotations
 
@@ -66,23 +73,95 @@ def asset_dir(name: str, check: bool = True) -> Path:
     return folder
 
 
+# torchtitan's DATASETS name (register_own_data) of the user's own data without a validation split: its training
+# documents, the held-out share left out
+OWN_DATA = "own_data"
+HELD_OUT_EVERY = 100  # of own data without a validation split, every 100th document is held out (1%)
+JSON_LINES = (".jsonl", ".json")  # a one-file dataset: `datasets`' json builder reads JSON lines under both
+
+
 def training_dataset(dataset: str, dataset_path: str | None) -> tuple[str, str]:
-    """The training scripts' `--dataset`/`--dataset_path` as (torchtitan dataset name, folder).
-    Everything loads as torchtitan's c4_test does: `load_dataset(folder, split="train")` over JSON
-    lines with a `text` field. 'corpus' is the offline English corpus from set-up. The folder is
-    read here until a non-empty text turns up: no data, no `text` field, or only empty texts is
-    one UserError (the trainer would otherwise fail late or wait forever for a token)."""
+    """The training scripts' `--dataset`/`--dataset_path` as (torchtitan dataset name, folder or file).
+    Everything loads as torchtitan's c4_test does, `load_dataset(folder, split="train")` over JSON lines with a
+    `text` field: 'corpus' (the offline English corpus from set-up, its validation.jsonl held out) and c4_test
+    (--dataset_path, read whole) under c4_test's own name, as does a folder of the user's with a validation split;
+    the user's data without one (a folder, or one .jsonl file) under OWN_DATA, its held-out share left out. The data
+    is read here until a non-empty text turns up: no data, no `text` field, or only empty texts is one UserError
+    (the trainer would otherwise fail late or wait forever for a token)."""
+    if dataset_path and dataset != "c4_test":  # it names c4_test's folder; with any other dataset it was ignored
+        raise UserError(f"--dataset_path {dataset_path} is read only with --dataset c4_test (torchtitan's test "
+                        f"folder); to train on your own data give it as --dataset (a folder or a .jsonl file)")
+    from common.results import not_a_file
+
     if dataset == "corpus":
         return "c4_test", str(asset_dir("corpus"))
-    folder = (dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test"
-    if Path(folder).is_file():
-        raise UserError(f"--dataset takes a folder of JSON lines, and {folder} is a file: pass its folder "
-                        f"({Path(folder).parent}), where the training files are named train*.jsonl")
-    if not Path(folder).is_dir():
-        raise UserError(f"dataset folder {folder} does not exist (for c4_test pass --dataset_path "
+    path = Path((dataset_path if dataset == "c4_test" else dataset) or "tests/assets/c4_test")
+    kind = not_a_file(path)
+    if kind is not None and kind != "a folder":
+        raise UserError(f"--dataset {path} is {kind}: give a folder of JSON lines or a .jsonl file")
+    if path.is_file() and dataset == "c4_test":
+        raise UserError(f"--dataset_path {path} is a file: give c4_test's folder (a torchtitan checkout's "
+                        "tests/assets/c4_test); a .jsonl file of your own is --dataset FILE")
+    if path.is_file():
+        if path.suffix not in JSON_LINES:
+            raise UserError(f"--dataset {path} is a file but not JSON lines (.jsonl): give a .jsonl file with a "
+                            "'text' field a line, or a folder of them")
+        if path.stat().st_size == 0:  # datasets' json builder stops before a first row with no error of its own
+            raise UserError(f"dataset file {path} holds no non-empty 'text': there is nothing to train on")
+        read_until_text(path, "train", f"dataset file {path}", "there is nothing to train on")
+    elif path.is_dir():
+        read_until_text(path, "train", f"dataset folder {path}", "there is nothing to train on")
+    else:
+        raise UserError(f"dataset folder {path} does not exist (for c4_test pass --dataset_path "
                         "pointing at a torchtitan checkout's tests/assets/c4_test)")
-    read_until_text(folder, "train", f"dataset folder {folder}", "there is nothing to train on")
-    return "c4_test", str(Path(folder).resolve())
+    if dataset == "c4_test" or has_validation_split(path):
+        return "c4_test", str(path.resolve())
+    return OWN_DATA, str(path.resolve())  # torchtitan learns the name from register_own_data, after device setup
+
+
+def has_validation_split(path: str | os.PathLike) -> bool:
+    """Whether `datasets` finds a validation split among a folder's files (by their names); a file has none."""
+    from datasets.data_files import get_data_patterns
+
+    if not Path(path).is_dir():
+        return False
+    try:
+        return "validation" in get_data_patterns(str(Path(path).resolve()))
+    except Exception:  # datasets raises EmptyDatasetError and others for a folder with no data files
+        return False
+
+
+def load_rows(path: str | os.PathLike, split: str = "train", streaming: bool = False):
+    """A folder's `split` as torchtitan's c4_test loads it (`load_dataset(folder, split=...)`), or a .jsonl file's
+    rows as its train split (`datasets` resolves only folders and Hub names by path: a file needs the json builder)."""
+    import datasets
+
+    if Path(path).is_file():
+        return datasets.load_dataset("json", data_files={"train": str(path)}, split=split, streaming=streaming)
+    return datasets.load_dataset(str(path), split=split, streaming=streaming)
+
+
+def own_rows(path: str, held_out: bool = False):
+    """The user's own data without a validation split: its training documents (held_out=False) or its held-out
+    share, every HELD_OUT_EVERY-th document. Both are index selections of one map-style load (as c4_test's),
+    disjoint by construction."""
+    import numpy as np
+
+    rows = load_rows(path)
+    index = np.arange(len(rows))
+    return rows.select(index[(index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held_out])
+
+
+def register_own_data() -> None:
+    """Add OWN_DATA to torchtitan's DATASETS: the training documents of own_rows, the `text` field (c4_test's sample
+    processor). Called where the trainer's config is made, after common.device.setup (torchtitan binds its device
+    at import, so nothing imports it earlier), by every process that builds a trainer."""
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets import text_datasets
+
+    if OWN_DATA not in text_datasets.DATASETS:
+        text_datasets.DATASETS[OWN_DATA] = DatasetConfig(path="", loader=own_rows,
+                                                         sample_processor=text_datasets._process_c4_text)
 
 
 def refuse_special_files(folder: str | Path, what: str) -> None:
@@ -90,6 +169,8 @@ def refuse_special_files(folder: str | Path, what: str) -> None:
     it as data, or would block reading it."""
     from common.results import not_a_file
 
+    if not Path(folder).is_dir():  # a one-file dataset: training_dataset checked the file itself
+        return
     for entry in sorted(Path(folder).iterdir()):
         kind = not_a_file(entry)
         if kind is not None and kind != "a folder":
@@ -106,10 +187,16 @@ def read_until_text(folder: str | Path, split: str, what: str, empty: str) -> No
 
     datasets.disable_progress_bars()
     try:
-        rows = datasets.load_dataset(str(folder), split=split, streaming=True)
-        found = next((r for r in rows if isinstance(r.get("text"), str) and r["text"].strip()), None)
+        found, field, rows = None, False, 0
+        for row in load_rows(folder, split, streaming=True):
+            rows, field = rows + 1, field or "text" in row
+            if isinstance(row.get("text"), str) and row["text"].strip():
+                found = row
+                break
     except Exception as e:  # datasets raises many types (no files, bad JSON, binary data, schema)
         raise UserError(f"{what} cannot be read as JSON lines with a 'text' field: "
                         f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    if rows and not field:  # JSON lines of other fields (a folder's load names the missing column itself)
+        raise UserError(f"{what} cannot be read as JSON lines with a 'text' field: no line has one")
     if found is None:
         raise UserError(f"{what} holds no non-empty 'text': {empty}")

@@ -506,14 +506,14 @@ def test_export_verify_bad_input_is_one_line(row, prepared_assets, tmp_path):
         assert not out.exists()
 
 
-def test_a_dataset_given_as_its_file_names_the_folder_to_pass(tmp_path):
-    """`--dataset data/train.jsonl` (the file, not its folder) says which folder to pass, not that it is missing;
-    a FIFO among the training files is named (a read would block forever)."""
+def test_a_dataset_given_as_its_file_is_read_and_a_fifo_among_the_files_is_named(tmp_path):
+    """`--dataset data/train.jsonl` (the file, not its folder) is a one-file dataset (tests/test_dataset_flags.py);
+    a FIFO among a folder's training files is named (a read would block forever)."""
     from common import paths
 
     folder = _dataset(tmp_path, "data", b'{"text": "a sentence"}\n')
-    with pytest.raises(UserError, match=f"is a file: pass its folder \\({folder}\\)"):
-        paths.training_dataset(str(folder / "train.jsonl"), None)
+    assert paths.training_dataset(str(folder / "train.jsonl"), None) == (paths.OWN_DATA,
+                                                                          str((folder / "train.jsonl").resolve()))
     os.mkfifo(folder / "train-2.jsonl")
     with pytest.raises(UserError, match="train-2.jsonl is a FIFO"):
         paths.training_dataset(str(folder), None)

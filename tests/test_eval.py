@@ -71,16 +71,18 @@ def _texts(loader, folder: str) -> list[str]:
     return [row["text"] for row in loader(folder)]
 
 
-def leaks(folder: str, tokenizer_dir: Path, *, steps: int = STEPS, eval_steps: int = EVAL_STEPS) -> list[str]:
+def leaks(folder: str, tokenizer_dir: Path, *, steps: int = STEPS, eval_steps: int = EVAL_STEPS, train: str = "c4_test",
+          held: str = evaluation.LOCAL_VALIDATION) -> list[str]:
     """Where the held-out data of `folder` (what the validator reads) occurs in its training data: texts read with
-    torchtitan's own dataset loaders (c4_test's for training, the validator's), then the token streams torchtitan's
-    text dataset yields for `steps` training steps and one validation of `eval_steps` batches."""
+    torchtitan's own dataset loaders (`train`'s for training, `held`'s for the validator), then the token streams
+    torchtitan's text dataset yields for `steps` training steps and one validation of `eval_steps` batches."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
 
     evaluation.register_local_validation()
-    train = _texts(DATASETS["c4_test"].loader, folder)
-    held_out = _texts(DATASETS[evaluation.LOCAL_VALIDATION].loader, folder)
+    train_name, held_name = train, held
+    train = _texts(DATASETS[train_name].loader, folder)
+    held_out = _texts(DATASETS[held_name].loader, folder)
     found = [f"held-out document {i} is a training document" for i, t in enumerate(held_out) if t in set(train)]
     joined = "\n".join(train)
     found += [f"held-out text {piece[:50]!r}... is in the training text" for doc in held_out
@@ -92,8 +94,8 @@ def leaks(folder: str, tokenizer_dir: Path, *, steps: int = STEPS, eval_steps: i
         ds = iter(HuggingFaceTextDataset(name, folder, tok, seq_len=SEQ_LEN, infinite=True))
         return [next(ds)[0]["input"].tolist() for _ in range(samples)]
 
-    seen = {tuple(s[i:i + WINDOW]) for s in stream("c4_test", steps * LOCAL_BATCH) for i in range(SEQ_LEN - WINDOW + 1)}
-    validated = stream(evaluation.LOCAL_VALIDATION, eval_steps * LOCAL_BATCH)
+    seen = {tuple(s[i:i + WINDOW]) for s in stream(train_name, steps * LOCAL_BATCH) for i in range(SEQ_LEN - WINDOW + 1)}
+    validated = stream(held_name, eval_steps * LOCAL_BATCH)
     found += [f"validation sample {n} shares {WINDOW} tokens with the training stream" for n, s in enumerate(validated)
               if any(tuple(s[i:i + WINDOW]) in seen for i in range(SEQ_LEN - WINDOW + 1))]
     first = tok.decode(validated[0][1:64])  # after the document's first token: the decoded prefix of held-out text
@@ -154,20 +156,6 @@ def test_bad_eval_flags_are_one_error_line(tmp_path):
     assert not (tmp_path / "o").exists()  # refused before the out_dir is made
 
 
-def test_a_folder_without_a_validation_split_uses_c4_validation_from_the_hub(tmp_path, monkeypatch):
-    """torchtitan's c4_test folder holds data.json only: the validator streams torchtitan's own c4_validation
-    (allenai/c4) there, and refuses in one line when the Hub is off."""
-    (tmp_path / "data.json").write_text(json.dumps({"text": "one document"}) + "\n")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    assert evaluation.eval_dataset(("c4_test", str(tmp_path)))[:2] == ("c4_validation", None)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="has no validation split"):
-        evaluation.eval_dataset(("c4_test", str(tmp_path)))
-    (tmp_path / "validation.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
-    assert evaluation.eval_dataset(("c4_test", str(tmp_path)))[:2] == (evaluation.LOCAL_VALIDATION, str(tmp_path))
-
-
 def test_eval_steps_past_the_held_out_data_read_it_once(tmp_path, prepared_assets):
     """--eval_steps 100000 on a held-out file of two short documents: torchtitan's validator would loop them for
     hours; each evaluation reads them once (a few batches) and the first says how many there are. One step,
@@ -189,12 +177,10 @@ def test_eval_steps_past_the_held_out_data_read_it_once(tmp_path, prepared_asset
     assert [r["step"] for r in evals] == [1] and math.isfinite(evals[0]["loss"]), evals
 
 
-def test_a_local_held_out_folder_replaces_the_hubs_c4_and_the_hub_is_named(tmp_path, monkeypatch):
-    """Training data without a validation split (a c4_test-like folder) streams torchtitan's c4_validation from the
-    Hub on every rank, and the run's notes say so; --eval_dataset_path reads a local folder's validation split
-    instead, and a folder without one is one error line."""
-    from common.errors import UserError
-    from common.harness.evaluation import HUB_VALIDATION, LOCAL_VALIDATION, eval_dataset
+def test_a_local_held_out_folder_is_read_and_one_without_a_split_is_one_line(tmp_path):
+    """--eval_dataset_path reads a local folder's validation split (for c4_test, whose folder has none); a folder
+    without one is one error line."""
+    from common.harness.evaluation import LOCAL_VALIDATION, eval_dataset
 
     train = tmp_path / "c4_like"
     train.mkdir()
@@ -202,17 +188,9 @@ def test_a_local_held_out_folder_replaces_the_hubs_c4_and_the_hub_is_named(tmp_p
     held_out = tmp_path / "held_out"
     held_out.mkdir()
     (held_out / "validation.jsonl").write_text('{"text": "a held-out document"}\n')
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    name, path, what = eval_dataset(("c4_test", str(train)))
-    assert name == HUB_VALIDATION and path is None and "streamed from the Hub by every rank" in what
-    assert "--eval_dataset_path" in what
     assert eval_dataset(("c4_test", str(train)), str(held_out))[:2] == (LOCAL_VALIDATION, str(held_out.resolve()))
     with pytest.raises(UserError, match="has no validation split"):
         eval_dataset(("c4_test", str(train)), str(train))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match="give --eval_dataset_path"):
-        eval_dataset(("c4_test", str(train)))
 
 
 def _held_out(folder: Path, case: str) -> Path:
@@ -263,3 +241,87 @@ def test_text_less_held_out_data_is_one_line_before_step_1(tmp_path):
                           str(folder), "--out_dir", str(out))
     assert_clean_error(proc, "cannot be read as JSON lines with a 'text' field")
     assert not (out / "losses.jsonl").exists() and not (out / "results.json").exists()
+
+
+def _own_data(folder: Path, corpus: Path, documents: int = 300) -> list[str]:
+    """A folder of the user's own data without a validation split: train.jsonl, `documents` of the corpus from its
+    301st (its first 300 repeat paragraphs between documents, Moby-Dick's extracts: text repeated inside the user's
+    data is no leak of the share, but the check below could not tell)."""
+    folder.mkdir()
+    lines = (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[300:300 + documents]
+    (folder / "train.jsonl").write_text("".join(lines), encoding="utf-8")
+    return [json.loads(line)["text"] for line in lines]
+
+
+def test_own_data_without_a_validation_split_is_held_out_from_its_own_files(tmp_path, monkeypatch, prepared_assets):
+    """Issue 67 item 7: --eval_every on --dataset FOLDER without validation*.jsonl streamed allenai/c4's validation
+    split (the "held-out loss" of your data was C4's; offline, a traceback after step 1). The held-out data is a
+    share of the folder's own documents, every HELD_OUT_EVERY-th, which training never reads, online or not."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    from common import paths
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    texts = _own_data(tmp_path / "data", prepared_assets["corpus"])
+    found = paths.training_dataset(str(tmp_path / "data"), None)
+    name, path, what = evaluation.eval_dataset(found, read=True)
+    assert name != "c4_validation" and path == str((tmp_path / "data").resolve()), (name, path, what)
+    assert "every 100th document" in what and "training never reads" in what
+    evaluation.register_held_out_share()
+    paths.register_own_data()
+    every = paths.HELD_OUT_EVERY
+    assert [r["text"] for r in DATASETS[name].loader(path)] == texts[every - 1::every]  # documents 100, 200, 300
+    assert [r["text"] for r in DATASETS[found[0]].loader(found[1])] == [
+        t for i, t in enumerate(texts) if i % every != every - 1]
+
+
+def test_the_held_out_share_never_occurs_in_the_training_stream(tmp_path, prepared_assets):
+    from common import paths
+
+    _own_data(tmp_path / "data", prepared_assets["corpus"])
+    name, folder = paths.training_dataset(str(tmp_path / "data"), None)
+    evaluation.register_held_out_share()
+    paths.register_own_data()
+    assert leaks(folder, prepared_assets["tokenizer"], train=name, held=evaluation.HELD_OUT_SHARE, eval_steps=1) == []
+
+
+def test_own_data_too_small_for_a_held_out_share_is_one_line(tmp_path, prepared_assets):
+    from common import paths
+
+    _own_data(tmp_path / "data", prepared_assets["corpus"], documents=paths.HELD_OUT_EVERY - 1)
+    found = paths.training_dataset(str(tmp_path / "data"), None)
+    with pytest.raises(UserError, match="holds fewer than 100 documents, so its held-out share is empty: "
+                                        "add a validation"):
+        evaluation.eval_dataset(found, read=True)
+
+
+def test_c4_test_without_a_validation_split_never_streams_the_hub(tmp_path, monkeypatch):
+    """torchtitan's c4_test folder holds data.json only, read whole as torchtitan reads it: its held-out data is
+    --eval_dataset_path's, and without one the run is refused in one line, online too (it streamed allenai/c4)."""
+    (tmp_path / "data.json").write_text(json.dumps({"text": "one document"}) + "\n")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(UserError, match="has no validation split.*give --eval_dataset_path"):
+        evaluation.eval_dataset(("c4_test", str(tmp_path)))
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    (held_out / "validation.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
+    assert evaluation.eval_dataset(("c4_test", str(tmp_path)), str(held_out))[:2] == (
+        evaluation.LOCAL_VALIDATION, str(held_out.resolve()))
+
+
+def test_a_run_on_own_data_evaluates_its_held_out_share_without_the_hub(tmp_path, prepared_assets):
+    """One step on a folder without a validation split, --eval_every 1, HF_HUB_OFFLINE unset: no Hub, exit 0, a
+    finite held-out loss at step 1 (before: step 1 trained, then Hub retries and a traceback)."""
+    import os
+
+    _own_data(tmp_path / "data", prepared_assets["corpus"])
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    out = tmp_path / "o"
+    proc = run_in_process("train_native_qwen3.py", "--steps", "1", "--no-export", "--dataset", str(tmp_path / "data"),
+                          "--eval_every", "1", "--eval_steps", "1", "--out_dir", str(out), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held-out share of" in proc.stdout + proc.stderr
+    evals = json.loads((out / "results.json").read_text())["eval_losses"]
+    assert [r["step"] for r in evals] == [1] and math.isfinite(evals[0]["loss"]), evals

@@ -7,17 +7,21 @@ Each validation builds that dataloader anew, so every validation reads the same 
 training run's `seq_len` and `local_batch_size` on each data-parallel rank, and hands the token-weighted mean
 loss to `MetricsProcessor.log_validation` (recorded by common/harness/trainer.py's GuardedMetrics).
 
-The held-out data is text the training stream never holds:
+The held-out data is text the training stream never holds, and always local (nothing is streamed from a hub):
 - the offline corpus (`--dataset corpus`) and any folder of JSON lines with a validation split (a file named
   validation*.jsonl, valid*, val*, dev*: `datasets` names splits after file names): that split. Training reads
   the folder as torchtitan's c4_test does, `load_dataset(folder, split="train")`, i.e. the train files alone;
   the corpus's validation.jsonl holds the last documents of each half of it, left out of its train.jsonl.
   (Once a folder has a validation file, `datasets` reads only files named train* as the train split.)
-- `--eval_dataset_path FOLDER`: that folder's validation split (a local copy of c4's validation files, say), for a
-  training folder without one;
-- a folder without one, such as a torchtitan checkout's tests/assets/c4_test (data.json only), and no
-  --eval_dataset_path: torchtitan's own `c4_validation`, the validation split of allenai/c4 streamed from the
-  Hugging Face Hub by every rank at step 1 (it needs the network on every host; the run's notes say so).
+- your own data without a validation split (`--dataset FOLDER` or `--dataset FILE.jsonl`): its held-out share,
+  every 100th document (paths.HELD_OUT_EVERY: documents 100, 200, ... in the order `datasets` reads the files),
+  which training never reads, with or without --eval_every (common/paths.py training_dataset). Fewer than 100
+  documents hold no share: the run is refused before the launch, naming the two ways to give held-out data.
+- `--eval_dataset_path FOLDER`: that folder's validation split (a local copy of c4's validation files, say), in
+  place of the above;
+- torchtitan's c4_test folder (`--dataset c4_test --dataset_path D`, data.json only: read whole, as torchtitan
+  reads it) without --eval_dataset_path: refused before the launch. Its held-out data would be torchtitan's own
+  `c4_validation`, allenai/c4 streamed from the Hugging Face Hub by every rank, which is never a silent default.
 
 An evaluation reads the held-out data at most once: torchtitan's validator loops it without end when `steps` is set
 (re-shuffled each time), so `--eval_steps` past the data's size would read the same text again for hours. Here its
@@ -29,6 +33,7 @@ OUT_DIR/eval_losses.jsonl, kept across stops and resumes as losses.jsonl is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -38,23 +43,8 @@ from common.errors import UserError
 # torchtitan's datasets are looked up by name in its DATASETS registry; this one reads a local folder's
 # validation split, as its c4_test reads the train split.
 LOCAL_VALIDATION = "local_validation"
-HUB_VALIDATION = "c4_validation"  # torchtitan's own: allenai/c4, name "en", split "validation", streamed
+HELD_OUT_SHARE = "held_out_share"  # the held-out share of own data without a validation split (paths.own_rows)
 EVAL_LOSSES = "eval_losses.jsonl"  # in OUT_DIR: a line an evaluation, kept across stops and resumes
-
-
-def has_validation_split(folder: str | os.PathLike) -> bool:
-    """Whether `datasets` finds a validation split among the folder's files (by their names)."""
-    from datasets.data_files import get_data_patterns
-
-    try:
-        return "validation" in get_data_patterns(str(Path(folder).resolve()))
-    except Exception:  # datasets raises EmptyDatasetError and others for a folder with no data files
-        return False
-
-
-def _offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def check_eval_flags(every: int, held_out: str | None) -> None:
@@ -76,17 +66,22 @@ def eval_dataset(training: tuple[str, str], held_out: str | None = None,
                             "validation split (validation*.jsonl)")
         if read:
             paths.refuse_special_files(held_out, f"--eval_dataset_path {held_out}")
-        if not has_validation_split(held_out):
+        if not paths.has_validation_split(held_out):
             raise UserError(f"--eval_dataset_path {held_out} has no validation split: name its held-out files "
                             "validation*.jsonl (or .json), with a 'text' field")
         if read:
             paths.read_until_text(held_out, "validation", f"the validation split of --eval_dataset_path {held_out}",
                                   "there is nothing to evaluate on")
         return LOCAL_VALIDATION, str(Path(held_out).resolve()), f"the validation split of {held_out}"
-    folder = training[1]
+    name, folder = training
+    if name == paths.OWN_DATA:  # own data without a validation split: its held-out share
+        if read:
+            _read_held_out_share(folder)
+        return HELD_OUT_SHARE, folder, (f"the held-out share of {folder}: every {paths.HELD_OUT_EVERY}th document, "
+                                        "which training never reads")
     if read:
         paths.refuse_special_files(folder, f"--eval_every: dataset folder {folder}")
-    if has_validation_split(folder):
+    if paths.has_validation_split(folder):
         if read:
             paths.read_until_text(folder, "validation", f"--eval_every: the validation split of {folder}",
                                   "there is nothing to evaluate on (--eval_dataset_path gives another folder)")
@@ -95,12 +90,41 @@ def eval_dataset(training: tuple[str, str], held_out: str | None = None,
     if Path(folder).resolve() == corpus.resolve():
         raise UserError(f"--eval_every: the corpus in {folder} has no held-out validation.jsonl (built by an older "
                         f"recipe): rebuild it with {paths.prepare_hint('corpus')}")
-    if _offline():
-        raise UserError(f"--eval_every: {folder} has no validation split (a validation*.jsonl file beside the "
-                        f"training files) and the Hub is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), so "
-                        f"torchtitan's {HUB_VALIDATION} (allenai/c4) cannot be streamed: give --eval_dataset_path")
-    return HUB_VALIDATION, None, (f"torchtitan's {HUB_VALIDATION} (allenai/c4 validation split), streamed from the Hub "
-                                  "by every rank from step 1 (--eval_dataset_path FOLDER reads a local copy instead)")
+    # c4_test, read whole as torchtitan reads it: its own held-out data is allenai/c4 on the Hub, never streamed
+    # without being asked for
+    raise UserError(f"--eval_every: the c4_test folder {folder} has no validation split, and c4_test's own held-out "
+                    "data is allenai/c4's, streamed from the Hugging Face Hub: give --eval_dataset_path FOLDER (local "
+                    "held-out JSON lines named validation*.jsonl, such as a copy of c4's validation files)")
+
+
+def _read_held_out_share(path: str) -> None:
+    """Read own data's held-out share (every HELD_OUT_EVERY-th document) until a non-empty text turns up, before a
+    launch: none is one UserError (the validator would otherwise fail after step 1). The training documents were
+    read by paths.training_dataset, so the data reads as JSON lines with a `text` field."""
+    every, seen, found = paths.HELD_OUT_EVERY, 0, False
+    for i, row in enumerate(paths.load_rows(path, streaming=True)):
+        seen = i + 1
+        if i % every == every - 1 and isinstance(row.get("text"), str) and row["text"].strip():
+            found = True
+            break
+    if seen < every:
+        raise UserError(f"--eval_every: {path} holds fewer than {every} documents, so its held-out share is empty: "
+                        "add a validation*.jsonl beside the training files, or give --eval_dataset_path FOLDER")
+    if not found:
+        raise UserError(f"--eval_every: the held-out share of {path} (every {every}th document) holds no non-empty "
+                        "'text': add a validation*.jsonl beside the training files, or give --eval_dataset_path")
+
+
+def register_held_out_share() -> None:
+    """Add HELD_OUT_SHARE to torchtitan's DATASETS: paths.own_rows' held-out documents, the `text` field. Every
+    process that builds a trainer calls it (through apply_eval_settings)."""
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets import text_datasets
+
+    if HELD_OUT_SHARE not in text_datasets.DATASETS:
+        text_datasets.DATASETS[HELD_OUT_SHARE] = DatasetConfig(
+            path="", loader=functools.partial(paths.own_rows, held_out=True),
+            sample_processor=text_datasets._process_c4_text)
 
 
 def register_local_validation() -> None:
@@ -125,13 +149,22 @@ def apply_eval_settings(tc, every: int, steps: int, dataset: tuple[str, str] | N
                         held_out: str | None = None) -> str | None:
     """Configure torchtitan's validator in a Trainer.Config: on at step 1 and every `every` steps (0: off), `steps`
     batches each, on the held-out data of the training `dataset` (None: a dry run, which reads no data) or of
-    `held_out` (--eval_dataset_path). Returns a line for the run's notes, or None when off."""
+    `held_out` (--eval_dataset_path). Returns a line for the run's notes (None: nothing to say). Every guarded run
+    calls it after device setup: it also registers the training data's name where it is the user's own data
+    (paths.OWN_DATA), which torchtitan's dataloader looks up with or without evaluation, and says that its held-out
+    share is not trained on."""
+    own = dataset is not None and dataset[0] == paths.OWN_DATA
+    if own:
+        paths.register_own_data()
     tc.validator.enable = bool(every) and dataset is not None
     if not tc.validator.enable:
-        return None
+        return (f"data: every {paths.HELD_OUT_EVERY}th document of {dataset[1]} is its held-out share, not trained "
+                "on (--eval_every evaluates on it)") if own else None
     name, path, what = eval_dataset(dataset, held_out)
     if name == LOCAL_VALIDATION:
         register_local_validation()
+    elif name == HELD_OUT_SHARE:
+        register_held_out_share()
     tc.validator.freq = every
     tc.validator.steps = steps
     tc.validator.dataloader.dataset = name
