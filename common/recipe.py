@@ -54,6 +54,11 @@ class TrainConfig:
         "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
     dataset_path: str | None = field(
         default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+    document_mask: Literal["auto", "on", "off"] = field(default="auto", metadata={
+        "help": "SDPA attention masks the packed documents of a sequence apart. auto: off on Neuron (TorchNeuron's "
+                "fused flash-attention kernel takes no mask; with one it falls back to float32 heads x seq x seq "
+                "scores, +6.5 GiB a core at qwen3_4b: docs/memory-model.md), on elsewhere; off: a token also attends "
+                "to the earlier documents packed into its sequence, as AWS's recipes train"})
     load_check: bool = field(default=True, metadata={
         "help": "starting from HF weights: compare the built model with transformers' load of them before step 1 "
                 "(a guard of common/harness/: a copy of the core alone skips it)"})
@@ -144,6 +149,8 @@ def inputs(recipe: Recipe, cfg) -> Inputs:
     device_type = device.resolve_device_type(cfg.device)
     if getattr(cfg, "attn_backend", "sdpa") == "flex" and device_type != "cuda":
         raise UserError(f"--attn_backend flex needs CUDA (FlexAttention has no {device_type} backward); use sdpa")
+    if getattr(cfg, "attn_backend", "sdpa") == "flex" and cfg.document_mask != "auto":
+        raise UserError("--document_mask applies to --attn_backend sdpa (FlexAttention always masks documents)")
     found.dataset = paths.training_dataset(cfg.dataset, cfg.dataset_path)
     if found.shape:
         positions = checkpoint.config_value(found.shape, "max_position_embeddings", int,
@@ -311,6 +318,7 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
     extra.update(recipe.after_train(cfg, trainer, found))
     results = {
         "script": recipe.name, "config": cfg, "versions": versions(), "device": dev.device_type,
+        "attention": torchtitan_fixes.attention_path(trainer.config.model_spec.model, dev.device_type),
         "world_size": dev.world_size, "layout": layout(trainer), "steps": rec.steps,
         "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,
         "losses": rec.losses, "first_step_loss": rec.losses[0] if rec.losses else None, "grad_norms": rec.grad_norms,

@@ -119,6 +119,9 @@ class HFBackend(Recipe):
         """The HF folder: pretrained, every file checked (config, architecture, keys, shapes, finite values); random,
         its config.json and architecture; its tokenizer either way."""
         ckpt = Path(cfg.hf_checkpoint)
+        if cfg.document_mask != "auto":  # route_attention_to_sdpa passes the backend's own mask, always
+            raise UserError("--document_mask is not taken by the Transformers backend: it masks packed documents "
+                            "as its flavor says (sft_full: block_causal)")
         if cfg.preset in HF_MODEL_ID and not ckpt.exists():
             raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
         if ckpt.resolve().is_relative_to(paths.CACHE_DIR.resolve()) and not ckpt.exists():

@@ -132,7 +132,8 @@ def replacement_imports(cfg: Config, dev) -> list:
     """torchtitan `override.imports`: what the trainer swaps before it builds the model."""
     from common.kernels import rope_module
 
-    imports = ["common.torchtitan_fixes.sdpa_document_attention"]  # FlexAttention has no backward off CUDA
+    # FlexAttention has no backward off CUDA
+    imports = [("common.torchtitan_fixes.sdpa_document_attention", {"document_mask": cfg.document_mask})]
     if not cfg.stock:
         imports += [
             ("common.kernels.moe_module.grouped_experts_op", {"compute_dtype": cfg.expert_dtype}),

@@ -128,8 +128,9 @@ class NativeQwen3(Recipe):
                 raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
         tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
         notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
-        if changed := torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend):
-            notes.append(f"attention -> SDPA with document masking in {len(changed)} layers")
+        if changed := torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend, cfg.document_mask):
+            path = torchtitan_fixes.attention_path(tc.model_spec.model, dev.device_type)
+            notes.append(f"attention -> {torchtitan_fixes.ATTENTION_PATHS[path]} in {len(changed)} layers")
         return tc, notes
 
     def model_shape(self, cfg: Config, tc, found: Inputs) -> dict:

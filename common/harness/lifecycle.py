@@ -577,8 +577,9 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
                  world_size=ranks or cfg.dry_run_ranks, global_batch=tc.training.global_batch_size,
                  local_batch=tc.training.local_batch_size, seq_divisor=recipe.seq_divisor)
     label, published = recipe.describe(cfg, shape) if hasattr(recipe, "describe") else (cfg.preset, None)
+    planned_for = device.resolve_device_type(cfg.device) if ranks else cfg.device if cfg.device != "auto" else "neuron"
     r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
-                       published_params=published, label=label)
+                       published_params=published, label=label, device_type=planned_for)
     if ranks:
         return r
     disk = dryrun.checkpoint_plan(r["parameters"], cfg, shape=shape)
