@@ -325,3 +325,21 @@ def test_a_run_on_own_data_evaluates_its_held_out_share_without_the_hub(tmp_path
     assert "held-out share of" in proc.stdout + proc.stderr
     evals = json.loads((out / "results.json").read_text())["eval_losses"]
     assert [r["step"] for r in evals] == [1] and math.isfinite(evals[0]["loss"]), evals
+
+
+def test_own_data_is_given_to_torchtitan_and_its_share_named_without_eval(tmp_path, prepared_assets):
+    """Without --eval_every the held-out share is still left out of training (the training data never depends on
+    whether a run evaluates): the run's notes say so, and torchtitan's dataloader finds the training data's name."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+    from torchtitan.trainer import Trainer
+
+    from common import paths
+
+    _own_data(tmp_path / "data", prepared_assets["corpus"])
+    found = paths.training_dataset(str(tmp_path / "data"), None)
+    tc = Trainer.Config()
+    note = evaluation.apply_eval_settings(tc, 0, 4, found)
+    assert not tc.validator.enable
+    assert note == (f"data: every 100th document of {found[1]} is its held-out share, not trained on (--eval_every "
+                    "evaluates on it)")
+    assert found[0] == paths.OWN_DATA and paths.OWN_DATA in DATASETS
