@@ -498,3 +498,49 @@ def test_a_resumed_profiled_run_lists_the_stopped_parts_traces_too(tmp_path):
     assert [(t["step"], t["bytes"]) for t in p["traces"]] == [(2, 5), (4, 5), (6, len(b"this part's"))], p
     fresh = pilot.profile_traces(out, every=2, steps=[1, 2], since=now - 1, activities="CPU", earlier=earlier)
     assert fresh["steps"] == [2] and [t["step"] for t in fresh["traces"]] == [2], fresh  # no earlier part's step 4
+
+
+def test_held_out_evaluation_and_saves_are_not_step_time():
+    """With --eval_every 1 each step's wall time (the LossRecorder's) holds the evaluation after the step before;
+    the stop control's step times (common/harness/stops.py) leave it out, and the steady step, tokens/s and MFU come
+    from them. Step 1 stays the recorder's: the stop control counts it from before the build."""
+    from common.losses import LossRecorder
+    from common.harness import pilot
+
+    # step 1 ends at 9 s; after each step a 30 s evaluation, then a 1 s step
+    ends = [0.0, 9.0, 40.0, 71.0, 102.0, 133.0, 164.0]
+    rec = LossRecorder(steps=list(range(1, 7)), losses=[1.0] * 6, times=ends, tokens_seen=[64 * s for s in range(1, 7)])
+    steps_s = [25.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    t = pilot.timing(rec, world_size=1, steps_s=steps_s)
+    assert (t["first_step_s"], t["steady_step_s"], t["steady_tokens_per_s"]) == (9.0, 1.0, 64.0)
+    r = pilot.report(rec, shape=TINY_SHAPE, seq_len=8, world_size=1, peak={"value": 1e12, "source": "test"},
+                     memory={"peak_gib": [1.0]}, planned_gib=None, price_per_hour=None, steps_s=steps_s)
+    assert r["timing"]["steady_step_s"] == 1.0 and r["mfu"] == pytest.approx(r["flops_per_token"] * 64.0 / 1e12)
+    assert pilot.timing(rec, world_size=1)["steady_step_s"] == 31.0  # the recorder alone: the evaluation counted
+    # a stop control that saw other steps than the recorder (none, or a count that differs): the recorder's times
+    assert pilot.timing(rec, world_size=1, steps_s=steps_s[:3])["steady_step_s"] == 31.0
+
+
+def test_a_resumed_parts_first_step_is_named_by_its_number():
+    """A part resumed after step 6: the [pilot] and [step 1] lines describe its first step, step 7, not step 1."""
+    from common.losses import LossRecorder
+    from common.harness import phases, pilot
+
+    rec = LossRecorder(steps=[7, 8, 9], losses=[1.0] * 3, times=[0.0, 5.0, 6.0, 7.0], tokens_seen=[64, 128, 192])
+    p = pilot.report(rec, shape=TINY_SHAPE, seq_len=8, world_size=1, peak={"value": 1e12, "source": "test"},
+                     memory={"peak_gib": [1.0]}, planned_gib=None, price_per_hour=None)
+    assert p["timing"]["first_step"] == 7
+    assert pilot.format_line(p).startswith("[pilot] first step (step 7, after the resume) 5.00 s, steady ")
+    fresh = LossRecorder(steps=[1, 2, 3], losses=[1.0] * 3, times=[0.0, 5.0, 6.0, 7.0], tokens_seen=[64, 128, 192])
+    p = pilot.report(fresh, shape=TINY_SHAPE, seq_len=8, world_size=1, peak={"value": 1e12, "source": "test"},
+                     memory={"peak_gib": [1.0]}, planned_gib=None, price_per_hour=None)
+    assert pilot.format_line(p).startswith("[pilot] step 1 5.00 s, steady ")
+    r = {"phases": {"launch": 0.0, "imports": 2.0, "load": 3.0, "first step": 5.0}, "total_s": 10.0}
+    assert phases.format_line(r, first_step=7).startswith(
+        "[first step] the command to the end of the first step (step 7, after the resume): 10.0 s (")
+    assert phases.format_line(r).startswith("[step 1] the command to the end of step 1: 10.0 s (")
+    assert phases.format_line(r, first_step=1) == phases.format_line(r)
+
+
+TINY_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}

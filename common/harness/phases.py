@@ -14,7 +14,7 @@ command started; otherwise this process) to the end of step 1, in named phases, 
     first step   this process's first training step (on an accelerator: its compile)
 
 results.json `time_to_first_step` has them (rank 0's, and each phase's longest over the ranks), and rank 0 prints
-them in a `[step 1]` line after the `[pilot]` line.
+them in a `[step 1]` line after the `[pilot]` line (a resumed part: `[first step]`, naming its first step).
 """
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ class Phases:
         return {"phases": mine, "total_s": sum(mine.values()), "longest_over_ranks": longest}
 
 
-def format_line(r: dict) -> str:
+def format_line(r: dict, first_step: int = 1) -> str:
+    """The `[step 1]` line; a resumed part's first step (`first_step`, the step after the resumed one) is named."""
     parts = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
-    return f"[step 1] the command to the end of step 1: {r['total_s']:.1f} s ({parts})"
+    what = ("[step 1] the command to the end of step 1" if first_step == 1 else
+            f"[first step] the command to the end of the first step (step {first_step}, after the resume)")
+    return f"{what}: {r['total_s']:.1f} s ({parts})"

@@ -1,7 +1,9 @@
 """What a pilot run must tell before a longer one: warm-up apart from steady speed, FLOPs per token and MFU,
 memory against the plan, and cost. Written into results.json by the three training scripts.
 
-- `timing`: step 1 (with compilation and warm-up) against the median step after the warm-up steps.
+- `timing`: this process's first step (with compilation and warm-up; `first_step`, the step after the resumed one in
+  a resumed part) against the median step after the warm-up steps, each step timed without the held-out evaluation
+  and the save before it.
 - `flops_per_token`: 6 x the parameters a token passes through (MoE: the active experts; embeddings are looked
   up, not multiplied; the output projection counts, tied or not) + torchtitan's attention term 12 x layers x heads x
   head_dim x sequence length; from the model's config.json, so the three paths count the same model the same.
@@ -325,18 +327,24 @@ def checked_mfu(flops: int, tokens_per_s: float, peak: dict, world_size: int) ->
     return mfu, None
 
 
-def timing(rec, world_size: int) -> dict:
-    """Step 1 against the steady steps, from the LossRecorder's per-step times and token counts."""
+def timing(rec, world_size: int, steps_s: list[float] | None = None) -> dict:
+    """This process's first step against the steady steps, from the LossRecorder's per-step times and token counts.
+    `steps_s`: the stop control's time of each step (common/harness/stops.py's StopControl.steps_s), which leaves out
+    the held-out evaluation and the save after the step before; the recorder's time between two steps holds them.
+    The steps after the first are timed from it where it has one time a step (the first is always the recorder's:
+    the stop control counts it from before the build)."""
     steps = len(rec.losses)
     if steps == 0:
         return {}
     durations = [b - a for a, b in zip(rec.times, rec.times[1:])]  # step i's duration: durations[i - 1]
+    if steps_s is not None and len(steps_s) == len(durations):
+        durations = durations[:1] + list(steps_s[1:])
     excluded = 1 if steps < 5 else 2  # step 2 may still compile (the optimizer's first update)
     steady = durations[excluded:] or durations[-1:]
     steady_s = statistics.median(steady)
     per_step = ((rec.tokens_seen[-1] - rec.tokens_seen[0]) / (steps - 1) if steps > 1 else rec.tokens_seen[0])
     tps = per_step / steady_s if steady_s > 0 else math.nan
-    return {"first_step_s": durations[0], "steady_step_s": steady_s,
+    return {"first_step": rec.steps[0] if rec.steps else 1, "first_step_s": durations[0], "steady_step_s": steady_s,
             "warmup_steps_excluded": min(excluded, steps - 1), "steady_tokens_per_s": tps,
             "steady_tokens_per_s_per_rank": tps / world_size,
             "compile_or_warmup_s": max(durations[0] - steady_s, 0.0),  # 0: step 1 no slower (noise, nothing compiled)
@@ -513,13 +521,13 @@ CPU_NOT_COMPARABLE = ("CPU run: the peak is the process's resident set (Python, 
 
 def report(rec, *, shape: dict, seq_len: int, world_size: int, peak: dict, memory: dict, planned_gib: float | None,
            price_per_hour: float | None, compile_cache: dict | None = None, profile: dict | None = None,
-           device_type: str = "cpu") -> dict:
+           device_type: str = "cpu", steps_s: list[float] | None = None) -> dict:
     """The pilot fields of results.json. Memory is compared with the plan (`ratio`) only where both count the same
     thing: not for a profiled run (`profile`, profile_traces()), nor on CPU (`device_type`), whose figure is the
-    process's resident set."""
+    process's resident set. `steps_s`: the stop control's step times, evaluations and saves left out (timing())."""
     import psutil
 
-    t = timing(rec, world_size)
+    t = timing(rec, world_size, steps_s)
     if t and compile_cache is not None:
         t["compile_cache"] = compile_cache
     flops = flops_per_token(shape, seq_len)
@@ -565,7 +573,9 @@ def format_line(p: dict) -> str:
     mfu = f"{p['mfu']:.3f}" if p["mfu"] is not None else "- (left out: see the warning)" if p.get("mfu_note") else "-"
     planned = f"{m['planned_gib'] or float('nan'):.2f} GiB planned"
     cache = t.get("compile_cache")
-    return (f"[pilot] step 1 {t['first_step_s']:.2f} s"
+    first = t.get("first_step", 1)
+    return ((f"[pilot] step 1 {t['first_step_s']:.2f} s" if first == 1 else
+             f"[pilot] first step (step {first}, after the resume) {t['first_step_s']:.2f} s")
             + (f" (compile cache: {cache['state']})" if cache else "")
             + f", steady {t['steady_step_s']:.3f} s/step "
             f"({t['steady_tokens_per_s']:.0f} tokens/s); {p['flops_per_token'] / 1e6:.1f} MFLOP/token, MFU "
