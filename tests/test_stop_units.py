@@ -254,7 +254,8 @@ def test_a_multi_node_launch_checks_efa_and_node_0_before_torchrun(tmp_path, mon
     for var in launcher.EFA_ENV:  # restored after the test
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
-    launcher.check_nodes(SimpleNamespace(check_efa=True, device="cpu", node_rank=0, nnodes=2))
+    launcher.check_nodes(SimpleNamespace(check_efa=True, device="cpu", node_rank=0, nnodes=2, master_addr="127.0.0.1",
+                                         master_port=0))  # 0: any free port
     assert {v: os.environ[v] for v in launcher.EFA_ENV} == launcher.EFA_ENV
     proc = run_example(SCRIPT, *two, "--node_rank", "1", "--out_dir", str(tmp_path / "o2"), check=False)
     assert "[launch] node 1 of 2: waiting for node 0 at 127.0.0.1:1 (up to 2 s" in proc.stdout, proc.stdout[-2000:]

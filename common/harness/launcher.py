@@ -4,6 +4,7 @@ host) with its checks of cores and memory.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -70,13 +71,15 @@ EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAF
 
 
 def check_nodes(cfg) -> None:
-    """Before a multi-node launch, on each host: on Neuron, a --master_addr the other hosts can reach (not loopback);
-    EFA present where it must be (--device neuron, or --check_efa) with AWS's variables set, and node 0's rendezvous
-    endpoint reachable from this node (a node started before node 0 waits for it, saying so, up to
-    --rendezvous_wait_s). Each failure is one UserError naming this node."""
+    """Before a multi-node launch, on each host: a --master_addr that resolves, on Neuron one the other hosts can
+    reach (not loopback); EFA present where it must be (--device neuron, or --check_efa) with AWS's variables set;
+    on node 0 a --master_port it can bind, on the others node 0's rendezvous endpoint reachable (a node started
+    before node 0 waits for it, saying so, up to --rendezvous_wait_s; a stop signal then exits EXIT_STOPPED). Each
+    failure is one UserError naming this node."""
     from common.device import resolve_device_type
 
     node = f"node {cfg.node_rank} of {cfg.nnodes}"
+    resolve_master(cfg.master_addr, node)  # every node: torchrun would wait on a name that never resolves
     neuron = cfg.device == "neuron" or resolve_device_type(cfg.device) == "neuron"
     if neuron and is_loopback(cfg.master_addr):  # two "nodes" on one CPU host over loopback (the tests) stay allowed
         raise UserError(f"{node}: --master_addr {cfg.master_addr} is this host's loopback address, which no other "
@@ -88,6 +91,42 @@ def check_nodes(cfg) -> None:
             os.environ.setdefault(var, value)  # the workers inherit them (torchrun passes its environment on)
     if cfg.node_rank:
         wait_for_endpoint(cfg.master_addr, cfg.master_port, cfg.rendezvous_wait_s, node)
+    else:  # torchrun's store on this node binds the port: one another process holds is its traceback
+        check_port_free(cfg.master_port, node)
+
+
+def resolve_master(addr: str, node: str) -> list[str]:
+    """The addresses --master_addr resolves to; an empty one, or one that does not resolve, is one UserError naming
+    this node (torchrun would raise a ValueError for the empty one, and on node 0 wait for the other without end)."""
+    fix = "pass node 0's address or host name, the same on every node"
+    if not addr.strip():
+        raise UserError(f"{node}: --master_addr is empty (an unset shell variable?): {fix}")
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)})
+    except (OSError, UnicodeError, ValueError) as e:
+        problem = one_line(getattr(e, "strerror", None) or str(e))
+        raise UserError(f"{node}: --master_addr {addr!r} does not resolve ({problem}): {fix}") from None
+
+
+def check_port_free(port: int, node: str) -> None:
+    """Node 0: --master_port bound for a moment (on every interface, as torchrun's store binds it), so that a port
+    another process holds is one UserError before torchrun, not its traceback. SO_REUSEADDR as the store's own: a
+    port an earlier run left in TIME_WAIT is taken."""
+    for family, host in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host: the IPv4 bind decided
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if family == socket.AF_INET6 and e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    continue
+                raise UserError(f"{node}: --master_port {port} cannot be bound on this host "
+                                f"({one_line(e.strerror or str(e))}): another process holds it (an earlier run "
+                                "still ending, another service): pass a free port, the same on every node") from None
 
 
 def is_loopback(addr: str) -> bool:
@@ -136,9 +175,33 @@ def check_efa(node: str) -> int:
     return endpoints
 
 
+class _StoppedWaiting(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def wait_for_endpoint(addr: str, port: int, wait_s: float, node: str) -> None:
     """Connect to node 0's rendezvous endpoint until it answers (a TCP connection, closed at once), printing once
-    that this node waits; past `wait_s` seconds, one UserError naming the endpoint."""
+    that this node waits; past `wait_s` seconds, one UserError naming the endpoint. A stop signal meanwhile ends the
+    process with EXIT_STOPPED and one line, as a launch stopped before its workers started does (self_launch)."""
+
+    def stop(signum, _frame):
+        raise _StoppedWaiting(signum)
+
+    before = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        _wait_for_endpoint(addr, port, wait_s, node)
+    except _StoppedWaiting as e:
+        print(f"[stopped] {signal.Signals(e.signum).name} while {node} waited for node 0 at {addr}:{port}: nothing "
+              "was trained by this launch; run the same command again", flush=True)
+        raise SystemExit(EXIT_STOPPED) from None
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _wait_for_endpoint(addr: str, port: int, wait_s: float, node: str) -> None:
     deadline, said = time.monotonic() + wait_s, False
     while True:
         try:
