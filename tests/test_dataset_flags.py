@@ -13,6 +13,12 @@ from common import paths
 from common.errors import UserError
 from conftest import assert_clean_error, run_in_process
 
+from common import device  # noqa: E402
+
+# before the in-process tests import torchtitan (it binds its device at import): a training run in this process
+# after them (--device auto) would otherwise find it bound to another device
+device.route_torchtitan_device(device.resolve_device_type("auto"))
+
 
 def _folder(path, texts=("a training document",)):
     path.mkdir()

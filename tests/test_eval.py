@@ -15,6 +15,12 @@ from common.harness import evaluation
 from common.errors import UserError
 from conftest import GOLDEN_DIR, GOLDEN_TOL, assert_clean_error, run_example, run_in_process
 
+from common import device  # noqa: E402
+
+# before the in-process tests import torchtitan (it binds its device at import): a training run in this process
+# after them (--device auto) would otherwise find it bound to another device
+device.route_torchtitan_device(device.resolve_device_type("auto"))
+
 STEPS, EVAL_EVERY, EVAL_STEPS, LOCAL_BATCH, SEQ_LEN = 10, 2, 2, 2, 128  # the tiny preset's batch and length
 WINDOW = 32  # tokens: a held-out window found in the training stream is a leak
 MIN_PIECE = 40  # characters: a held-out paragraph (piece) this long found in the training text is a leak
