@@ -189,6 +189,16 @@ KNOWN_NOISE_LOGS = (
     # assets: torchtitan writes the HF export as one file, which the export check re-reads like any other
     "operations will be performed. This is suboptimal",  # DTensor on torchtitan's 2-D (FSDP x tensor parallel)
     # mesh, gathering a gradient norm or a weight for the checks: the mesh is torchtitan's to flatten
+    "Converted HF modules to Module protocol",  # the Transformers backend, once per module converted (396 lines a
+    # SmolLM2 run): a step of its build, nothing to act on
+    # and torchtitan's lines that contradict the project's:
+    "Peak FLOPS used for computing MFU",  # its device table's peak at build (the A100 fallback on CPU), which the
+    # step lines do not use: their MFU and the [pilot] line are against the run's own peak (--peak_tflops)
+    "Un-tied embedding/lm_head weights for FSDP",  # the Transformers backend ties them again at init; the [hf] line
+    # and the export's tied_lm_head say so, checked (examples/hf_backend/fixes.py: check_embeddings_tied)
+    "Preparing c4_test dataset from",  # the loader every dataset of the project's goes through, named c4_test for
+    # the corpus and the user's own folder or file too; [config] names the dataset
+    "Training completed",  # after its loop, a stop's as a finished run's: [stopped] or [done] says which
 )
 # and torch's warnings (a regular expression at the start of each):
 KNOWN_NOISE_WARNINGS = (
@@ -198,6 +208,9 @@ KNOWN_NOISE_WARNINGS = (
     r"In CPU autocast, but the target dtype is not supported",  # torchtitan's MoE router in float32 on CPU
     r"`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",  # torch's own FutureWarning
     # for the collectives its DTensor calls under tensor parallel
+    r"To get the last learning rate computed by the scheduler, please use `get_last_lr\(\)`",  # every resume:
+    # torchtitan's scheduler load recomputes the rate with get_lr(), which torch means for its own step() only; the
+    # rate it recomputes is the schedule's
 )
 
 
@@ -209,8 +222,9 @@ class _KnownNoise(logging.Filter):
 
 def quiet_known_noise() -> None:
     """Workaround: leave out of a run's output the torchtitan and torch lines above, which every run printed (11 to
-    13 lines a run) and none of which a user can act on; every other warning is printed as before. Remove an entry
-    when the torchtitan or torch that printed it no longer does."""
+    13 lines a run, and 396 more a SmolLM2 run) and none of which a user can act on or which contradict the project's
+    own lines; every other warning is printed as before (tests/test_quiet.py). Remove an entry when the torchtitan or
+    torch that printed it no longer does."""
     # torchtitan logs on the root logger, its configs on theirs; DTensor on its own
     for name in ("", "torchtitan.config.configurable", "torch.distributed.tensor._redistribute"):
         logger = logging.getLogger(name)

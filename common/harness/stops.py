@@ -133,26 +133,43 @@ class StopControl:
         self.batch_s = 0.0  # the pace of the last evaluation: seconds a held-out batch
         self._last = time.monotonic()  # when the last step's work (its save, its evaluation) ended
         self._eval_start = 0.0
+        self.torchrun_grace_s: int | None = None  # rank 0 under a torchrun of the user's that gives a stop's save
+        # less than STOP_GRACE_S: its grace, said once where it matters (_say_torchrun_grace)
+        self._grace_said = False
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         if self.is_main and under_a_users_torchrun():
-            self._say_torchrun_grace()
+            try:
+                import psutil
 
-    def _say_torchrun_grace(self) -> None:
-        try:
-            import psutil
+                cmdline = psutil.Process(os.getppid()).cmdline()
+            except Exception:  # noqa: BLE001  no parent to read: nothing to say
+                return
+            grace = torchrun_grace_s(cmdline, dict(os.environ))
+            self.torchrun_grace_s = grace if grace < STOP_GRACE_S else None
 
-            cmdline = psutil.Process(os.getppid()).cmdline()
-        except Exception:  # noqa: BLE001  no parent to read: nothing to say
+    def _say_torchrun_grace(self, *, signalled: bool = False) -> None:
+        """Once, on rank 0 under a torchrun of the user's with a short --shutdown-timeout, and only where it matters
+        (not at the start of every run, where a CPU run's tenth of a second save made it a line to ignore): when this
+        run's own figures, the longest step and save measured, outlast torchrun's grace, or, before any save was
+        measured, when a stop signal comes (its save is then the first)."""
+        grace = self.torchrun_grace_s
+        if grace is None or self._grace_said:
             return
-        grace = torchrun_grace_s(cmdline, dict(os.environ))
-        if grace < STOP_GRACE_S:
-            print(f"[stop] torchrun kills its workers {grace} s after it passes on a stop signal it got itself: a "
-                  f"stop whose step and checkpoint save take longer is lost. Start torchrun with --shutdown-timeout "
-                  f"{STOP_GRACE_S} (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT={STOP_GRACE_S}), or use the scripts' own "
-                  "launch (--nproc_per_node)", flush=True)
+        need = self.step_s + (max(self.save_s) if self.save_s else 0.0)
+        fix = (f"start torchrun with --shutdown-timeout {STOP_GRACE_S} (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT="
+               f"{STOP_GRACE_S}), or use the scripts' own launch (--nproc_per_node)")
+        if signalled:
+            self._grace_said = True
+            os.write(2, f"[stop] torchrun kills the workers {grace} s after it passes on a stop signal: a step and save "
+                        f"that take longer are lost; to give them time, {fix}\n".encode())
+        elif need > grace:
+            self._grace_said = True
+            print(f"[stop] a stop needs {need:.0f} s here (the longest step {self.step_s:.1f} s, then the save "
+                  f"{max(self.save_s, default=0.0):.1f} s) and torchrun kills its workers {grace} s after it passes on "
+                  f"a stop signal: such a stop would be lost; {fix}", flush=True)
 
     def _on_signal(self, signum, _frame) -> None:
         name, now = signal.Signals(signum).name, time.monotonic()
@@ -161,6 +178,8 @@ class StopControl:
             if self.is_main:
                 os.write(2, f"[stop] {name}: finishing this step (or held-out batch), then saving a checkpoint (a "
                             "second signal ends the run at once)\n".encode())
+                if not self.save_s:  # no save measured yet: the stop's save is the first, of unknown length
+                    self._say_torchrun_grace(signalled=True)
         elif now - self.first_at > self.DUPLICATE_S:
             os.write(2, f"error: {name} again: ended at once; the last complete checkpoint in the out_dir stays "
                         "usable\n".encode())
@@ -203,6 +222,7 @@ class StopControl:
         now = time.monotonic()
         self.steps_s.append(now - self._last)
         self.step_s, self._last = max(self.step_s, now - self._last), now
+        self._say_torchrun_grace()
         if self._last_step(step):
             return
         code, _ = self.agree(ahead_s=self.eval_s if eval_due else 0.0)
@@ -215,10 +235,12 @@ class StopControl:
         write."""
         self.saves.append({"step": step, "wait_s": blocking_s, "write_s": written_s})
         self._last = time.monotonic()
+        self._say_torchrun_grace()
 
     def written(self, seconds: float) -> None:
         """The last save's whole write, known once it ended (an asynchronous save's)."""
         self.saves[-1]["write_s"] = seconds
+        self._say_torchrun_grace()
 
     @property
     def save_s(self) -> list[float]:

@@ -170,6 +170,24 @@ def check_embeddings_tied(model, expected: bool) -> None:
                            f"says tie_word_embeddings={expected}")
 
 
+# --------------------------------------------------------------------------- LR schedule
+def fit_decay_to_steps(lr_scheduler, steps: int) -> None:
+    """Workaround: the decay share of the schedule, cut to the steps a short run has after its warm-up.
+
+    Why: the AWS guide's builder (`transformers_modeling_backend_full`) sets `decay_ratio=0.8`, so a run of 2 or 3
+    steps asks torchtitan for warm-up + decay steps beyond its length; torchtitan then shortens the decay to what is
+    left and logs a WARNING ("Warmup (2) + decay (2) steps exceed total steps (3)") about the length the user chose.
+    Setting the ratio to that very share here gives torchtitan the schedule it would have adjusted to (the same
+    learning rates, step by step) without the warning; runs long enough for 0.8 keep 0.8. Remove when the builder's
+    ratio fits short runs or torchtitan's adjustment is silent."""
+    ratio = getattr(lr_scheduler, "decay_ratio", None)
+    if ratio is None or steps <= 0:
+        return
+    room = max(steps - int(lr_scheduler.warmup_steps), 0)
+    if round(steps * ratio) > room:
+        lr_scheduler.decay_ratio = room / steps  # round(steps * room / steps) == room
+
+
 # --------------------------------------------------------------------------- export
 def export_config(hf_config: dict, *, dtype: str) -> dict:
     """The config.json of the export: the input checkpoint's, with the dtype the weights were saved in."""
