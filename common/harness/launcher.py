@@ -17,7 +17,7 @@ from common.device import GIB
 from common.errors import UserError, one_line
 from common.results import HELD_LOCKS, hold_lock
 from common.harness import torchrun_parent
-from common.harness.stops import DEADLINE, EXIT_STOPPED, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
+from common.harness.stops import DEADLINE, EXIT_STOPPED, FAILED_MARK, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
 
 
 def under_launcher() -> bool:
@@ -414,6 +414,7 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
              [f"--nnodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
               f"--master_port={cfg.master_port}"])
     logs = rank_logs_dir(out_dir, cfg.node_rank)
+    check_logs_dir(logs)
     cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.nproc_per_node}",
            *rank_log_flags(cfg.nproc_per_node, logs), *torchrun_stop_flags(), *rest]
     with tempfile.TemporaryDirectory(prefix="qwen3-launch-") as tmp:
@@ -440,6 +441,10 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
         for sig in STOP_SIGNALS:
             signal.signal(sig, stop)
         code = proc.wait()
+        failed = marker.with_name(FAILED_MARK)
+        if failed.exists():  # a worker's check failed after training: its line, exit 2 (as without a launch)
+            print(failed.read_text(errors="replace").strip(), file=sys.stderr, flush=True)
+            return 2
         if not marker.exists():  # a stop's mark: every worker of this host saved and ended; torchrun's own exit
             if first and not first[2]:  # is not 0 when it got the signal too
                 print(f"[stopped] {signal.Signals(first[1]).name} before any worker of this node started (torchrun "
@@ -461,6 +466,24 @@ def rank_logs_dir(out_dir: Path, node_rank: int) -> Path:
     """Where a self-launch keeps this node's ranks' output: torchrun makes a folder of its own in it for each launch
     (`<run id>_<random>/attempt_0/<local rank>/stdout.log, stderr.log, error.json`), so a resume adds one."""
     return Path(out_dir) / "logs" / f"node{node_rank}"
+
+
+def check_logs_dir(logs: Path) -> None:
+    """The ranks' log folder (rank_logs_dir) and the OUT_DIR/logs above it made, or found as folders: a file or a
+    symbolic link to nothing there is one UserError before torchrun (whose own mkdir would be its traceback)."""
+    for folder in (logs.parent, logs):
+        if folder.is_symlink() and not folder.exists():
+            what = "a symbolic link to nothing"
+        elif folder.exists() and not folder.is_dir():
+            what = "a FIFO" if folder.is_fifo() else "a file"
+        else:
+            continue
+        raise UserError(f"{folder} is {what}, not a folder: the scripts' own launch keeps each rank's output there; "
+                        "move it out of --out_dir")
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{logs} cannot be made: {one_line(e.strerror or str(e))}") from None
 
 
 def rank_log_flags(nproc_per_node: int, logs: Path) -> list[str]:

@@ -125,6 +125,7 @@ class StopControl:
         self.reason: str | None = None
         self.first_at = 0.0
         self.stopped_at: int | None = None
+        self.ended = False  # the last step (--steps) ended in this process
         self.saves: list[dict] = []  # each resumable save of this process: its step, the seconds training waited
         # for it and its whole write (None while an asynchronous one is being written)
         self.steps_s: list[float] = []  # each step of this process (an evaluation's and a save's time not included)
@@ -224,6 +225,7 @@ class StopControl:
         self.step_s, self._last = max(self.step_s, now - self._last), now
         self._say_torchrun_grace()
         if self._last_step(step):
+            self.ended = True
             return
         code, _ = self.agree(ahead_s=self.eval_s if eval_due else 0.0)
         if code:
@@ -298,6 +300,24 @@ class StopControl:
 def resume_line(stopped: dict) -> str:
     return (f"[stopped] {stopped['reason']} after step {stopped['step']}: checkpoint {stopped['checkpoint']}; run the "
             f"same command again to resume from it (exit code {EXIT_STOPPED})")
+
+
+FAILED_MARK = "failed"  # beside the stop mark (SELF_LAUNCHED): a check that failed after training, its one line
+
+
+def exit_if_failed_after_training(error: UserError, stop: StopControl) -> None:
+    """A check that failed once training ended (the export check, --compare_losses: rank 0 raises it after writing
+    results.json, the other ranks having ended) in a worker of the scripts' own launch: its `error:` line goes to a
+    mark beside the stop mark and the worker exits 0; the launcher prints the line and exits 2 (torchrun would print
+    its failure table over a worker's non-zero exit, and exit 1). Anywhere else, or before the last step or a stop
+    ended training (the other ranks may still be in a collective, which torchrun ends when this rank fails), it
+    returns and the caller raises the error."""
+    from common.errors import one_line
+
+    if not os.environ.get(SELF_LAUNCHED) or not (stop.ended or stop.stopped_at is not None):
+        return
+    atomic_write_text(Path(os.environ[SELF_LAUNCHED]).with_name(FAILED_MARK), f"error: {one_line(str(error))}\n")
+    raise SystemExit(0)
 
 
 def exit_if_stopped(results: dict) -> None:

@@ -1,0 +1,88 @@
+"""The scripts' own launch (--nproc_per_node), where a failure is one line and the documented exit code, never
+torchrun's failure table or traceback: a check that fails after training (the export check, --compare_losses) on
+a worker ends the launch with exit 2 and its line; an OUT_DIR/logs that is no folder is refused before torchrun."""
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from common.errors import UserError
+from common.harness import launcher, stops
+
+REPO = Path(__file__).resolve().parents[1]
+LINE = "losses differ from ref.json from step 2 (max abs diff 0.5, tolerance 1e-06) (details in results.json)"
+
+# A worker as a training rank ends: rank 0's check fails after the last step (common.losses.finish_run raises it
+# once results.json is written; the other ranks have ended), and the guarded run hands it to stops; what is left
+# is common/cli.py's own handling of a UserError.
+WORKER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    from common.errors import UserError
+    from common.harness import stops
+    stop = stops.StopControl(end=None, margin_s=0.0, is_main=True, steps=1)
+    stop.step_ended(1)  # the last step: nothing collective after it
+    if os.environ["RANK"] == "0":
+        try:
+            raise UserError({line!r})
+        except UserError as e:
+            stops.exit_if_failed_after_training(e, stop)
+            print(f"error: {{e}}", file=sys.stderr, flush=True)
+            sys.exit(2)
+""")
+
+
+def _launch(tmp_path: Path, script: str) -> int:
+    worker = tmp_path / "worker.py"
+    worker.write_text(script)
+    cfg = SimpleNamespace(nproc_per_node=2, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=0)
+    return launcher.self_launch(cfg, [str(worker)], tmp_path / "out")
+
+
+def test_a_check_that_fails_after_training_under_the_scripts_own_launch_is_exit_2_and_one_line(tmp_path, capfd):
+    code = _launch(tmp_path, WORKER.format(repo=str(REPO), line=LINE))
+    out, err = capfd.readouterr()
+    assert code == 2, out[-2000:] + err[-4000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [f"error: {LINE}"], err[-4000:]
+    assert "ChildFailedError" not in err and "Traceback" not in err, err[-4000:]
+
+
+def test_only_a_finished_workers_check_goes_to_its_launcher(tmp_path, monkeypatch):
+    """Before the last step (a rank's error while the others may still be in a collective) the worker fails as any
+    process does, so that torchrun ends the others; outside the scripts' own launch nothing changes either."""
+    marker = tmp_path / "stopped"
+    monkeypatch.setenv(stops.SELF_LAUNCHED, str(marker))
+    stop = stops.StopControl(end=None, margin_s=0.0, is_main=True, steps=3)
+    stops.exit_if_failed_after_training(UserError("x"), stop)  # no step yet: returns, the caller raises
+    assert not marker.with_name(stops.FAILED_MARK).exists()
+    stop.step_ended(3)
+    with pytest.raises(SystemExit) as ended:
+        stops.exit_if_failed_after_training(UserError("export check failed (a\nb)"), stop)
+    assert ended.value.code == 0
+    assert marker.with_name(stops.FAILED_MARK).read_text() == "error: export check failed (a\ufffdb)\n"  # one line
+    monkeypatch.delenv(stops.SELF_LAUNCHED)
+    stops.exit_if_failed_after_training(UserError("x"), stop)  # not a worker of the scripts' own launch
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link", "node folder a file"])
+def test_an_out_dir_logs_that_is_no_folder_is_refused_before_torchrun(tmp_path, kind):
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = out / "logs"
+    if kind == "file":
+        logs.write_text("mine\n")
+    elif kind == "dangling link":
+        logs.symlink_to(tmp_path / "gone")
+    else:
+        (logs / "node0").parent.mkdir()
+        (logs / "node0").write_text("mine\n")
+    where = logs / "node0" if kind == "node folder a file" else logs
+    what = "a symbolic link to nothing" if kind == "dangling link" else "a file"
+    with pytest.raises(UserError, match=rf"^{where} is {what}, not a folder: the scripts' own launch keeps each "
+                                        r"rank's output there; move it out of --out_dir"):
+        _launch(tmp_path, "raise SystemExit('never started')\n")
+    assert sorted(p.name for p in out.iterdir()) == ["logs"]  # torchrun never started: no launch folder
