@@ -51,14 +51,23 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = field(
         default="float32", metadata={"help": "parameter dtype in compute (FSDP mixed precision)"})
     dataset: str = field(default="corpus", metadata={
-        "help": "'corpus' (offline English from set-up), 'c4_test', or a folder of JSON lines with a 'text' field"})
+        "help": "'corpus' (offline English from set-up), 'c4_test' (with --dataset_path), or your own JSON lines with "
+                "a 'text' field: a folder or one .jsonl file (without a validation*.jsonl, every 100th document is "
+                "held out, not trained on)"})
     dataset_path: str | None = field(
-        default=None, metadata={"help": "for c4_test: the folder (a torchtitan checkout's tests/assets/c4_test)"})
+        default=None, metadata={"help": "for --dataset c4_test only: its folder (a torchtitan checkout's "
+                                        "tests/assets/c4_test); refused with any other --dataset"})
     document_mask: Literal["auto", "on", "off"] = field(default="auto", metadata={
         "help": "SDPA attention masks the packed documents of a sequence apart. auto: off on Neuron (TorchNeuron's "
                 "fused flash-attention kernel takes no mask; with one it falls back to float32 heads x seq x seq "
                 "scores, +6.5 GiB a core at qwen3_4b: docs/memory-model.md), on elsewhere; off: a token also attends "
                 "to the earlier documents packed into its sequence, as AWS's recipes train"})
+    compile: bool = field(default=False, metadata={
+        "help": "torch.compile each transformer block and the loss, as torchtitan compiles them (per block, "
+                "fullgraph); the backend: --compile_backend"})
+    compile_backend: str | None = field(default=None, metadata={
+        "help": "with --compile: torch.compile's backend (default: neuron on Trainium, TorchTitan Neuron's "
+                "`--compile.backend neuron`; inductor on CPU and CUDA; aot_eager traces without generating code)"})
     load_check: bool = field(default=True, metadata={
         "help": "starting from HF weights: compare the built model with transformers' load of them before step 1 "
                 "(a guard of common/harness/: a copy of the core alone skips it)"})
@@ -208,6 +217,8 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: Inputs) -> list[str]:
     tc.hf_assets_path = str(out_dir / "hf_assets")
     tc.dump_folder = str(out_dir)
     if found.dataset is not None:  # a dry run reads no data
+        if found.dataset[0] == paths.OWN_DATA:  # a name of this project's, given to torchtitan after device setup
+            paths.register_own_data()
         tc.dataloader.dataset, tc.dataloader.dataset_path = found.dataset
     tc.training.steps = cfg.steps
     tc.training.local_batch_size = cfg.local_batch_size
@@ -218,10 +229,20 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: Inputs) -> list[str]:
     tc.lr_scheduler.warmup_steps = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
     tc.comm.init_timeout_seconds = tc.comm.train_timeout_seconds = cfg.comm_timeout_s  # the group: device.setup
     tc.parallelism.tensor_parallel_degree = cfg.tensor_parallel_degree  # the rest of the ranks: FSDP (degree -1)
+    if cfg.compile:  # torchtitan's own compile: each block with fullgraph=True, and the loss
+        tc.compile.enable, tc.compile.components = True, ["model", "loss"]
+        tc.compile.backend = cfg.compile_backend or compile_backend(dev.device_type)
     if cfg.activation_checkpoint != "recipe":
         tc.activation_checkpoint = activation_checkpoint_config(cfg.activation_checkpoint)
     export.apply_checkpoint_settings(tc, steps=cfg.steps, initial_hf=found.initial_hf, dtype=cfg.dtype)
     return torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
+
+
+def compile_backend(device_type: str) -> str:
+    """torch.compile's backend for a device: TorchTitan Neuron's `neuron` (its release notes: "eager and
+    `--compile.backend neuron`", awsdocs-neuron.readthedocs-hosted.com release-notes/components/torchtitan-neuron),
+    torch's inductor elsewhere."""
+    return "neuron" if device_type == "neuron" else "inductor"
 
 
 def activation_checkpoint_config(mode: str):

@@ -48,16 +48,15 @@ class SDPADocumentAttention(VarlenAttention):
 
     Why: torchtitan 0.3.0 language models accept only FlexAttention (no CPU backward, needs Triton/inductor) or varlen
     attention (a CUDA kernel), and its plain SDPA class cannot mask documents. Subclassing the varlen config makes the
-    trainer hand us the per-document boundaries it computes from `positions`; the mask is materialised once per
-    forward (B x L x L booleans) and reused by every layer. Without document masking the boundaries are ignored and
-    SDPA runs `is_causal=True`, the form TorchNeuron's fused kernel takes. Remove when torchtitan ships a
+    trainer ask the model for masks from `positions` before the forward; `masks_before_the_blocks` has the model answer
+    with the (B, 1, L, L) boolean mask itself, built once a forward outside the layers (so a layer compiled on its own
+    by `--compile` sees a tensor of one shape, never a cache to guard on), or with None where documents are not
+    masked: SDPA then runs `is_causal=True`, the form TorchNeuron's fused kernel takes. Remove when torchtitan ships a
     document-masked SDPA backend for language models."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(VarlenAttention.Config):
         document_mask: Literal["auto", "on", "off"] = "auto"  # auto: off on Neuron, on elsewhere (document_masking)
-
-    _last_mask: tuple = (None, None)  # (VarlenMetadata, mask) of the latest forward
 
     def __init__(self, config: Config) -> None:
         super(VarlenAttention, self).__init__()  # skip the CUDA flash-attention set-up
@@ -66,13 +65,13 @@ class SDPADocumentAttention(VarlenAttention):
 
     @staticmethod
     def document_causal_mask(meta: VarlenMetadata, batch: int, seq_len: int, device) -> torch.Tensor:
+        """The mask from torchtitan's varlen metadata (a forward whose model was not set up by
+        masks_before_the_blocks)."""
         total = batch * seq_len
         starts = torch.zeros(total + 1, dtype=torch.int32, device=device)
         starts[meta.cu_seq_q.to(device=device, dtype=torch.long)] = 1
         doc = torch.cumsum(starts[:total], 0).view(batch, seq_len)
-        same_doc = doc[:, :, None] == doc[:, None, :]
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        return (same_doc & causal)[:, None]  # (B, 1, L, L), broadcast over heads
+        return _same_document_causal(doc)
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None,
                 enable_gqa: bool = False, out_transform=None, **kwargs) -> torch.Tensor:
@@ -85,14 +84,52 @@ class SDPADocumentAttention(VarlenAttention):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
         else:
-            # One VarlenMetadata object is shared by all layers of a forward: build its mask once.
-            meta, cache = SDPADocumentAttention._last_mask
-            if meta is not attention_masks or cache.shape[0] != B or cache.shape[-1] != L:
-                cache = self.document_causal_mask(attention_masks, B, L, q.device)
-                SDPADocumentAttention._last_mask = (attention_masks, cache)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache, scale=scale,
+            mask = attention_masks if isinstance(attention_masks, torch.Tensor) else \
+                self.document_causal_mask(attention_masks, B, L, q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2)
+
+
+def _same_document_causal(doc: torch.Tensor) -> torch.Tensor:
+    """(B, 1, L, L) booleans from each token's document number (B, L): a token sees the earlier tokens of its own
+    document, broadcast over heads."""
+    seq_len = doc.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def document_causal_mask_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """The packed-document mask from torchtitan's `positions` (B, L), which restart at 0 at each document, as its
+    varlen metadata reads them (create_varlen_metadata_for_document)."""
+    return _same_document_causal(torch.cumsum(positions == 0, dim=1))
+
+
+def masks_before_the_blocks(model_spec) -> None:
+    """The model's attention masks, as the trainer asks for them before each forward (`get_attention_masks`), for a
+    model whose attention is SDPADocumentAttention: the dense mask where its documents are masked on this device,
+    else None (causal SDPA). One tensor a forward, made outside the layers, shared by all of them. Wraps the spec's
+    parallelize_fn (the model exists there). Remove with SDPADocumentAttention."""
+    inner = model_spec.parallelize_fn
+    if getattr(inner, "_masks_wrapped", False):
+        return
+
+    def parallelize(model, **kwargs):
+        model = inner(model, **kwargs)
+        from torchtitan.tools.utils import device_type  # the device torchtitan trains on, routed by now
+
+        attentions = [m for m in model.modules() if isinstance(m, SDPADocumentAttention)]
+        if attentions:
+            masked = document_masking(attentions[0].document_mask, device_type)
+            model.get_attention_masks = document_causal_mask_from_positions if masked else _no_masks
+        return model
+
+    parallelize._masks_wrapped = True
+    model_spec.parallelize_fn = parallelize
+
+
+def _no_masks(positions: torch.Tensor) -> None:
+    return None
 
 
 def use_attention_backend(model_config, backend: str, document_mask: str = "auto") -> list[str]:
@@ -170,6 +207,7 @@ def apply_trainer_settings(cfg: Trainer.Config, dev: DeviceInfo, *, seed: int) -
         cfg.training.disable_cuda_graphs = True
         notes.append("cuda graphs off")
     force_sum_reduction_on_gloo(cfg.model_spec)
+    masks_before_the_blocks(cfg.model_spec)
     cfg.debug.seed = seed
     cfg.debug.deterministic = dev.device_type == "cpu"  # reproducible losses on CPU
     cfg.metrics.log_freq = 1  # one line and one recorded loss per step

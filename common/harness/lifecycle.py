@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import cli, device, export
-from common.errors import UserError
+from common.errors import UserError, one_line
 from common.harness import dryrun, interval, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import explain_failure, check_outputs, check_settings, compare_losses, \
     format_loss_comparison, load_tolerance, logit_check, read_reference_losses, whole_history
@@ -47,15 +47,17 @@ class Guards:
                             f"else: add --checkpoint_every auto (it is {every!r}) or leave it out")
         super().validate()
     eval_every: int = field(default=0, metadata={
-        "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on data training never "
-                "reads: the corpus's validation.jsonl, a folder's validation split, else c4_validation from the Hub",
+        "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on local data training "
+                "never reads: the corpus's validation.jsonl, a folder's validation split, else your own data's "
+                "held-out share (every 100th document, never trained on); c4_test needs --eval_dataset_path",
         **cli.bounds(0, 10**7)})
     eval_steps: int = field(default=4, metadata={
         "help": "with --eval_every: batches of held-out data per evaluation (--local_batch_size sequences a rank)",
         **cli.bounds(1, 10**5)})
     eval_dataset_path: str | None = field(default=None, metadata={
-        "help": "with --eval_every: a local folder of held-out JSON lines (its validation*.jsonl files), for training "
-                "data without a validation split; without it such a run streams c4's validation split from the Hub"})
+        "help": "with --eval_every: a local folder of held-out JSON lines (its validation*.jsonl files), read instead "
+                "of the training data's own held-out data; needed for c4_test, whose folder has none (nothing is "
+                "streamed from the Hub)"})
     disk_check: bool = field(default=True, metadata={
         "help": "before the launch, check that OUT_DIR's filesystem has room for the checkpoints kept and the "
                 "export; --no-disk_check for storage whose free space the OS does not report (some network and "
@@ -535,6 +537,8 @@ class GuardHooks(Hooks):
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run
         out.update(self.saves.results())  # the auto interval and the stop-notice verdict
         out["time_to_first_step"] = self.phases.result()  # a collective
+        if trainer.config.compile.enable:  # what compiled when, and the recompiles after the warm-up
+            out["compile"] = {"backend": trainer.config.compile.backend, **trainer.compiles.summary()}
         if cfg.compare_losses:  # over the whole curve, steps before a resume included
             history = self.history(trainer)
             out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
@@ -544,9 +548,27 @@ class GuardHooks(Hooks):
                 print(warning, file=sys.stderr, flush=True)
             print(pilot.format_line(report), flush=True)
             print(phases_line(out["time_to_first_step"]), flush=True)
+            if "compile" in out:
+                print(compile_line(out["compile"]), file=sys.stderr if out["compile"]["recompiles_after_warmup"]
+                      else sys.stdout, flush=True)
             if cfg.compare_losses:
                 print(format_loss_comparison(out["loss_comparison"]), flush=True)
         return out
+
+
+def compile_line(audit: dict) -> str:
+    """The compile audit in one line; a recompile after the warm-up is a warning naming its step and reason."""
+    late = audit["recompiles_after_warmup"]
+    line = (f"[compile] {audit['backend']}: {audit['graphs']} graphs, {audit['recompiles']} recompiles "
+            f"({len(late)} after the {audit['warmup_steps']}-step warm-up), {audit['graph_breaks']} graph breaks, "
+            f"{audit['compile_s']:.1f} s compiling")
+    if late:
+        first = late[0]
+        when = f"step {first['step']}" if first["where"] == "step" else f"after step {first['step']} (its save or " \
+            "evaluation)"
+        line += (f"; warning: {when} compiled again ({one_line(str(first['reason']))[:200]}): each recompile costs a "
+                 "compile again (minutes on Trainium)")
+    return line
 
 
 def planned_save_s(shape: dict, cfg) -> float | None:

@@ -51,6 +51,8 @@ WHOLE_MAX, SAMPLES, SAMPLE_BYTES, READ_BUDGET = 8 << 20, 16, 64 << 10, 256 << 20
 def _train_files(folder: Path) -> list[Path]:
     """The files `load_dataset(folder, split="train")` reads (datasets' own resolution of the folder), else every
     regular file in it (hidden ones left out)."""
+    if folder.is_file():  # a one-file dataset (--dataset FILE.jsonl)
+        return [folder]
     try:
         import datasets
 
@@ -71,7 +73,7 @@ def _data_identity(dataset: tuple[str, str] | None) -> dict | None:
         st, h = f.stat(), hashlib.sha256()
         entry = {"size": st.st_size}
         try:
-            name = f.relative_to(folder).as_posix()
+            name = f.name if f == folder else f.relative_to(folder).as_posix()
         except ValueError:
             name = str(f)
         if read < READ_BUDGET:

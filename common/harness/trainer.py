@@ -414,17 +414,20 @@ class GuardedLoop:
     def __init__(self, config, *, guards):
         self.guards = guards
         self.first_step: int | None = None
+        self.compiles = CompileAudit()
         super().__init__(config)
         guards.check_settings(self)  # the built model's settings against the HF folder's, before it loads
 
     def train(self):
         self.guards.compile_cache.start()  # the compile cache's entries before step 1
         trained = super().train()
+        self.compiles.collect(self.step, "after")  # the last step's save and evaluation
         self.checkpointer.finish_writing()  # an asynchronous save still being written: whole before the end
         return trained
 
     def train_step(self, data_iterator):
         guards, first = self.guards, self.first_step is None
+        self.compiles.collect(self.step - 1, "after")  # the last step's save and evaluation, or the load check
         if first:  # this process's first step: step 1, or the one after the resumed step
             self.first_step = self.step
             guards.saves.started_after = self.step - 1
@@ -434,6 +437,7 @@ class GuardedLoop:
                 guards.check_logits(self)  # the loaded weights against transformers' load of them
                 guards.phases.mark("load check")
         super().train_step(data_iterator)  # ends in the metrics' log: loss, memory peak, MFU
+        self.compiles.collect(self.step, "step")  # the graphs compiled during it (--compile)
         if first:
             guards.compile_cache.first_step()
             guards.phases.mark("first step")
@@ -449,6 +453,64 @@ class GuardedLoop:
                 self.checkpointer.save(stop.stopped_at)
             return False
         return super().should_continue_training()
+
+
+class CompileAudit:
+    """What torch.compile compiled and when (--compile): each frame compile torch records
+    (torch._dynamo.utils.get_compilation_metrics: its compile id "frame/attempt", attempt > 0 a recompile, with
+    Dynamo's reason and graph breaks; a graph's backward is recorded under the same id), read before and after every
+    training step, so each compile is placed in a step or between two (a save, an evaluation, the load check). The
+    warm-up is a process's first two steps; a recompile after it (a save, an evaluation or a resume that changed
+    what a guard checks) costs a compile again: minutes on Trainium."""
+
+    WARMUP_STEPS = 2
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.first_step: int | None = None
+        self.since_us = self._latest_us()
+
+    @staticmethod
+    def _metrics() -> list:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        return get_compilation_metrics()
+
+    def _latest_us(self) -> int:
+        return max((m.start_time_us or 0 for m in self._metrics()), default=0)
+
+    def collect(self, step: int, where: str) -> None:
+        """The compiles since the last look: in step `step` (`where` "step"), or after it ("after": its save, its
+        evaluation; before step 1: the load check)."""
+        if self.first_step is None and where == "step":
+            self.first_step = step
+        for m in self._metrics():
+            if (m.start_time_us or 0) <= self.since_us:
+                continue
+            same = next((e for e in self.events if e["compile_id"] == str(m.compile_id) and e["step"] == step
+                         and e["where"] == where), None)
+            if same is not None:  # the graph's backward, compiled under its forward's id
+                same["seconds"] += m.entire_frame_compile_time_s or 0.0
+                continue
+            attempt = str(m.compile_id).split("/")[-1]
+            self.events.append({"step": step, "where": where, "compile_id": str(m.compile_id),
+                                "recompile": attempt.isdigit() and int(attempt) > 0, "reason": m.recompile_reason,
+                                "graph_breaks": m.num_graph_breaks or 0,
+                                "seconds": m.entire_frame_compile_time_s or 0.0})
+        self.since_us = max(self.since_us, self._latest_us())
+
+    def after_warmup(self) -> list[dict]:
+        """The recompiles after this process's warm-up steps (their saves and evaluations included)."""
+        last_warm = (self.first_step or 1) + self.WARMUP_STEPS - 1
+        return [e for e in self.events if e["recompile"] and e["step"] > last_warm]
+
+    def summary(self) -> dict:
+        return {"graphs": sum(not e["recompile"] for e in self.events),
+                "recompiles": sum(e["recompile"] for e in self.events),
+                "graph_breaks": sum(e["graph_breaks"] for e in self.events),
+                "compile_s": round(sum(e["seconds"] for e in self.events), 3),
+                "warmup_steps": self.WARMUP_STEPS, "recompiles_after_warmup": self.after_warmup(),
+                "events": self.events}
 
 
 class GuardedTrainer(GuardedLoop, Trainer):

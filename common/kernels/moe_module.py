@@ -47,8 +47,9 @@ class OpRoutedExperts(RoutedExperts):
         out_TD, counts_E = grouped_experts(x_BLD.reshape(B * L, D), topk_scores_BLK.reshape(B * L, K),
                                            topk_expert_ids_BLK.reshape(B * L, K), experts.w1_EFD,
                                            experts.w2_EDF, experts.w3_EFD, compute_dtype=self.compute_dtype)
-        # Count once per step: activation checkpointing replays this forward inside backward.
-        if self.training and torch._C._current_graph_task_id() == -1:
+        # Count once per step: activation checkpointing replays this forward inside backward. Not under
+        # torch.compile (--compile): the autograd task id is not traceable, so a compiled run counts no load.
+        if self.training and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1:
             counts_E = counts_E.detach().to(torch.int64)
             self.expert_load_E = counts_E if self.expert_load_E is None else self.expert_load_E + counts_E
         return out_TD.view(B, L, D)

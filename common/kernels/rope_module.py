@@ -62,6 +62,8 @@ class NKIRoPE(CosSinRoPE):
         settings. The entry holds that tensor, so its identity cannot be reused by another one; an
         in-place change bumps its version and misses."""
         global _rows_entry
+        if torch.compiler.is_compiling():  # --compile: a layer's graph computes its rows (a cache compared by
+            return self.rows_for(positions)  # identity would be a guard failing every step: a recompile each step)
         key = (positions._version, self._rows_settings())
         if _rows_entry is not None and _rows_entry[0] is positions and _rows_entry[1] == key:
             return _rows_entry[2]

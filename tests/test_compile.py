@@ -1,0 +1,76 @@
+"""--compile: torchtitan's own compile (each block and the loss), the guards around it, and the compile audit.
+
+In `make test` the native script compiles with the aot_eager backend (Dynamo's graphs traced, no code generated:
+seconds on CPU); the MoE and HF-backend runs, and inductor, are in the extended tier."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ROOT, read_results, run_example
+
+GOLDEN = ROOT / "tests" / "assets" / "golden_losses"
+
+
+def _compiled_run(script: str, out, *args: str, reference=None) -> dict:
+    """10 steps compiled, the losses compared with `reference` (a results.json; default: the script's golden
+    losses, an eager run of the same 10 steps on one process)."""
+    reference = reference or GOLDEN / f"{script.removesuffix('.py')}.tiny.json"
+    run_example(script, "--steps", "10", "--compile", "--compile_backend", "aot_eager", "--out_dir", str(out),
+                "--compare_losses", str(reference), "--loss_tolerance", "1e-5", *args, process=True)
+    return read_results(out)
+
+
+def _assert_compiled_like_eager(res: dict) -> None:
+    assert res["loss_comparison"]["passed"], res["loss_comparison"]  # the eager golden losses, within 1e-5
+    audit = res["compile"]
+    assert audit["backend"] == "aot_eager" and audit["graphs"] >= 2 and audit["graph_breaks"] == 0, audit
+    assert audit["recompiles_after_warmup"] == [], audit["recompiles_after_warmup"]
+    assert res["export_check"]["passed"], res["export_check"]
+
+
+def test_the_native_script_compiled_trains_as_eager_with_no_recompile_after_warm_up(tmp_path):
+    """10 steps compiled, with an evaluation every 5 steps and a save every 4: the losses are the eager golden
+    losses, the export re-reads as the trained model, and after the 2-step warm-up nothing compiles again (the
+    evaluation at step 1 compiles its no-grad graph once; the saves compile nothing)."""
+    res = _compiled_run("train_native_qwen3.py", tmp_path / "n", "--eval_every", "5", "--checkpoint_every", "4")
+    _assert_compiled_like_eager(res)
+    after_eval = [e for e in res["compile"]["events"] if e["where"] == "after"]
+    assert after_eval and all(e["step"] == 1 and "grad_mode" in str(e["reason"]) for e in after_eval), after_eval
+    assert [r["step"] for r in res["eval_losses"]] == [1, 5, 10]
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("script", ["train_moe_nki.py", "train_hf_backend.py"])
+def test_the_other_scripts_compiled_train_as_eager(tmp_path, script):
+    """The MoE script's replacement ops (the grouped-expert op, NKIRoPE) and the Transformers backend traced into
+    each block's graph (fullgraph: a graph break would be an error), the losses eager's."""
+    reference = None
+    if script == "train_hf_backend.py":  # its golden losses are of another run (6 steps on 2 ranks): eager's here
+        run_example(script, "--steps", "10", "--no-export", "--out_dir", str(tmp_path / "eager"), process=True)
+        reference = tmp_path / "eager" / "results.json"
+    _assert_compiled_like_eager(_compiled_run(script, tmp_path / "o", reference=reference))
+
+
+def test_the_audit_places_each_compile_and_names_a_late_recompile():
+    """CompileAudit against torch's own record of compiles: a first compile, a recompile within the warm-up, one
+    after it (a changed input shape, as a resume with another layout or a save that changes a guarded value)."""
+    from common import device
+
+    device.route_torchtitan_device("cpu")
+    from common.harness.trainer import CompileAudit
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2, backend="aot_eager", dynamic=False)
+    audit = CompileAudit()
+    f(torch.ones(2))
+    audit.collect(1, "step")
+    f(torch.ones(2))
+    audit.collect(2, "step")
+    f(torch.ones(3))  # step 3: after the warm-up
+    audit.collect(3, "step")
+    summary = audit.summary()
+    assert (summary["graphs"], summary["recompiles"]) == (1, 1), summary["events"]
+    late = summary["recompiles_after_warmup"]
+    assert len(late) == 1 and late[0]["step"] == 3 and "size mismatch" in late[0]["reason"], late
+    torch._dynamo.reset()
