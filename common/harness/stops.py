@@ -16,7 +16,8 @@ evaluation, its remaining batches at the pace measured so far, a step and the sa
 
 torchrun kills its workers a while after passing them a signal it got itself (its --shutdown-timeout, 30 s unless
 told): the scripts' own launch gives it STOP_GRACE_S; under a torchrun of the user's, `torchrun_grace_s` reads what
-it was given and rank 0 says so at the start when it is less.
+it was given and, when it is less, rank 0 says so once where it matters: when the longest step and save measured
+outlast it, or with a stop signal that comes before any save was measured (`_say_torchrun_grace`).
 """
 from __future__ import annotations
 
