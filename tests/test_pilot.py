@@ -544,3 +544,18 @@ def test_a_resumed_parts_first_step_is_named_by_its_number():
 
 TINY_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
+
+
+def test_the_neuron_profiler_is_given_the_runs_neff_cache(monkeypatch):
+    """On Trainium the profiler's NeuronConfig names the run's NEFF cache (the folder common.device.setup sets), so the
+    NEFFs are copied into the traces once, at the stop; without the variable it names none."""
+    from common import device
+
+    device.route_torchtitan_device("cpu")
+    from common.harness.trainer import neuron_config_paths
+
+    monkeypatch.setenv(device.NEFF_CACHE_VAR, "/runs/x/neff_cache")
+    assert neuron_config_paths("/runs/x/profile_traces/neuron/node0") == {
+        "profile_output_dir": "/runs/x/profile_traces/neuron/node0", "neff_cache_dir": "/runs/x/neff_cache"}
+    monkeypatch.delenv(device.NEFF_CACHE_VAR)
+    assert neuron_config_paths("t") == {"profile_output_dir": "t"}

@@ -323,7 +323,18 @@ class GuardedProfiler(Profiler):
         from torch_neuronx.profiling import NeuronConfig, ProfileMode  # AWS's documented import
 
         return NeuronConfig(modes=[ProfileMode.RUNTIME, *([ProfileMode.DEVICE] if device_mode else [])],
-                            profile_output_dir=folder)
+                            **neuron_config_paths(folder))
+
+
+def neuron_config_paths(folder: str) -> dict:
+    """NeuronConfig's folders: the traces into `folder`, and the run's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR, which
+    common.device.setup sets), whose NEFFs the profiler then copies into the traces when it stops instead of making
+    more copies at each load (aws-neuron/aws-neuron-sdk@81ce03a tools/neuron-explorer/how-to-profile-workload.rst:
+    170-172, the NeuronConfig parameters; 305-311)."""
+    from common.device import NEFF_CACHE_VAR
+
+    cache = os.environ.get(NEFF_CACHE_VAR)
+    return {"profile_output_dir": folder, **({"neff_cache_dir": cache} if cache else {})}
 
 
 def neuron_trace_dir(base_folder: str, traces_folder: str) -> str:
