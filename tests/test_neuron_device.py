@@ -35,7 +35,7 @@ REASON = ("needs a Trainium device: common.device.neuron_available() is false he
 # The Neuron runtime gives a process every NeuronCore of the instance, exclusively, from its start until the
 # process closes it or exits, unless NEURON_RT_VISIBLE_CORES selects some: an index, a range "p-q" or a contiguous
 # increasing list (aws-neuron/aws-neuron-sdk@81ce03a:neuron-runtime/guides/nrt-developer-guide.rst:1045-1054). The
-# first three tests start it in this process; the last starts a training run as a child, which without cores of its
+# first four tests start it in this process; the last starts a training run as a child, which without cores of its
 # own fails with "Failed to initialize Neuron Runtime". TorchNeuron's process group keeps a NEURON_RT_VISIBLE_CORES
 # it finds set and only otherwise sets it to LOCAL_RANK (parmoham-aws/test-repo-parmoham@98154b8:
 # torch_neuronx/distributed/backend.py:216-218), so the child's one rank runs on CHILD_CORES.
@@ -139,6 +139,41 @@ def test_moe_kernels_against_the_pytorch_op():
     for name, got, ref in zip(("out", "x", "scores", "w1", "w2", "w3"), outs + grads, ref_outs + ref_grads):
         err, scale = (got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
         assert err <= BF16_REL * scale, f"{name}: max abs diff {err:.3g} > {BF16_REL} x {scale:.3g}"
+
+
+def test_causal_and_document_masked_attention_on_the_device(tmp_path):
+    """The attention the training scripts run (common/torchtitan_fixes.py SDPADocumentAttention) on the device, at the
+    4B preset's head shape: causal (--document_mask auto on Neuron: TorchNeuron's fused flash kernel takes no mask,
+    parmoham-aws/test-repo-parmoham@98154b8 torch_neuronx/python_ops/scaled_dot_product_fused_attention.py:44-57)
+    and document-masked (the unfused fallback, float32 scores: the same file's 185-189). Each forward and backward
+    runs under torch.profiler; the attention ops it dispatched and the device's peak memory are written to
+    attention.json for the report (which op ran is read, not assumed); the masked peak is the larger, by at least the
+    fallback's float32 scores of one head group."""
+    from common.torchtitan_fixes import SDPADocumentAttention, document_causal_mask_from_positions
+
+    seq, heads, kv_heads = 1024, Q_HEADS, 8  # a multiple of 512: the fused kernel's rule
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, seq, n, HEAD_DIM, generator=g).bfloat16() for n in (heads, kv_heads, kv_heads))
+    positions = torch.cat([torch.arange(seq // 2), torch.arange(seq // 2)])[None]  # two packed documents
+    read, _ = device.neuron_peak_memory()
+    found = {}
+    for name, choice in (("causal", "off"), ("masked", "on")):
+        attention = SDPADocumentAttention(SDPADocumentAttention.Config(document_mask=choice))
+        leaves = [t.to("neuron").requires_grad_() for t in (q, k, v)]
+        masks = document_causal_mask_from_positions(positions.to("neuron"))
+        torch.neuron.synchronize()
+        torch.neuron.reset_peak_memory_stats()  # the peak both readers read (common.device.neuron_peak_memory)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = attention(*leaves, attention_masks=masks)
+            out.float().sum().backward()
+            torch.neuron.synchronize()
+        ops = sorted({e.name for e in prof.events() if "attention" in e.name.lower()})
+        found[name] = {"ops": ops, "peak_bytes": int(read())}
+    (tmp_path / "attention.json").write_text(json.dumps(found, indent=1))
+    print(json.dumps(found))
+    assert found["causal"]["ops"] and found["masked"]["ops"], found
+    scores = seq * seq * 4  # one head's float32 scores
+    assert found["masked"]["peak_bytes"] >= found["causal"]["peak_bytes"] + scores, found
 
 
 def test_a_neuron_runs_pilot_fields_memory_neff_cache_and_fallback_ops(tmp_path):
