@@ -150,6 +150,7 @@ class HFBackend(Recipe):
         tc.model_spec = model_registry("sft_full")
         tc.debug.print_config = False  # the builder prints the whole config; [config] has ours
         notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
+        hf_fixes.fit_decay_to_steps(tc.lr_scheduler, cfg.steps)  # the builder's decay ratio, fitted to a short run
         if cfg.attn_backend == "sdpa":
             hf_fixes.route_attention_to_sdpa(tc.model_spec)
             notes.append("attention -> HF SDPA with a packed-document mask")

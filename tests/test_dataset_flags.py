@@ -1,6 +1,6 @@
 """--dataset and --dataset_path (common/paths.py training_dataset): --dataset_path is read only for c4_test and
-refused with any other dataset (issue 67 item 7); --dataset takes a single JSON-lines file as well as a folder,
-with the same checks (issue 67 item 18)."""
+refused with any other dataset; --dataset takes a single JSON-lines file as well as a folder, with the same
+checks."""
 from __future__ import annotations
 
 import json
