@@ -260,8 +260,8 @@ def _own_data(folder: Path, corpus: Path, documents: int = 300) -> list[str]:
 
 
 def test_own_data_without_a_validation_split_is_held_out_from_its_own_files(tmp_path, monkeypatch, prepared_assets):
-    """Issue 67 item 7: --eval_every on --dataset FOLDER without validation*.jsonl streamed allenai/c4's validation
-    split (the "held-out loss" of your data was C4's; offline, a traceback after step 1). The held-out data is a
+    """--eval_every on --dataset FOLDER without validation*.jsonl once streamed allenai/c4's validation split (the
+    "held-out loss" of your data was C4's; offline, a traceback after step 1). The held-out data is a
     share of the folder's own documents, every HELD_OUT_EVERY-th, which training never reads, online or not."""
     from torchtitan.hf_datasets.text_datasets import DATASETS
 

@@ -86,3 +86,34 @@ def test_an_out_dir_logs_that_is_no_folder_is_refused_before_torchrun(tmp_path, 
                                         r"rank's output there; move it out of --out_dir"):
         _launch(tmp_path, "raise SystemExit('never started')\n")
     assert sorted(p.name for p in out.iterdir()) == ["logs"]  # torchrun never started: no launch folder
+
+
+def test_a_loss_comparison_that_fails_under_the_scripts_own_launch_is_one_line_and_exit_2(tmp_path):
+    """The training script itself, 2 processes of its own launch: --compare_losses against a reference it cannot
+    match fails after the last step with its one line, exit 2, and no torchrun failure table."""
+    from conftest import assert_clean_error, run_example
+
+    reference = tmp_path / "ref.json"
+    reference.write_text('{"losses": [1.0, 1.0]}')
+    proc = run_example("train_native_qwen3.py", "--steps", "2", "--nproc_per_node", "2", "--no-export",
+                       "--seq_len", "32", "--local_batch_size", "1", "--compare_losses", str(reference),
+                       "--out_dir", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert_clean_error(proc, "losses differ from")
+    assert "ChildFailedError" not in proc.stderr and "Root Cause" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_held_out_rows_fewer_than_the_ranks_split_without_an_index_error(monkeypatch):
+    """torchtitan splits a map-style held-out dataset over the ranks by contiguous slices (datasets'
+    split_dataset_by_node): one row on 2 ranks was an IndexError on rank 1. As an iterable dataset rank 1 gets no
+    row, which the validator's gate reports in one line."""
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+
+    from common.harness.evaluation import splittable
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rows = splittable(Dataset.from_list([{"text": "short"}]))
+    assert [list(split_dataset_by_node(rows, rank, 2)) for rank in (0, 1)] == [[{"text": "short"}], []]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert isinstance(splittable(Dataset.from_list([{"text": "short"}])), Dataset)  # enough rows: as it was

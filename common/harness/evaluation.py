@@ -33,7 +33,6 @@ OUT_DIR/eval_losses.jsonl, kept across stops and resumes as losses.jsonl is.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from pathlib import Path
 
@@ -123,7 +122,7 @@ def register_held_out_share() -> None:
 
     if HELD_OUT_SHARE not in text_datasets.DATASETS:
         text_datasets.DATASETS[HELD_OUT_SHARE] = DatasetConfig(
-            path="", loader=functools.partial(paths.own_rows, held_out=True),
+            path="", loader=_load_held_out_share,
             sample_processor=text_datasets._process_c4_text)
 
 
@@ -142,7 +141,20 @@ def register_local_validation() -> None:
 def _load_validation_split(path: str):
     from datasets import load_dataset
 
-    return load_dataset(path, split="validation")
+    return splittable(load_dataset(path, split="validation"))
+
+
+def _load_held_out_share(path: str):
+    return splittable(paths.own_rows(path, held_out=True))
+
+
+def splittable(rows):
+    """Held-out rows torchtitan can split over the ranks: it gives each rank a contiguous slice of a map-style
+    dataset (datasets' split_dataset_by_node), which fails with an IndexError on a rank past the last row when there
+    are fewer rows than ranks; as an iterable dataset such a rank gets none, and the validator's gate then says in
+    one line that the held-out data holds no batch for every rank."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    return rows.to_iterable_dataset() if len(rows) < ranks else rows
 
 
 def apply_eval_settings(tc, every: int, steps: int, dataset: tuple[str, str] | None,

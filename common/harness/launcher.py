@@ -422,6 +422,9 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
         if record is not None:
             (Path(tmp) / LAUNCH_RECORD).write_text(json.dumps(record, default=str))
         env = worker_env(os.environ, marker, deadline)
+        # torchrun sets this to 1 itself for several processes a node, after a 4-line banner saying so: set first,
+        # the same setting without the banner (torch 2.14's torch/distributed/run.py)
+        env.setdefault("OMP_NUM_THREADS", "1")
         started = time.time()
         parent = [sys.executable, "-S", torchrun_parent.__file__, str(os.getpid())]
         proc = subprocess.Popen([*parent, *cmd], start_new_session=True, env=env, pass_fds=tuple(HELD_LOCKS))

@@ -393,6 +393,9 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
         launcher.check_same_stack(checked.record)  # several hosts: the same settings and packages on each
         results = train(recipe, cfg, dev, checked.out_dir, checked.found,
                         hooks(recipe, cfg, checked, stop, plan=plan))
+    except UserError as e:  # a check after training under the scripts' own launch: its launcher says it, exit 2
+        stops.exit_if_failed_after_training(e, stop)
+        raise
     finally:
         device.teardown()
     if results.get("stopped") and dev.is_main:
@@ -528,7 +531,7 @@ class GuardHooks(Hooks):
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
                               memory=memory, planned_gib=self.plan.result() if self.plan else None,
                               price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
-                              profile=profile, device_type=dev.device_type)
+                              profile=profile, device_type=dev.device_type, steps_s=self.stop.steps_s)
         report["fallback_ops"] = pilot.fallback_ops(dev.device_type)  # Neuron: ops run on the host CPU
         if dev.device_type == "neuron":  # attach results.json to a problem report: the packages it ran on
             report["installed"] = installed_lists()
@@ -547,7 +550,7 @@ class GuardHooks(Hooks):
             if warning := pilot.mfu_warning(report):
                 print(warning, file=sys.stderr, flush=True)
             print(pilot.format_line(report), flush=True)
-            print(phases_line(out["time_to_first_step"]), flush=True)
+            print(phases_line(out["time_to_first_step"], first_step=rec.steps[0] if rec.steps else 1), flush=True)
             if "compile" in out:
                 print(compile_line(out["compile"]), file=sys.stderr if out["compile"]["recompiles_after_warmup"]
                       else sys.stdout, flush=True)
