@@ -52,8 +52,9 @@ def test_native_qwen3_4b_at_64_ranks(tmp_path):
     none, selective, full = (rows[(1, ac, 1)]["total_bytes"] for ac in ("none", "selective", "full"))
     assert none > selective > full
     assert rows[(4, "full", 1)]["total_bytes"] < rows[(2, "full", 1)]["total_bytes"] < full
-    assert r["smallest_fitting_layout"] == next(x for x in r["layouts"] if x["fits"])
-    assert "[dry run] smallest layout that fits: --tensor_parallel_degree" in proc.stdout
+    assert r["preferred_fitting_layout"] == next(x for x in r["layouts"] if x["fits"])
+    assert "[dry run] first layout that fits, in the order above (the fewest tensor-parallel ranks" in proc.stdout
+    assert "[dry run] the run's own layout: --tensor_parallel_degree" in proc.stdout
 
 
 def test_native_qwen3_8b_in_aws_layout(tmp_path):
@@ -66,7 +67,7 @@ def test_native_qwen3_8b_in_aws_layout(tmp_path):
     # tensor parallel and FSDP together shard every parameter over all 64 ranks
     assert r["parameters"] / 64 <= r["local_parameters_per_rank"] <= 1.2 * r["parameters"] / 64
     _table_ok(r)
-    assert r["fits"] and r["smallest_fitting_layout"]["fits"]
+    assert r["fits"] and r["preferred_fitting_layout"]["fits"]
     own = next(x for x in r["layouts"] if (x["tensor_parallel"], x["activation_checkpoint"], x["local_batch_size"])
                == (4, "selective", 1))
     assert own["total_bytes"] == r["total_bytes"] and own["data_parallel"] == 16

@@ -190,7 +190,7 @@ def dry_run(tc, *, shape: dict, world_size: int, per_core_gib: float, published_
         "per_rank_bytes": per_rank, "activation_terms": act, "total_bytes": total,
         "per_core_limit_bytes": limit, "fits": total <= limit,
         "overflow": [] if total <= limit else _overflow(per_rank, limit),
-        "layouts": layouts, "smallest_fitting_layout": next((row for row in layouts if row["fits"]), None),
+        "layouts": layouts, "preferred_fitting_layout": next((row for row in layouts if row["fits"]), None),
     }
 
 
@@ -265,8 +265,13 @@ def format_layouts(r: dict) -> str:
         lines.append(f"    {tp:<3d} {dp:<9d} {ac:<10s} " + "".join(
             f"  {cells[b]['total_bytes'] / GIB:8.2f}{'*' if cells[b]['fits'] else ' '}" if b in cells else
             f"  {'-':>9s}" for b in batches))
-    pick = r["smallest_fitting_layout"]
-    lines.append(f"[dry run] smallest layout that fits: {layout_flags(pick)}" if pick else
+    pick = r["preferred_fitting_layout"]
+    lines.append(f"[dry run] the run's own layout: --tensor_parallel_degree {r['tensor_parallel']} "
+                 f"--activation_checkpoint {r['activation_checkpoint']} --local_batch_size {r['local_batch_size']}: "
+                 f"{r['total_bytes'] / GIB:.2f} GiB, {'fits' if r['fits'] else 'does not fit'}")
+    lines.append(f"[dry run] first layout that fits, in the order above (the fewest tensor-parallel ranks, then the "
+                 f"least recompute, then the most sequences a rank: the least communication and recompute, not the "
+                 f"least memory): {layout_flags(pick)}, {pick['total_bytes'] / GIB:.2f} GiB" if pick else
                  "[dry run] no layout of these ranks fits: more ranks (--dry_run_ranks), a shorter --seq_len")
     return "\n".join(lines)
 
@@ -302,7 +307,7 @@ def finish(r: dict, *, out_dir, results: dict, per_core_gib: float) -> dict:
     write_results(out_dir, {**results, "versions": versions(), "dry_run": r})
     check_published(r)
     if not r["fits"]:
-        pick = r.get("smallest_fitting_layout")
+        pick = r.get("preferred_fitting_layout")
         raise UserError(f"the plan does not fit {per_core_gib:g} GiB per core at {r['world_size']} ranks: "
                         f"{r['total_bytes'] / GIB:.2f} GiB needed: " + ", ".join(r["overflow"])
                         + (f"; a layout that fits: {layout_flags(pick)}" if pick else ""))
@@ -435,5 +440,7 @@ def project(cfg, tc, shape: dict, world_size: int) -> dict | None:
                       mfu=cfg.assumed_mfu, price_per_hour=cfg.price_per_hour)
     print(f"[plan] {p['steps']} steps x {p['tokens_per_step']:,} tokens x {p['flops_per_token'] / 1e9:.2f} GFLOP/token "
           f"at MFU {p['assumed_mfu']:g} of {world_size} x {peak / 1e12:.0f} TFLOPS: {p['seconds'] / 60:.1f} min"
-          + (f", {p['cost']:.2f} at {p['price_per_hour']:g}/h" if p["cost"] is not None else ""), flush=True)
+          + (f", {p['cost']:.2f} at {p['price_per_hour']:g}/h" if p["cost"] is not None else "")
+          + " (the steps alone: the compile before step 1 comes on top, minutes on trn2; a pilot run measures it, "
+          "timing.compile_or_warmup_s)", flush=True)
     return p
