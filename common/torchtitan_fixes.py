@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 import warnings
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -174,6 +176,24 @@ def attention_path(model_config, device_type: str) -> str:
     if any(True for _ in model_config.traverse(FlexAttention.Config)):
         return "flex"
     return "other"
+
+
+def set_mfu_inputs(metrics, *, flops_per_token: int, peak_flops: float, quantized: bool) -> None:
+    """Workaround: torchtitan 0.3.0's MetricsProcessor takes its FLOPs per token from the trainer and its peak from
+    its own (CUDA) table, never from its Config, and leaves MFU out of a step's line and TensorBoard only for a
+    quantized model (`has_quantization`). Before each `log`, the run's own count (the model's config.json, as
+    results.json counts it; > 0) and peak (>= 0; 0: none known) are set, and MFU is left out, as torchtitan leaves a
+    quantized run's out, for any step without a positive peak or whose MFU would be above 1: no measurement.
+    Remove when MetricsProcessor.Config takes the FLOPs count and the peak."""
+    if flops_per_token > 0:
+        metrics.num_flops_per_token = flops_per_token
+    if peak_flops >= 0:
+        metrics.gpu_peak_flops = peak_flops
+    elapsed = (time.perf_counter() - metrics.time_last_log) * metrics.parallel_dims.non_data_parallel_size
+    tps = metrics.ntokens_since_last_log / elapsed if elapsed > 0 else math.inf
+    peak = metrics.gpu_peak_flops
+    possible = isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0
+    metrics.has_quantization = quantized or not possible or metrics.num_flops_per_token * tps > peak
 
 
 def force_sum_reduction_on_gloo(model_spec) -> None:

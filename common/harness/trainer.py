@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from common.device import neuron_peak_memory
+from common.torchtitan_fixes import set_mfu_inputs
 from common.errors import UserError
 from common.harness import reshard
 from common.harness.checks import append_row, keep_rows_before
@@ -80,20 +80,9 @@ class GuardedMetrics(RecordingMetrics):
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         self.peak_bytes = max(self.peak_bytes, step_peak_bytes())  # before torchtitan resets the peak
-        # torchtitan 0.3.0's MetricsProcessor takes its FLOPs per token and peak from the trainer and its own table,
-        # never from its Config: the run's own count (the model's config.json, as results.json counts it) and peak
-        # are set here, before its step line and TensorBoard use them. A step whose MFU would be above 1, or any step
-        # without a positive peak, is no measurement: left out as torchtitan leaves out a quantized run's
-        # (docs/torchtitan-workarounds.md).
-        if self.config.flops_per_token > 0:
-            self.num_flops_per_token = self.config.flops_per_token
-        if self.config.peak_flops >= 0:
-            self.gpu_peak_flops = self.config.peak_flops
-        elapsed = (time.perf_counter() - self.time_last_log) * self.parallel_dims.non_data_parallel_size
-        tps = self.ntokens_since_last_log / elapsed if elapsed > 0 else math.inf
-        peak = self.gpu_peak_flops
-        possible = isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0
-        self.has_quantization = self.quantized or not possible or self.num_flops_per_token * tps > peak
+        # the run's own FLOPs per token and peak in torchtitan's step line and TensorBoard, an impossible MFU left out
+        set_mfu_inputs(self, flops_per_token=self.config.flops_per_token, peak_flops=self.config.peak_flops,
+                       quantized=self.quantized)
         if self.config.losses_path:
             append_row(Path(self.config.losses_path), int(step), float(global_avg_loss))
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
