@@ -8,6 +8,11 @@ class UserError(Exception):
     """A problem the user can fix (a path, a flag, a checkpoint). The message names the problem and the fix."""
 
 
+class AgreedError(UserError):
+    """A UserError every rank raises at the same point of a run, from a decision they agreed on in a collective (no
+    rank is left waiting in one): each can end as if training had ended."""
+
+
 def one_line(text: str, keep: str = "") -> str:
     """`text` as one printable line: newlines, CR, ESC and other control characters (from a path, a model id, a
     file's cell) become U+FFFD, so they cannot split an `error:` line, hide text or recolour the terminal. `keep`:

@@ -68,6 +68,38 @@ def test_only_a_finished_workers_check_goes_to_its_launcher(tmp_path, monkeypatc
     stops.exit_if_failed_after_training(UserError("x"), stop)  # not a worker of the scripts' own launch
 
 
+def test_an_error_every_rank_raised_at_one_agreed_point_goes_to_the_launcher_mid_run(tmp_path, monkeypatch):
+    """An AgreedError (every rank raises it at the same point, from a collective decision: the held-out data has no
+    batch for every rank) ends the worker for its launcher's one line even before the last step."""
+    from common.errors import AgreedError
+
+    marker = tmp_path / "stopped"
+    monkeypatch.setenv(stops.SELF_LAUNCHED, str(marker))
+    stop = stops.StopControl(end=None, margin_s=0.0, is_main=True, steps=3)
+    stop.step_ended(1)
+    with pytest.raises(SystemExit) as ended:
+        stops.exit_if_failed_after_training(AgreedError("--eval_every: the held-out data holds no batch"), stop)
+    assert ended.value.code == 0
+    assert marker.with_name(stops.FAILED_MARK).read_text() == "error: --eval_every: the held-out data holds no batch\n"
+
+
+@pytest.mark.extended
+def test_held_out_data_without_a_batch_for_every_rank_under_the_scripts_own_launch_is_one_line_and_exit_2(tmp_path):
+    """One short held-out document on 2 ranks of the scripts' own launch, evaluated at step 1 of 3: the documented
+    line once, exit 2, no IndexError and no torchrun failure table."""
+    from conftest import assert_clean_error, run_example
+
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    (held_out / "validation.jsonl").write_text('{"text": "A short document."}\n')
+    proc = run_example("train_native_qwen3.py", "--steps", "3", "--nproc_per_node", "2", "--no-export",
+                       "--eval_every", "2", "--eval_dataset_path", str(held_out), "--out_dir", str(tmp_path / "o"),
+                       check=False)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert_clean_error(proc, "the held-out data holds no batch")
+    assert "ChildFailedError" not in proc.stderr and "IndexError" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("kind", ["file", "dangling link", "node folder a file"])
 def test_an_out_dir_logs_that_is_no_folder_is_refused_before_torchrun(tmp_path, kind):
     out = tmp_path / "out"

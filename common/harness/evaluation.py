@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 
 from common import paths
-from common.errors import UserError
+from common.errors import AgreedError, UserError
 
 # torchtitan's datasets are looked up by name in its DATASETS registry; this one reads a local folder's
 # validation split, as its c4_test reads the train split.
@@ -217,8 +217,8 @@ class HeldOutGate:
             self.batches = done + 1
             return True
         if done == 0:
-            raise UserError("--eval_every: the held-out data holds no batch of --local_batch_size sequences of "
-                            "--seq_len tokens for every rank: use more held-out data, or fewer ranks")
+            raise AgreedError("--eval_every: the held-out data holds no batch of --local_batch_size sequences of "
+                              "--seq_len tokens for every rank: use more held-out data, or fewer ranks")
         if self.pass_batches is None:
             self.pass_batches = done
             if done < asked and int(os.environ.get("RANK", "0")) == 0:

@@ -310,12 +310,14 @@ def exit_if_failed_after_training(error: UserError, stop: StopControl) -> None:
     """A check that failed once training ended (the export check, --compare_losses: rank 0 raises it after writing
     results.json, the other ranks having ended) in a worker of the scripts' own launch: its `error:` line goes to a
     mark beside the stop mark and the worker exits 0; the launcher prints the line and exits 2 (torchrun would print
-    its failure table over a worker's non-zero exit, and exit 1). Anywhere else, or before the last step or a stop
-    ended training (the other ranks may still be in a collective, which torchrun ends when this rank fails), it
-    returns and the caller raises the error."""
-    from common.errors import one_line
+    its failure table over a worker's non-zero exit, and exit 1). So does an error every rank raised at one agreed
+    point (common.errors.AgreedError: the held-out data has no batch for every rank). Anywhere else, or before the
+    last step or a stop ended training (the other ranks may still be in a collective, which torchrun ends when this
+    rank fails), it returns and the caller raises the error."""
+    from common.errors import AgreedError, one_line
 
-    if not os.environ.get(SELF_LAUNCHED) or not (stop.ended or stop.stopped_at is not None):
+    done = stop.ended or stop.stopped_at is not None or isinstance(error, AgreedError)
+    if not os.environ.get(SELF_LAUNCHED) or not done:
         return
     atomic_write_text(Path(os.environ[SELF_LAUNCHED]).with_name(FAILED_MARK), f"error: {one_line(str(error))}\n")
     raise SystemExit(0)
