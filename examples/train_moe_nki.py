@@ -114,8 +114,17 @@ def qwen3_30b_a3b_reduced() -> Config:
                    dataset="c4_test", hf_assets="assets/hf/Qwen3-30B-A3B")
 
 
-PRESETS = {"tiny": tiny, "qwen3_30b_a3b_reduced": qwen3_30b_a3b_reduced}
-HF_MODEL_ID = {"qwen3_30b_a3b_reduced": "Qwen/Qwen3-30B-A3B"}  # its tokenizer goes into hf_assets on trn2
+def qwen3_30b_a3b_reduced_stock_tp4() -> Config:
+    """The reduced preset as Neuron 2.34's MoE recipes run: torchtitan's own MoE (torch._grouped_mm) and attention at
+    tensor parallel 4 x FSDP 16 (the torch-neuronx v2.34.0 release notes, github.com/aws-neuron/torch-neuronx/releases/
+    tag/v2.34.0); on the 2.34 stack (requirements-trn2-2.34.txt)."""
+    return replace(qwen3_30b_a3b_reduced(), stock=True, tensor_parallel_degree=4)
+
+
+PRESETS = {"tiny": tiny, "qwen3_30b_a3b_reduced": qwen3_30b_a3b_reduced,
+           "qwen3_30b_a3b_reduced_stock_tp4": qwen3_30b_a3b_reduced_stock_tp4}
+HF_MODEL_ID = {"qwen3_30b_a3b_reduced": "Qwen/Qwen3-30B-A3B",  # its tokenizer goes into hf_assets on trn2
+               "qwen3_30b_a3b_reduced_stock_tp4": "Qwen/Qwen3-30B-A3B"}
 PUBLISHED_PARAMS = 30.5e9  # Qwen3-30B-A3B model card: 30.5 B parameters in total (3.3 B activated)
 
 

@@ -97,9 +97,8 @@ def test_moe_full_depth_counts_qwen3_30b_a3b(tmp_path):
 
 
 def test_moe_reduced_preset_reports_its_own_size_at_tensor_parallel_4(tmp_path):
-    """torchtitan's own MoE (--stock, AWS's 2.34 choice) at its tensor parallel 4 x FSDP 16."""
-    _, r = _dry("train_moe_nki.py", tmp_path, "--preset", "qwen3_30b_a3b_reduced", "--stock",
-                "--tensor_parallel_degree", "4")
+    """torchtitan's own MoE (--stock, AWS's 2.34 choice) at its tensor parallel 4 x FSDP 16: the 2.34 preset."""
+    _, r = _dry("train_moe_nki.py", tmp_path, "--preset", "qwen3_30b_a3b_reduced_stock_tp4")
     assert (r["tensor_parallel"], r["data_parallel_shard"]) == (4, 16)
     assert r["published_parameters"] is None
     assert 1.5e9 < r["parameters"] < 2.5e9  # 4 layers x 64 experts of the 30B-A3B shape plus embeddings
