@@ -17,6 +17,7 @@ from common.device import GIB
 from common.errors import UserError, one_line
 from common.results import HELD_LOCKS, hold_lock
 from common.harness import torchrun_parent
+from common.harness.preflight import NEURON_SYSTEM
 from common.harness.stops import DEADLINE, EXIT_STOPPED, FAILED_MARK, SELF_LAUNCHED, STOP_GRACE_S, STOP_SIGNALS
 
 
@@ -79,9 +80,9 @@ def check_nodes(cfg) -> None:
     from common.device import resolve_device_type
 
     node = f"node {cfg.node_rank} of {cfg.nnodes}"
-    resolve_master(cfg.master_addr, node)  # every node: torchrun would wait on a name that never resolves
+    addresses = resolve_master(cfg.master_addr, node)  # every node: torchrun would wait on a name that never resolves
     neuron = cfg.device == "neuron" or resolve_device_type(cfg.device) == "neuron"
-    if neuron and is_loopback(cfg.master_addr):  # two "nodes" on one CPU host over loopback (the tests) stay allowed
+    if neuron and all_loopback(addresses):  # two "nodes" on one CPU host over loopback (the tests) stay allowed
         raise UserError(f"{node}: --master_addr {cfg.master_addr} is this host's loopback address, which no other "
                         f"host reaches: with --nnodes {cfg.nnodes} pass node 0's address (`hostname -I` on node 0), "
                         "the same on every node")
@@ -129,16 +130,12 @@ def check_port_free(port: int, node: str) -> None:
                                 "still ending, another service): pass a free port, the same on every node") from None
 
 
-def is_loopback(addr: str) -> bool:
-    """Whether every address `addr` resolves to is a loopback one (127.0.0.0/8, ::1; a host name that /etc/hosts maps
-    to 127.0.1.1 too); False for a name that does not resolve (node 0's endpoint check names that one)."""
+def all_loopback(addresses: list[str]) -> bool:
+    """Whether every address --master_addr resolves to (resolve_master) is a loopback one (127.0.0.0/8, ::1; a host
+    name that /etc/hosts maps to 127.0.1.1 too)."""
     import ipaddress
 
-    try:
-        found = {info[4][0].split("%")[0] for info in socket.getaddrinfo(addr, None)}
-    except (OSError, UnicodeError, ValueError):
-        return False
-    return bool(found) and all(ipaddress.ip_address(a).is_loopback for a in found)
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 # Where AWS's EFA installer puts libfabric's tools (fi_info), which AWS then tells users to add to PATH: non-login,
@@ -321,7 +318,7 @@ def node_settings(record: dict) -> dict:
 # The Neuron OS packages a multi-node run's collectives depend on (the runtime, collectives and driver AWS's update
 # page installs: apt `aws-neuronx-dkms`, `aws-neuronx-runtime-lib`, `aws-neuronx-collectives`, the same names for dnf;
 # aws-neuron-sdk@81ce03a:setup/pytorch/update-dlami.rst:149-151,171-173). Neuron 2.33.1 changed only these three.
-NEURON_OS_PACKAGES = ("aws-neuronx-runtime-lib", "aws-neuronx-collectives", "aws-neuronx-dkms")
+NEURON_OS_PACKAGES = tuple(NEURON_SYSTEM)  # the names the preflight holds to 2.33.1's versions
 
 
 def node_stack() -> dict[str, str | None]:
