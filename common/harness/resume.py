@@ -13,9 +13,10 @@ import json
 from pathlib import Path
 
 from common.errors import UserError, one_line
+from common.recipe import GUARDED_RECORD
 from common.results import atomic_write_text
 
-RECORD = "run.json"
+RECORD = GUARDED_RECORD  # in OUT_DIR/checkpoint: the name a run of the core alone recognises a guarded folder by
 # Flags a resume may change: they do not change what the next step computes.
 MAY_CHANGE = {"preset", "steps", "checkpoint_every", "out_dir", "export", "export_tolerance", "compare_losses",
               "loss_tolerance", "load_check", "time_limit", "stop_margin_s", "nproc_per_node", "nnodes", "node_rank",

@@ -468,7 +468,7 @@ class CompileAudit:
     def __init__(self):
         self.events: list[dict] = []
         self.first_step: int | None = None
-        self.since_us = self._latest_us()
+        self.since_us = self._latest_us(self._metrics())
 
     @staticmethod
     def _metrics() -> list:
@@ -476,15 +476,17 @@ class CompileAudit:
 
         return get_compilation_metrics()
 
-    def _latest_us(self) -> int:
-        return max((m.start_time_us or 0 for m in self._metrics()), default=0)
+    @staticmethod
+    def _latest_us(metrics: list) -> int:
+        return max((m.start_time_us or 0 for m in metrics), default=0)
 
     def collect(self, step: int, where: str) -> None:
         """The compiles since the last look: in step `step` (`where` "step"), or after it ("after": its save, its
         evaluation; before step 1: the load check)."""
         if self.first_step is None and where == "step":
             self.first_step = step
-        for m in self._metrics():
+        metrics = self._metrics()
+        for m in metrics:
             if (m.start_time_us or 0) <= self.since_us:
                 continue
             same = next((e for e in self.events if e["compile_id"] == str(m.compile_id) and e["step"] == step
@@ -497,7 +499,7 @@ class CompileAudit:
                                 "recompile": attempt.isdigit() and int(attempt) > 0, "reason": m.recompile_reason,
                                 "graph_breaks": m.num_graph_breaks or 0,
                                 "seconds": m.entire_frame_compile_time_s or 0.0})
-        self.since_us = max(self.since_us, self._latest_us())
+        self.since_us = max(self.since_us, self._latest_us(metrics))
 
     def after_warmup(self) -> list[dict]:
         """The recompiles after this process's warm-up steps (their saves and evaluations included)."""
