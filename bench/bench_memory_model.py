@@ -324,10 +324,10 @@ def measure_all(cfg: Config) -> dict:
     example = load_example(cb.ROOT / "examples" / "train_native_qwen3.py")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out_dir = Path(cfg.out_dir).resolve()
-    config = lifecycle.guarded(example.RECIPE).config  # the recipe's flags and the guards'
+    config = example.RECIPE.config  # the recipe's flags, and the guards' section
     configs = {s: config(hf_checkpoint=str(write_model(s, out_dir / "models" / s)), steps=2, export=False,
                          device="cpu", dtype=cfg.dtype, local_batch_size=cfg.local_batch_size, seq_len=cfg.seq_len,
-                         dry_run_ranks=1, activation_checkpoint=cfg.activation_checkpoint,
+                         guards=lifecycle.Guards(dry_run_ranks=1), activation_checkpoint=cfg.activation_checkpoint,
                          tensor_parallel_degree=cfg.tensor_parallel_degree if world > 1 else 1)
                for s in _sizes(cfg)}
     # The dry run's figures for the same settings, before this process has a process group: at one rank from

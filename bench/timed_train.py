@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "examples"))  # as `python examples/X.py` has it: 
 
 from common import cli  # noqa: E402
 from common import device  # noqa: E402
-from common.harness.lifecycle import guarded  # noqa: E402
+from common.harness.lifecycle import parse  # noqa: E402
 from common.results import atomic_write_text  # noqa: E402
 
 RECORD: dict = {"mode": None, "script": None, "start": None, "steps": [], "times": [], "losses": [],
@@ -107,8 +107,9 @@ def run_stock(example, args: list[str]) -> None:
 
     from common.recipe import inputs
 
-    recipe = guarded(example.RECIPE)  # the example's flags and the guards'
-    cfg = cli.parse_config(recipe.config, recipe.presets, args, recipe.doc, recipe.default_preset)
+    recipe = example.RECIPE
+    cfg = parse(recipe, args)  # the example's flags and the guards'
+
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
     found = inputs(recipe, cfg)
     device.fill_single_process_env()
@@ -119,7 +120,7 @@ def run_stock(example, args: list[str]) -> None:
     tc, _notes = recipe.trainer_config(cfg, dev, out_dir, found)
     # The scripts keep torchtitan's checkpointer on so that a stop can save any step (common/harness/resume.py), and
     # save nothing at the end without --export; torchtitan's own loop would write a last save: off, as before.
-    tc.checkpoint.enable = bool(getattr(cfg, "export", False) or getattr(cfg, "checkpoint_every", "0") != "0")
+    tc.checkpoint.enable = bool(getattr(cfg, "export", False) or cfg.guards.checkpoint_every != "0")
     # The example stages its tokenizer into OUT_DIR/hf_assets; torchtitan reads the source folder.
     tc.hf_assets_path = str(found.hf_folder or found.tokenizer_dir)
     _PREPARED["config"] = tc
@@ -144,8 +145,8 @@ def main() -> int:
         parser.error("--fix_hf_rotary is for --mode stock (in --mode ours the example applies its own fixes)")
     script = Path(ns.script).resolve()
     example = load_example(script)
-    recipe = guarded(example.RECIPE)  # the example's flags and the guards'
-    cfg = cli.parse_config(recipe.config, recipe.presets, ns.args, recipe.doc, recipe.default_preset)
+    cfg = parse(example.RECIPE, ns.args)  # the example's flags and the guards'
+
     device.route_torchtitan_device(device.resolve_device_type(cfg.device))
     install_timer(fix_hf_rotary=ns.fix_hf_rotary)
     RECORD.update(mode=ns.mode, script=script.name, args=ns.args)

@@ -126,8 +126,25 @@ def _parse_optional(conv: Callable) -> Callable:
     return parse
 
 
+def sections_of(cls: type) -> dict[str, dataclasses.Field]:
+    """The fields of `cls` that are typed sections (`field(metadata={"section": ...})`): another dataclass whose fields
+    are flags too, each flag one field of its section (a training recipe's `guards`)."""
+    return {f.name: f for f in dataclasses.fields(cls) if "section" in f.metadata}
+
+
+def flag_fields(cls: type, sections: dict[str, type] | None = None) -> list[tuple[str | None, dataclasses.Field]]:
+    """(section name or None, field) for every flag: `cls`'s own fields, then each section's in `sections` ({name:
+    its dataclass}); a section `cls` declares that is not in `sections` has no flags (the core alone: no guards)."""
+    own = [(None, f) for f in dataclasses.fields(cls) if "section" not in f.metadata]
+    inner = [(name, f) for name, section in (sections or {}).items() for f in dataclasses.fields(section)]
+    names = [f.name for _, f in own + inner]
+    if len(set(names)) != len(names):  # a programming error: one flag, two fields
+        raise TypeError(f"{cls.__name__}: a flag named twice: {sorted(n for n in names if names.count(n) > 1)}")
+    return own + inner
+
+
 def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: str,
-                 default_preset: str) -> argparse.ArgumentParser:
+                 default_preset: str, sections: dict[str, type] | None = None) -> argparse.ArgumentParser:
     parser = ArgumentParser(  # refuses shortened flags; a bad flag is one `error:` line
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags actually given override the preset
@@ -136,11 +153,12 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
     parser.add_argument("--preset", default=default_preset, choices=sorted(presets),
                         help=f"named preset the flags below start from (default: {default_preset}). "
                              + "; ".join(f"{k}: {text}" for k, text in about.items()))
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    hints = {None: typing.get_type_hints(cls), **{n: typing.get_type_hints(c) for n, c in (sections or {}).items()}}
+    for section, f in flag_fields(cls, sections):
         if f.name == "preset":
             continue
-        tp = hints[f.name]
+        tp = hints[section][f.name]
+        owner = cls.__name__ if section is None else (sections or {})[section].__name__
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         conv, choices = _field_type(tp)
@@ -148,14 +166,14 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
         b = f.metadata.get("bounds")
         if conv in (int, float) and choices is None:  # a programming error: every test that builds the parser fails
             if not isinstance(b, Bounds):
-                raise TypeError(f"{cls.__name__}.{f.name} is a numeric flag without bounds: declare what it takes, "
+                raise TypeError(f"{owner}.{f.name} is a numeric flag without bounds: declare what it takes, "
                                 f"field(..., metadata={{'help': ..., **cli.bounds(low, high)}})")
             if default is not None and b.problem(default) is not None:
-                raise TypeError(f"{cls.__name__}.{f.name}: its default {default!r} is outside its own bounds "
+                raise TypeError(f"{owner}.{f.name}: its default {default!r} is outside its own bounds "
                                 f"({b.describe()})")
             help_text += f"; takes {b.describe()}".replace("%", "%%")
         elif b is not None:
-            raise TypeError(f"{cls.__name__}.{f.name}: bounds on a flag that is not an int or a float")
+            raise TypeError(f"{owner}.{f.name}: bounds on a flag that is not an int or a float")
         if conv is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                 help=f"{help_text} (default: {default})")
@@ -168,10 +186,12 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
 
 
 def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[str] | None,
-                 description: str, default_preset: str, unknown_hint: str | None = None):
-    """Preset first, then the flags given; returns the resolved dataclass instance. `unknown_hint`: why a flag may
+                 description: str, default_preset: str, unknown_hint: str | None = None,
+                 sections: dict[str, type] | None = None):
+    """Preset first, then the flags given; returns the resolved dataclass instance, each of `sections` ({name: its
+    dataclass}) filled in (the preset's, else the section's defaults, then its flags). `unknown_hint`: why a flag may
     be unknown here, added to argparse's `unrecognized arguments` line."""
-    parser = build_parser(cls, presets, description, default_preset)
+    parser = build_parser(cls, presets, description, default_preset, sections)
     if unknown_hint is None:
         args = vars(parser.parse_args(argv))
     else:
@@ -181,10 +201,15 @@ def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[st
         args = vars(known)
     preset = args.pop("preset")
     cfg = presets[preset]()
-    cfg = dataclasses.replace(cfg, preset=preset, **args)
+    owner = {f.name: section for section, f in flag_fields(cls, sections)}
+    given = {name: {k: v for k, v in args.items() if owner[k] == name} for name in (None, *(sections or {}))}
+    filled = {name: dataclasses.replace(getattr(cfg, name) or section(), **given[name])
+              for name, section in (sections or {}).items()}
+    cfg = dataclasses.replace(cfg, preset=preset, **given[None], **filled)
     check_bounds(cfg)
-    if hasattr(cfg, "validate"):
-        cfg.validate()
+    for part in (cfg, *filled.values()):
+        if hasattr(part, "validate"):
+            part.validate()
     return cfg
 
 
@@ -195,18 +220,20 @@ def check_bounds(cfg) -> None:
     for f in dataclasses.fields(cfg):
         b = f.metadata.get("bounds")
         value = getattr(cfg, f.name)
-        if b is not None and value is not None and (message := b.refusal(f.name, value)):
+        if "section" in f.metadata and value is not None:
+            check_bounds(value)
+        elif b is not None and value is not None and (message := b.refusal(f.name, value)):
             raise UserError(message)
 
 
 def run_cli(main: Callable[[Any], dict], cls: type, presets: dict, description: str,
             default_preset: str, argv: list[str] | None = None, explain: Callable | None = None,
-            unknown_hint: str | None = None) -> int:
+            unknown_hint: str | None = None, sections: dict[str, type] | None = None) -> int:
     """Parse, run `main(cfg)`, and turn a UserError into one line on stderr and exit code 2 (a full disk too:
     `explain(exception, cfg)` may name what else a failure means, as one line, or None)."""
     cfg = None
     try:
-        cfg = parse_config(cls, presets, argv, description, default_preset, unknown_hint)
+        cfg = parse_config(cls, presets, argv, description, default_preset, unknown_hint, sections)
         main(cfg)
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
@@ -280,5 +307,18 @@ def check_out_dir(out_dir: str, inputs: dict[str, str | None] | None = None) -> 
     return path
 
 
+def flags(cfg) -> dict:
+    """The config as its command line names it, {flag: value}: its own fields, then each section's (a section left
+    None, the core alone's guards, has none). results.json's `config` and the `[config]` line."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if "section" not in f.metadata:
+            out[f.name] = value
+        elif value is not None:
+            out.update(dataclasses.asdict(value))
+    return out
+
+
 def format_config(cfg) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
+    return " ".join(f"{k}={v}" for k, v in flags(cfg).items())

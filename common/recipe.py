@@ -87,6 +87,9 @@ class TrainConfig:
         "help": "Trainium: the folder TorchNeuron keeps its compiled graphs (NEFFs) in, TORCH_NEURONX_NEFF_CACHE_DIR "
                 "(default: that variable where set, else OUT_DIR/neff_cache, beside the run: a resume on a new host, "
                 "whose /tmp is empty, compiles nothing again; give every run one folder to share their compiles)"})
+    guards: Any = field(default=None, metadata={  # a typed section, as torchft's `fault_tolerance` in its Config
+        "section": "the guards' settings where common/harness/ runs the recipe (its Guards; their fields are flags "
+                   "too); None for the core alone"})
 
     EXPORT_TOLERANCE: ClassVar[dict] = {"float32": 1e-5, "bfloat16": 5e-2}  # exported weights, re-read
 
@@ -338,7 +341,7 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
     guarded = guards.results(trainer, dev, shape, out_dir)
     extra.update(recipe.after_train(cfg, trainer, found))
     results = {
-        "script": recipe.name, "config": cfg, "versions": versions(), "device": dev.device_type,
+        "script": recipe.name, "config": cli.flags(cfg), "versions": versions(), "device": dev.device_type,
         "attention": torchtitan_fixes.attention_path(trainer.config.model_spec.model, dev.device_type),
         "world_size": dev.world_size, "layout": layout(trainer), "steps": rec.steps,
         "resumed_from_step": (rec.steps[0] - 1) if rec.steps else None,

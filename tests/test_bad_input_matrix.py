@@ -367,17 +367,17 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, prep
 def test_help_lists_every_flag(script):
     """`--help` works for every example (help strings are formatted by argparse, '%' included), and says what each
     preset is: its docstring's whole first paragraph (a trn2 preset names its sources there)."""
-    import dataclasses
     import re
     import runpy
 
     proc = run_in_process(script, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr[-2000:]
-    from common.harness.lifecycle import guarded
+    from common import cli
+    from common.harness.lifecycle import SECTIONS
 
     found = runpy.run_path(str(ROOT / "examples" / script), run_name="help_check")
-    names = guarded(found["RECIPE"]).config if "RECIPE" in found else found["Config"]
-    for f in dataclasses.fields(names):
+    names = found["RECIPE"].config if "RECIPE" in found else found["Config"]
+    for _, f in cli.flag_fields(names, SECTIONS if "RECIPE" in found else None):
         assert f"--{f.name}" in proc.stdout, f.name
     shown = " ".join(re.sub(r"-\n\s+", "-", proc.stdout).split())  # argparse's wrapping undone
     for preset, make in found["PRESETS"].items():

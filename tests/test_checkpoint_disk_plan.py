@@ -25,8 +25,11 @@ PARAMETERS = 1_000_000
 
 
 def _cfg(**kw):
-    return SimpleNamespace(**{"dtype": "float32", "export": True, "steps": 10, "checkpoint_every": "1",
-                              "keep_checkpoints": 2, "async_checkpoint": False, **kw})
+    """The settings the plan reads: the recipe's (dtype, export, steps) and its guards section's."""
+    top = {"dtype": "float32", "export": True, "steps": 10}
+    guards = {"checkpoint_every": "1", "keep_checkpoints": 2, "async_checkpoint": False}
+    return SimpleNamespace(**{**top, **{k: v for k, v in kw.items() if k in top}},
+                           guards=SimpleNamespace(**{**guards, **{k: v for k, v in kw.items() if k not in top}}))
 
 
 @pytest.fixture

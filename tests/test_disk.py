@@ -11,8 +11,11 @@ MIB = 2**20
 
 
 def _cfg(**kw):
-    return SimpleNamespace(**{"dtype": "float32", "export": True, "steps": 10, "checkpoint_every": "0",
-                              "keep_checkpoints": 2, "async_checkpoint": False, **kw})
+    """The settings the plan reads: the recipe's (dtype, export, steps) and its guards section's."""
+    top = {"dtype": "float32", "export": True, "steps": 10}
+    guards = {"checkpoint_every": "0", "keep_checkpoints": 2, "async_checkpoint": False}
+    return SimpleNamespace(**{**top, **{k: v for k, v in kw.items() if k in top}},
+                           guards=SimpleNamespace(**{**guards, **{k: v for k, v in kw.items() if k not in top}}))
 
 
 def test_the_plan_counts_the_checkpoints_kept_one_being_written_and_the_export():

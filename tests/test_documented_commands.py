@@ -14,7 +14,6 @@ from functools import cache
 
 import pytest
 
-from common import cli
 from conftest import ROOT
 
 SCRIPT = re.compile(r"examples/(train_\w+)\.py")
@@ -80,14 +79,13 @@ COMMANDS = _commands()
 
 @cache
 def _recipe(script: str):
-    from common.harness.lifecycle import guarded
-
-    return guarded(importlib.import_module(script).RECIPE)
+    return importlib.import_module(script).RECIPE
 
 
 def _parse(script: str, argv: list[str]):
-    recipe = _recipe(script)
-    return cli.parse_config(recipe.config, recipe.presets, argv, recipe.doc, recipe.default_preset)
+    from common.harness.lifecycle import parse
+
+    return parse(_recipe(script), argv)
 
 
 def test_the_documents_show_training_commands_on_every_page_that_runs_one():
@@ -109,6 +107,6 @@ def test_a_documented_training_command_parses_and_stops_with_exit_75_on_trainium
     except SystemExit as e:  # argparse: an unknown flag or a bad value
         pytest.fail(f"{where}: {' '.join(words)!r} does not parse (exit {e.code})")
     assert launcher[0] in ("python", "torchrun"), (where, words)
-    if cfg.device == "neuron" and (launcher[0] == "torchrun" or cfg.nproc_per_node > 1):
-        assert launcher == ["python"] and cfg.nproc_per_node > 1, \
+    if cfg.device == "neuron" and (launcher[0] == "torchrun" or cfg.guards.nproc_per_node > 1):
+        assert launcher == ["python"] and cfg.guards.nproc_per_node > 1, \
             f"{where}: {' '.join(words)!r} runs Trainium ranks under a torchrun of its own: show the scripts' launch"

@@ -36,28 +36,36 @@ SCRIPTS = _scripts()
 
 
 def _module(script: str):
-    """The script's Config and PRESETS as its command line has them (a training recipe's with the guards' flags)."""
+    """The script's Config, PRESETS and sections as its command line has them (a training recipe's with the guards'
+    section)."""
     from types import SimpleNamespace
 
-    from common.harness.lifecycle import guarded
+    from common.harness import lifecycle
 
     folder, name = script.split("/")
     mod = importlib.import_module(name.removesuffix(".py") if folder == "examples" else f"bench.{name[:-3]}")
     if hasattr(mod, "RECIPE"):
-        recipe = guarded(mod.RECIPE)
-        return SimpleNamespace(Config=recipe.config, PRESETS=recipe.presets)
-    return mod
+        return SimpleNamespace(Config=mod.RECIPE.config, PRESETS=mod.RECIPE.presets, SECTIONS=lifecycle.SECTIONS)
+    return SimpleNamespace(Config=mod.Config, PRESETS=mod.PRESETS, SECTIONS=None)
 
 
-def _numeric(cls) -> list[tuple[dataclasses.Field, type, cli.Bounds]]:
-    """(field, int or float, its bounds) for every numeric flag of a Config."""
-    hints = typing.get_type_hints(cls)
+def _numeric(mod) -> list[tuple[str | None, dataclasses.Field, type, cli.Bounds]]:
+    """(section or None, field, int or float, its bounds) for every numeric flag of a script."""
     out = []
-    for f in dataclasses.fields(cls):
-        conv, choices = cli._field_type(hints[f.name])
+    for section, f in cli.flag_fields(mod.Config, mod.SECTIONS):
+        owner = mod.Config if section is None else mod.SECTIONS[section]
+        conv, choices = cli._field_type(typing.get_type_hints(owner)[f.name])
         if conv in (int, float) and choices is None:
-            out.append((f, conv, f.metadata.get("bounds")))
+            out.append((section, f, conv, f.metadata.get("bounds")))
     return out
+
+
+def _value(cfg, section: str | None, name: str):
+    return getattr(cfg if section is None else getattr(cfg, section), name)
+
+
+def _parse(mod, argv: list[str]):
+    return cli.parse_config(mod.Config, mod.PRESETS, argv, "", mod.Config().preset, sections=mod.SECTIONS)
 
 
 def _inside(b: cli.Bounds, v) -> bool:
@@ -104,9 +112,9 @@ def test_every_script_is_in_the_table():
 def test_every_numeric_flag_declares_sane_bounds(script):
     """Bounds on every int and float flag, none so wide that a huge, negative or non-finite value gets through."""
     mod = _module(script)
-    fields = _numeric(mod.Config)
+    fields = _numeric(mod)
     assert fields, f"{script} has no numeric flag?"
-    for f, conv, b in fields:
+    for _, f, conv, b in fields:
         assert isinstance(b, cli.Bounds), f"{script} --{f.name} has no cli.bounds"
         assert b.high < SANE and (b.low if b.low is not None else b.above) > -5, (f.name, b)
         for v in (10**30, 1e30, -5, math.nan, math.inf, -math.inf):
@@ -118,18 +126,17 @@ def test_every_preset_parses(script):
     """Each preset's own values are inside its flags' bounds (parse_config checks them as it checks flags)."""
     mod = _module(script)
     for preset in mod.PRESETS:
-        cfg = cli.parse_config(mod.Config, mod.PRESETS, ["--preset", preset], "", mod.Config().preset)
-        for f, _, b in _numeric(mod.Config):
-            value = getattr(cfg, f.name)
+        cfg = _parse(mod, ["--preset", preset])
+        for section, f, _, b in _numeric(mod):
+            value = _value(cfg, section, f.name)
             assert value is None or _inside(b, value), (preset, f.name, value)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_hostile_values_are_taken_inside_the_bounds_and_refused_in_one_line_outside(script, capsys):
     mod = _module(script)
-    default = mod.Config().preset
     wrong = []
-    for f, conv, b in _numeric(mod.Config):
+    for section, f, conv, b in _numeric(mod):
         flag = f"--{f.name}"
         # `--flag=TEXT` and `--flag TEXT` are the same argparse path unless TEXT starts with '-' (then the second
         # reads as a flag): both spellings for those, one for the rest (each parse builds the parser: 0.07 s)
@@ -137,7 +144,7 @@ def test_hostile_values_are_taken_inside_the_bounds_and_refused_in_one_line_outs
                            for a in ([flag, t], [f"{flag}={t}"])[: 2 if t.startswith("-") else 1]):
             value = _as(conv, text)
             try:
-                cfg = cli.parse_config(mod.Config, mod.PRESETS, argv, "", default)
+                cfg = _parse(mod, argv)
             except UserError as e:
                 message = str(e)
                 if value is not None and not _inside(b, value):  # refused by the bounds: flag, value, bounds named
@@ -154,8 +161,8 @@ def test_hostile_values_are_taken_inside_the_bounds_and_refused_in_one_line_outs
             except Exception as e:  # noqa: BLE001  the point: never another exception
                 wrong.append(f"{argv}: {type(e).__name__}: {e}")
             else:
-                if value is None or not _inside(b, value) or getattr(cfg, f.name) != value:
-                    wrong.append(f"{argv}: accepted as {getattr(cfg, f.name)!r}, bounds {b.describe()}")
+                if value is None or not _inside(b, value) or _value(cfg, section, f.name) != value:
+                    wrong.append(f"{argv}: accepted as {_value(cfg, section, f.name)!r}, bounds {b.describe()}")
     assert not wrong, "\n".join(wrong)
 
 
@@ -163,11 +170,13 @@ def test_hostile_values_are_taken_inside_the_bounds_and_refused_in_one_line_outs
 def test_bounds_hold_for_values_argparse_would_never_make(script):
     """NaN, infinities and 10**30 set on any numeric field (int ones included, as a preset could) are refused."""
     mod = _module(script)
-    base = mod.PRESETS[mod.Config().preset]()
-    for f, _, _ in _numeric(mod.Config):
+    base = _parse(mod, [])
+    for section, f, _, _ in _numeric(mod):
         for v in (math.nan, math.inf, -math.inf, 10**30, -(10**30)):
+            changed = dataclasses.replace(base, **{f.name: v}) if section is None else dataclasses.replace(
+                base, **{section: dataclasses.replace(getattr(base, section), **{f.name: v})})
             with pytest.raises(UserError, match=f"^--{f.name} "):
-                cli.check_bounds(dataclasses.replace(base, **{f.name: v}))
+                cli.check_bounds(changed)
 
 
 def test_chunked_loss_scripts_declare_torchtitans_chunk_count():
@@ -182,13 +191,13 @@ def test_chunked_loss_scripts_declare_torchtitans_chunk_count():
         assert "ChunkedLossWrapper.Config(" in body and "num_chunks" not in body, builder
     for script in ("examples/train_native_qwen3.py", "examples/train_moe_nki.py", "bench/bench_memory_model.py",
                    "bench/bench_scaling.py"):
-        b = next(b for f, _, b in _numeric(_module(script).Config) if f.name == "seq_len")
+        b = next(b for _, f, _, b in _numeric(_module(script)) if f.name == "seq_len")
         assert b.multiple_of == chunks and b.low >= chunks, (script, b)
 
 
 def test_help_shows_what_each_numeric_flag_takes():
     mod = _module("examples/train_native_qwen3.py")
-    text = " ".join(cli.build_parser(mod.Config, mod.PRESETS, "", "tiny").format_help().split())
+    text = " ".join(cli.build_parser(mod.Config, mod.PRESETS, "", "tiny", mod.SECTIONS).format_help().split())
     assert "takes 8 to 262144, a multiple of 8" in text and "takes -1 or 1 to 16777216" in text
 
 

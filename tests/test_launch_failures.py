@@ -39,7 +39,8 @@ WORKER = textwrap.dedent("""
 def _launch(tmp_path: Path, script: str) -> int:
     worker = tmp_path / "worker.py"
     worker.write_text(script)
-    cfg = SimpleNamespace(nproc_per_node=2, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=0)
+    cfg = SimpleNamespace(guards=SimpleNamespace(nproc_per_node=2, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                                                 master_port=0))
     return launcher.self_launch(cfg, [str(worker)], tmp_path / "out")
 
 

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 def _nodes(**kw):
     base = dict(device="cpu", check_efa=False, node_rank=0, nnodes=2, master_addr="127.0.0.1", master_port=1,
                 rendezvous_wait_s=0.1)
-    return SimpleNamespace(**{**base, **kw})
+    kw = {**base, **kw}
+    return SimpleNamespace(device=kw.pop("device"), guards=SimpleNamespace(**kw))
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -35,7 +35,8 @@ def test_fi_info_is_found_in_awss_efa_folder_off_path_and_the_refusal_names_that
 def _nodes(**kw):
     base = dict(device="neuron", check_efa=False, node_rank=1, nnodes=2, master_addr="127.0.0.1", master_port=1,
                 rendezvous_wait_s=0.1)
-    return SimpleNamespace(**{**base, **kw})
+    kw = {**base, **kw}
+    return SimpleNamespace(device=kw.pop("device"), guards=SimpleNamespace(**kw))
 
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "localhost", "127.0.1.1", "::1"])
@@ -56,14 +57,12 @@ def test_two_nodes_over_loopback_stay_allowed_on_cpu():
 def _record(*flags: str) -> dict:
     """The run record a node computes for the scripts' tiny recipe started with `flags` (resume.run_record, which a
     resume must match and the launch hands its workers)."""
-    from common import cli
     from common.harness import lifecycle, resume
     from slow_native_qwen3 import recipe
 
-    guarded = lifecycle.guarded(recipe())
-    cfg = cli.parse_config(guarded.config, guarded.presets, ["--no-export", "--out_dir", "o", *flags], guarded.doc,
-                           guarded.default_preset)
-    return resume.run_record(guarded.name, cfg, world_size=cfg.nproc_per_node * cfg.nnodes, dataset=None)
+    native = recipe()
+    cfg = lifecycle.parse(native, ["--no-export", "--out_dir", "o", *flags])
+    return resume.run_record(native.name, cfg, world_size=cfg.guards.nproc_per_node * cfg.guards.nnodes, dataset=None)
 
 
 def _node(rank: int, record: dict, stack: dict | None = None, nnodes: int = 2, nproc: int = 1) -> dict:

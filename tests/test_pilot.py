@@ -237,15 +237,13 @@ def test_peak_tflops_has_a_real_lower_bound():
     TFLOPS (1 GFLOP/s), one error line naming the bound."""
     import train_native_qwen3 as script
 
-    from common import cli
     from common.errors import UserError
-    from common.harness.lifecycle import guarded
+    from common.harness import lifecycle
 
     def parse(value):
-        recipe = guarded(script.RECIPE)  # the recipe's flags and the guards'
-        return cli.parse_config(recipe.config, recipe.presets, ["--peak_tflops", value], "", recipe.default_preset)
+        return lifecycle.parse(script.RECIPE, ["--peak_tflops", value])  # the recipe's flags and the guards'
 
-    assert parse("0.001").peak_tflops == 0.001 and parse("1e5").peak_tflops == 1e5
+    assert parse("0.001").guards.peak_tflops == 0.001 and parse("1e5").guards.peak_tflops == 1e5
     for value in ("1e-300", "0.0009", "0"):
         with pytest.raises(UserError, match="^--peak_tflops .*1 GFLOP/s"):
             parse(value)

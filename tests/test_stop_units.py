@@ -254,8 +254,8 @@ def test_a_multi_node_launch_checks_efa_and_node_0_before_torchrun(tmp_path, mon
     for var in launcher.EFA_ENV:  # restored after the test
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
-    launcher.check_nodes(SimpleNamespace(check_efa=True, device="cpu", node_rank=0, nnodes=2, master_addr="127.0.0.1",
-                                         master_port=0))  # 0: any free port
+    launcher.check_nodes(SimpleNamespace(device="cpu", guards=SimpleNamespace(
+        check_efa=True, node_rank=0, nnodes=2, master_addr="127.0.0.1", master_port=0)))  # 0: any free port
     assert {v: os.environ[v] for v in launcher.EFA_ENV} == launcher.EFA_ENV
     proc = run_example(SCRIPT, *two, "--node_rank", "1", "--out_dir", str(tmp_path / "o2"), check=False)
     assert "[launch] node 1 of 2: waiting for node 0 at 127.0.0.1:1 (up to 2 s" in proc.stdout, proc.stdout[-2000:]
@@ -294,15 +294,13 @@ def test_a_worker_of_the_scripts_own_launch_takes_its_launchers_run_record(tmp_p
     computes its own."""
     import json
 
-    from common import cli
     from common.harness import launcher, lifecycle
     from slow_native_qwen3 import recipe
 
-    guarded = lifecycle.guarded(recipe())
+    guarded = recipe()
     out = tmp_path / "o"
     out.mkdir()
-    cfg = cli.parse_config(guarded.config, guarded.presets, ["--steps", "2", "--no-export", "--out_dir", str(out)],
-                           guarded.doc, guarded.default_preset)
+    cfg = lifecycle.parse(guarded, ["--steps", "2", "--no-export", "--out_dir", str(out)])
     own = lifecycle.check(guarded, cfg, out).record
     assert own["data"]["files"], own  # the data's identity, hashed
     launch = tmp_path / "launch"

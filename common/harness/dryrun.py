@@ -334,7 +334,7 @@ def checkpoint_plan(parameters: int, cfg, have: int = 0, shape: dict | None = No
     tied = shape["vocab_size"] * shape["hidden_size"] if shape and shape.get("tie_word_embeddings") else 0
     per_checkpoint = parameters * CHECKPOINT_BYTES_PER_PARAMETER + tied * 4
     export = parameters * (4 if cfg.dtype == "float32" else 2) if cfg.export else 0  # checkpoint.export_dtype
-    every = 1 if cfg.checkpoint_every == "auto" else int(cfg.checkpoint_every)  # auto: at most every step
+    every = 1 if cfg.guards.checkpoint_every == "auto" else int(cfg.guards.checkpoint_every)  # auto: at most every step
     # The last step's save is never a resumable one: torchtitan 0.3.0 saves that step model-only as the export
     # (checkpointer/dcp.py:413-418, its `last_step` branch), or not at all with --no-export (GuardedCheckpointer).
     # The most a run holds: the periodic saves before the last step and a stop's (common/harness/trainer.py's
@@ -344,11 +344,11 @@ def checkpoint_plan(parameters: int, cfg, have: int = 0, shape: dict | None = No
     # starts the background write, before that write creates its own folder (DCP's FileSystemWriter makes it in
     # prepare_local_plan, in the writer's thread: torch/distributed/checkpoint/filesystem.py:656,
     # state_dict_saver.py:349): the purge keeps --keep_checkpoints older ones beside the new, one more at rest.
-    keep = cfg.keep_checkpoints + (1 if cfg.keep_checkpoints and cfg.async_checkpoint else 0)
+    keep = cfg.guards.keep_checkpoints + (1 if cfg.guards.keep_checkpoints and cfg.guards.async_checkpoint else 0)
     kept = min(saves, keep) if keep else saves
     peak = kept + (1 if keep and saves > kept else 0)  # the newest being written before the oldest goes
     return {"checkpoint_bytes": per_checkpoint, "checkpoints_kept": kept, "peak_checkpoints": peak,
-            "export_bytes": export, "existing_checkpoints": have, "async_checkpoint": bool(cfg.async_checkpoint),
+            "export_bytes": export, "existing_checkpoints": have, "async_checkpoint": bool(cfg.guards.async_checkpoint),
             "needed_bytes": max(peak - have, 0) * per_checkpoint + export}
 
 
@@ -425,11 +425,11 @@ def check_fits(shape: dict, *, local_batch: int, seq_len: int, dtype: str, world
 def project(cfg, tc, shape: dict, world_size: int) -> dict | None:
     """With --assumed_mfu: the full run's time (and with --price_per_hour its cost) from its FLOPs, at that MFU of
     the target's peak (--peak_tflops, or for --device neuron trn2's 79 TFLOPS per NeuronCore x --lnc); printed."""
-    if not getattr(cfg, "assumed_mfu", None):
+    if not cfg.guards.assumed_mfu:
         return None
     from common.harness import pilot
 
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else pilot.trn2_peak(cfg.lnc) if cfg.device == "neuron" else None
+    peak = cfg.guards.peak_tflops * 1e12 if cfg.guards.peak_tflops else pilot.trn2_peak(cfg.lnc) if cfg.device == "neuron" else None
     if peak is None:
         raise UserError(f"--assumed_mfu needs --peak_tflops for --device {cfg.device} (trn2's peak is known: "
                         "--device neuron)")
@@ -437,7 +437,7 @@ def project(cfg, tc, shape: dict, world_size: int) -> dict | None:
     batch = batch if batch > 0 else tc.training.local_batch_size * world_size
     p = pilot.project(steps=cfg.steps, tokens_per_step=batch * tc.training.seq_len,
                       flops=pilot.flops_per_token(shape, tc.training.seq_len), world_size=world_size, peak=peak,
-                      mfu=cfg.assumed_mfu, price_per_hour=cfg.price_per_hour)
+                      mfu=cfg.guards.assumed_mfu, price_per_hour=cfg.guards.price_per_hour)
     print(f"[plan] {p['steps']} steps x {p['tokens_per_step']:,} tokens x {p['flops_per_token'] / 1e9:.2f} GFLOP/token "
           f"at MFU {p['assumed_mfu']:g} of {world_size} x {peak / 1e12:.0f} TFLOPS: {p['seconds'] / 60:.1f} min"
           + (f", {p['cost']:.2f} at {p['price_per_hour']:g}/h" if p["cost"] is not None else "")

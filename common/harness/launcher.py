@@ -28,12 +28,12 @@ def under_launcher() -> bool:
 
 def planned_world_size(cfg) -> int:
     """The world size this run will have: the launcher's, or --nproc_per_node x --nnodes for a self-launch."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if under_launcher() else cfg.nproc_per_node * cfg.nnodes
+    return int(os.environ.get("WORLD_SIZE", "1")) if under_launcher() else cfg.guards.nproc_per_node * cfg.guards.nnodes
 
 
 def launches(cfg) -> bool:
     """This process starts the run's workers (torchrun below it): more than one process, and no launcher above."""
-    return (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and not under_launcher()
+    return (cfg.guards.nproc_per_node > 1 or cfg.guards.nnodes > 1) and not under_launcher()
 
 
 PROCESS_GIB = 1.5  # one tiny-preset training process on CPU: torchtitan logs about 1.4 GiB resident at step 1
@@ -42,11 +42,11 @@ PROCESS_GIB = 1.5  # one tiny-preset training process on CPU: torchtitan logs ab
 def check_nproc(cfg) -> None:
     """Before a self-launch: a node rank below --nnodes, no more processes than the host has cores (CPU) or GPUs,
     and memory for their start-up, unless --oversubscribe."""
-    if cfg.node_rank >= cfg.nnodes:
-        raise UserError(f"--node_rank {cfg.node_rank} is not below --nnodes {cfg.nnodes} (node ranks are 0 to "
-                        f"{cfg.nnodes - 1})")
-    nproc_per_node = cfg.nproc_per_node
-    if not launches(cfg) or nproc_per_node <= 1 or cfg.oversubscribe:
+    if cfg.guards.node_rank >= cfg.guards.nnodes:
+        raise UserError(f"--node_rank {cfg.guards.node_rank} is not below --nnodes {cfg.guards.nnodes} (node ranks are 0 to "
+                        f"{cfg.guards.nnodes - 1})")
+    nproc_per_node = cfg.guards.nproc_per_node
+    if not launches(cfg) or nproc_per_node <= 1 or cfg.guards.oversubscribe:
         return
     import psutil
     import torch
@@ -79,21 +79,21 @@ def check_nodes(cfg) -> None:
     failure is one UserError naming this node."""
     from common.device import resolve_device_type
 
-    node = f"node {cfg.node_rank} of {cfg.nnodes}"
-    addresses = resolve_master(cfg.master_addr, node)  # every node: torchrun would wait on a name that never resolves
+    node = f"node {cfg.guards.node_rank} of {cfg.guards.nnodes}"
+    addresses = resolve_master(cfg.guards.master_addr, node)  # every node: torchrun would wait on a name that never resolves
     neuron = cfg.device == "neuron" or resolve_device_type(cfg.device) == "neuron"
     if neuron and all_loopback(addresses):  # two "nodes" on one CPU host over loopback (the tests) stay allowed
-        raise UserError(f"{node}: --master_addr {cfg.master_addr} is this host's loopback address, which no other "
-                        f"host reaches: with --nnodes {cfg.nnodes} pass node 0's address (`hostname -I` on node 0), "
+        raise UserError(f"{node}: --master_addr {cfg.guards.master_addr} is this host's loopback address, which no other "
+                        f"host reaches: with --nnodes {cfg.guards.nnodes} pass node 0's address (`hostname -I` on node 0), "
                         "the same on every node")
-    if cfg.check_efa or neuron:
+    if cfg.guards.check_efa or neuron:
         check_efa(node)
         for var, value in EFA_ENV.items():
             os.environ.setdefault(var, value)  # the workers inherit them (torchrun passes its environment on)
-    if cfg.node_rank:
-        wait_for_endpoint(cfg.master_addr, cfg.master_port, cfg.rendezvous_wait_s, node)
+    if cfg.guards.node_rank:
+        wait_for_endpoint(cfg.guards.master_addr, cfg.guards.master_port, cfg.guards.rendezvous_wait_s, node)
     else:  # torchrun's store on this node binds the port: one another process holds is its traceback
-        check_port_free(cfg.master_port, node)
+        check_port_free(cfg.guards.master_port, node)
 
 
 def resolve_master(addr: str, node: str) -> list[str]:
@@ -407,13 +407,13 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
             skip = True
         elif not arg.startswith("--nproc_per_node="):
             rest.append(arg)
-    where = (["--standalone"] if cfg.nnodes == 1 else  # torchrun's static rendezvous at node 0's address
-             [f"--nnodes={cfg.nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
-              f"--master_port={cfg.master_port}"])
-    logs = rank_logs_dir(out_dir, cfg.node_rank)
+    where = (["--standalone"] if cfg.guards.nnodes == 1 else  # torchrun's static rendezvous at node 0's address
+             [f"--nnodes={cfg.guards.nnodes}", f"--node_rank={cfg.guards.node_rank}", f"--master_addr={cfg.guards.master_addr}",
+              f"--master_port={cfg.guards.master_port}"])
+    logs = rank_logs_dir(out_dir, cfg.guards.node_rank)
     check_logs_dir(logs)
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.nproc_per_node}",
-           *rank_log_flags(cfg.nproc_per_node, logs), *torchrun_stop_flags(), *rest]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={cfg.guards.nproc_per_node}",
+           *rank_log_flags(cfg.guards.nproc_per_node, logs), *torchrun_stop_flags(), *rest]
     with tempfile.TemporaryDirectory(prefix="qwen3-launch-") as tmp:
         marker = Path(tmp) / "stopped"  # on this host: a worker that stopped the run says so here, and exits 0
         if record is not None:
@@ -457,7 +457,7 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
                 for line in failed_ranks(logs, started):
                     print(line, file=sys.stderr, flush=True)
             return code
-        if cfg.node_rank:  # node 0's rank 0 has said it; another node's own output says it here
+        if cfg.guards.node_rank:  # node 0's rank 0 has said it; another node's own output says it here
             print(marker.read_text(errors="replace").strip(), flush=True)
         return EXIT_STOPPED
 

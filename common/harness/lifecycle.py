@@ -11,8 +11,6 @@ phases (`main`):
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import os
 import sys
@@ -34,7 +32,8 @@ from common.recipe import Hooks, Inputs, Recipe, check_layout, inputs, train
 
 @dataclass
 class Guards:
-    """The flags of the guards, the same for every training recipe."""
+    """The guards' settings, the same for every training recipe: the `guards` section of its Config (each field a flag
+    of the command line, as the recipe's own)."""
 
     def validate(self) -> None:
         every = self.checkpoint_every
@@ -45,7 +44,6 @@ class Guards:
         if every != "auto" and self.mean_hours_between_interruptions is not None:
             raise UserError("--mean_hours_between_interruptions sets the --checkpoint_every auto interval and nothing "
                             f"else: add --checkpoint_every auto (it is {every!r}) or leave it out")
-        super().validate()
     eval_every: int = field(default=0, metadata={
         "help": "held-out loss (torchtitan's validator) at step 1 and every N steps (0: off), on local data training "
                 "never reads: the corpus's validation.jsonl, a folder's validation split, else your own data's "
@@ -172,23 +170,13 @@ class Guards:
                                 **cli.bounds(above=0.0, high=4096.0)})
 
 
-def guarded(recipe: Recipe) -> Recipe:
-    """The recipe with the guards' flags: its Config with the fields of Guards after its own (the same class name),
-    each preset's values carried over."""
-    config = dataclasses.make_dataclass(recipe.config.__name__, [], bases=(Guards, recipe.config),
-                                        namespace={"__module__": recipe.config.__module__})
+SECTIONS = {"guards": Guards}  # the recipe's Config's `guards` section, its flags the command line's too
 
-    def with_guards(preset):
-        @functools.wraps(preset)  # its name and docstring: --help lists them
-        def made():
-            base = preset()
-            return config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
-        return made
 
-    guarded_class = type(type(recipe).__name__, (type(recipe),), {
-        "config": config, "presets": {k: with_guards(v) for k, v in recipe.presets.items()},
-        "__module__": type(recipe).__module__})
-    return guarded_class()
+def parse(recipe: Recipe, argv: list[str] | None = None):
+    """The recipe's Config from a command line, its `guards` section filled in (the flags of both)."""
+    return cli.parse_config(recipe.config, recipe.presets, argv, recipe.doc, recipe.default_preset,
+                            sections=SECTIONS)
 
 
 def run(recipe: Recipe, argv: list[str] | None = None, hooks: type | None = None) -> int:
@@ -198,9 +186,8 @@ def run(recipe: Recipe, argv: list[str] | None = None, hooks: type | None = None
     shows (torch.distributed.elastic's `record`)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    recipe = guarded(recipe)
-    return record(cli.run_cli)(lambda cfg: main(recipe, cfg, hooks or GuardHooks), recipe.config, recipe.presets, recipe.doc,
-                       recipe.default_preset, argv, explain=explain_failure)
+    return record(cli.run_cli)(lambda cfg: main(recipe, cfg, hooks or GuardHooks), recipe.config, recipe.presets,
+                               recipe.doc, recipe.default_preset, argv, explain=explain_failure, sections=SECTIONS)
 
 
 def preflight(recipe: Recipe, cfg, host_checked: bool = False) -> Inputs:
@@ -216,17 +203,17 @@ def preflight(recipe: Recipe, cfg, host_checked: bool = False) -> Inputs:
                  local_batch=cfg.local_batch_size, seq_divisor=recipe.seq_divisor)
     if host_checked:  # the held-out data, the disk and the memory: checked by this host's launcher
         return found
-    if cfg.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
-        eval_dataset(found.dataset, cfg.eval_dataset_path, read=True)
+    if cfg.guards.eval_every:  # held-out data that exists (and a Hub that can be reached when it must stream c4)
+        eval_dataset(found.dataset, cfg.guards.eval_dataset_path, read=True)
     parameters = dryrun.parameter_estimate(found.shape) if found.shape else published_parameters(recipe, cfg)
-    if parameters and cfg.disk_check:  # room for the checkpoints kept and the export, before the launch
+    if parameters and cfg.guards.disk_check:  # room for the checkpoints kept and the export, before the launch
         out_dir = Path(cfg.out_dir).resolve()
         dryrun.check_disk(out_dir, dryrun.checkpoint_plan(int(parameters), cfg, shape=found.shape,
                                                           have=len(resume.whole_checkpoints(out_dir))))
     if found.shape:  # a torchtitan flavor has no config.json here: --dry_run sizes it
         dryrun.check_fits(found.shape, local_batch=cfg.local_batch_size, seq_len=cfg.seq_len, dtype=cfg.dtype,
                           world_size=launcher.planned_world_size(cfg),
-                          device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.per_core_gib,
+                          device_type=device.resolve_device_type(cfg.device), per_core_gib=cfg.guards.per_core_gib,
                           tp=cfg.tensor_parallel_degree)
     return found
 
@@ -267,12 +254,12 @@ def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker never outlives torchrun, however torchrun ends
         die_with_parent(parent_pid=os.getppid())()
     # flags alone: refused before the out_dir exists
-    pilot.check_profile(cfg.profile, cfg.profile_freq, cfg.steps, cfg.profile_device)
-    check_eval_flags(cfg.eval_every, cfg.eval_dataset_path)
-    if cfg.compare_losses:
-        read_reference_losses(cfg.compare_losses)  # a bad reference (a FIFO too) fails before the out_dir exists
+    pilot.check_profile(cfg.guards.profile, cfg.guards.profile_freq, cfg.steps, cfg.guards.profile_device)
+    check_eval_flags(cfg.guards.eval_every, cfg.guards.eval_dataset_path)
+    if cfg.guards.compare_losses:
+        read_reference_losses(cfg.guards.compare_losses)  # a bad reference (a FIFO too) fails before the out_dir exists
     out_dir = hold(cfg)
-    if cfg.dry_run:
+    if cfg.guards.dry_run:
         return dry_run(recipe, cfg, out_dir)
     checked = check(recipe, cfg, out_dir)  # every input, before a launch: one error line, not one per rank
     checked.phases = phases
@@ -286,10 +273,10 @@ def hold(cfg) -> Path:
     """The out_dir, checked against the inputs (none inside another) and held for this run (its lock)."""
     out_dir = cli.check_out_dir(cfg.out_dir, inputs={
         "--hf_checkpoint": getattr(cfg, "hf_checkpoint", None), "--hf_assets": getattr(cfg, "hf_assets", None),
-        "--compare_losses": cfg.compare_losses, "--dataset": _dataset_folder(cfg.dataset, cfg.dataset_path),
-        "--eval_dataset_path": cfg.eval_dataset_path},
+        "--compare_losses": cfg.guards.compare_losses, "--dataset": _dataset_folder(cfg.dataset, cfg.dataset_path),
+        "--eval_dataset_path": cfg.guards.eval_dataset_path},
     ).resolve()
-    launcher.hold_out_dir(out_dir, cfg.node_rank)
+    launcher.hold_out_dir(out_dir, cfg.guards.node_rank)
     return out_dir
 
 
@@ -298,26 +285,26 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     record. Each failure is one UserError."""
     world_size = launcher.planned_world_size(cfg)  # the layout is checked with the model's shape (preflight)
     export.check_replaceable(out_dir)
-    check_outputs(out_dir, folders=("tb",) if cfg.tensorboard else ())  # each file the run writes is absent or a
+    check_outputs(out_dir, folders=("tb",) if cfg.guards.tensorboard else ())  # each file the run writes is absent or a
     # regular file, each folder absent or a folder: refused now, not after training
     reshard.check_debug_folder()
     reshard.check_segments(out_dir)
     launch = launcher.launches(cfg)
     launcher.check_nproc(cfg)
-    if launch and cfg.nnodes > 1:  # EFA and node 0's endpoint, from this host, before torchrun waits on them
+    if launch and cfg.guards.nnodes > 1:  # EFA and node 0's endpoint, from this host, before torchrun waits on them
         launcher.check_nodes(cfg)  # before the inputs' sizing, which shares this host's memory among the processes
-    end = stops.deadline(cfg.time_limit)
+    end = stops.deadline(cfg.guards.time_limit)
     launched = launcher.launched_record()  # a worker of the scripts' own launch: its launcher checked this host
     found = preflight(recipe, cfg, host_checked=launched is not None)
     record = launched or resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
-    resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.reshard)  # the same run, steps left
-    if launcher.is_rank_zero() and cfg.node_rank == 0:
+    resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.guards.reshard)  # the same run, steps left
+    if launcher.is_rank_zero() and cfg.guards.node_rank == 0:
         say_replaced(out_dir, resumed)
-    if cfg.checkpoint_every == "auto" and not cfg.storage_gb_per_s and not launch and launcher.is_rank_zero():
+    if cfg.guards.checkpoint_every == "auto" and not cfg.guards.storage_gb_per_s and not launch and launcher.is_rank_zero():
         # the first auto interval plans its save over OUT_DIR's bandwidth: measured here, before anything is built,
         # by the process that trains as rank 0 (the ranks agree on the longest planned save: the others need none)
-        cfg.storage_gb_per_s = max(interval.write_probe(out_dir), 1e-6)
-        print(f"[checkpoint] OUT_DIR's write bandwidth: {cfg.storage_gb_per_s:.3g} GB/s measured ("
+        cfg.guards.storage_gb_per_s = max(interval.write_probe(out_dir), 1e-6)
+        print(f"[checkpoint] OUT_DIR's write bandwidth: {cfg.guards.storage_gb_per_s:.3g} GB/s measured ("
               f"{interval.PROBE_BYTES >> 20} MiB written and fsync'd by one process), the save the first auto "
               "interval plans with; --storage_gb_per_s B for your storage's own, all ranks together", flush=True)
     return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
@@ -376,7 +363,7 @@ def say_replaced(out_dir: Path, resumed: int | None = None) -> None:
 def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
     """One rank's training with the guards: stop signals caught, the plan's memory, the trainer built and trained,
     exported; exit 75 after a stop."""
-    stop = stops.StopControl(end=checked.end, margin_s=cfg.stop_margin_s, is_main=launcher.is_rank_zero(),
+    stop = stops.StopControl(end=checked.end, margin_s=cfg.guards.stop_margin_s, is_main=launcher.is_rank_zero(),
                              steps=cfg.steps)
     stop.install()  # from here a stop signal ends the run at a step boundary, with a checkpoint
     plan = None
@@ -420,15 +407,15 @@ class GuardHooks(Hooks):
 
     def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
         cfg = self.cfg
-        every = int(cfg.checkpoint_every) if cfg.checkpoint_every != "auto" else 0  # auto: GuardedCheckpointer's
+        every = int(cfg.guards.checkpoint_every) if cfg.guards.checkpoint_every != "auto" else 0  # auto: GuardedCheckpointer's
         tc.checkpoint.interval = every or cfg.steps + 1
-        tc.checkpoint.keep_latest_k = cfg.keep_checkpoints
-        tc.checkpoint.async_mode = "async" if cfg.async_checkpoint else "disabled"
+        tc.checkpoint.keep_latest_k = cfg.guards.keep_checkpoints
+        tc.checkpoint.async_mode = "async" if cfg.guards.async_checkpoint else "disabled"
         # the data in its shards (common/harness/trainer.py's ShardedDataLoader); segments.json
         self.reshard, notes = reshard.configure(tc, cfg, dev, out_dir, self.components()["dataloader"])
-        pilot.apply_metrics_settings(tc, cfg.tensorboard)
-        if cfg.profile:  # torchtitan's profiler, traces in OUT_DIR/profile_traces
-            self.profile = pilot.apply_profile_settings(tc, steps=cfg.steps, profile_freq=cfg.profile_freq,
+        pilot.apply_metrics_settings(tc, cfg.guards.tensorboard)
+        if cfg.guards.profile:  # torchtitan's profiler, traces in OUT_DIR/profile_traces
+            self.profile = pilot.apply_profile_settings(tc, steps=cfg.steps, profile_freq=cfg.guards.profile_freq,
                                                         device_type=dev.device_type)
             notes.append(self.profile["note"])
         self.compile_cache = pilot.CompileCacheWatch(
@@ -437,7 +424,7 @@ class GuardHooks(Hooks):
             resume.write_record(out_dir, self.record)
             self.losses_path, self.eval_path = out_dir / "losses.jsonl", out_dir / EVAL_LOSSES
         self.dev = dev
-        note = apply_eval_settings(tc, cfg.eval_every, cfg.eval_steps, found.dataset, cfg.eval_dataset_path)
+        note = apply_eval_settings(tc, cfg.guards.eval_every, cfg.guards.eval_steps, found.dataset, cfg.guards.eval_dataset_path)
         return notes + ([note] if note else [])
 
     def components(self) -> dict:
@@ -472,11 +459,11 @@ class GuardHooks(Hooks):
 
         made, cfg, dev = self.components(), self.cfg, self.dev
         self.saves = interval.SaveWatch(
-            self.stop, every=cfg.checkpoint_every, mtbi_h=cfg.mean_hours_between_interruptions,
-            planned_save_s=planned_save_s(shape, cfg), notice_s=cfg.stop_notice_s, comm_timeout_s=cfg.comm_timeout_s,
-            price_per_hour=cfg.price_per_hour, evaluates=bool(cfg.eval_every), is_main=dev.is_main,
-            async_saves=cfg.async_checkpoint)
-        self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.peak_tflops, lnc=cfg.lnc)
+            self.stop, every=cfg.guards.checkpoint_every, mtbi_h=cfg.guards.mean_hours_between_interruptions,
+            planned_save_s=planned_save_s(shape, cfg), notice_s=cfg.guards.stop_notice_s, comm_timeout_s=cfg.comm_timeout_s,
+            price_per_hour=cfg.guards.price_per_hour, evaluates=bool(cfg.guards.eval_every), is_main=dev.is_main,
+            async_saves=cfg.guards.async_checkpoint)
+        self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.guards.peak_tflops, lnc=cfg.lnc)
         peak = self.peak["value"]
         config = same_fields(self.trainer_class(tc).Config, tc, metrics=same_fields(
             made["metrics"].Config, tc.metrics, flops_per_token=pilot.flops_per_token(shape, cfg.seq_len),
@@ -488,7 +475,7 @@ class GuardHooks(Hooks):
         if config.validator.enable:
             config.validator = same_fields(made["validator"].Config, tc.validator, _stop=self.stop)
         if self.profile:
-            config.profiler = same_fields(made["profiler"].Config, tc.profiler, device_mode=cfg.profile_device)
+            config.profiler = same_fields(made["profiler"].Config, tc.profiler, device_mode=cfg.guards.profile_device)
         built = config.build(guards=self)
         self.phases.mark("build")
         return built
@@ -530,7 +517,7 @@ class GuardHooks(Hooks):
                                        earlier=stopped_part(out_dir).get("profile")) if self.profile else None
         report = pilot.report(rec, shape=shape, seq_len=cfg.seq_len, world_size=dev.world_size, peak=self.peak,
                               memory=memory, planned_gib=self.plan.result() if self.plan else None,
-                              price_per_hour=cfg.price_per_hour, compile_cache=self.compile_cache.result(),
+                              price_per_hour=cfg.guards.price_per_hour, compile_cache=self.compile_cache.result(),
                               profile=profile, device_type=dev.device_type, steps_s=self.stop.steps_s)
         report["fallback_ops"] = pilot.fallback_ops(dev.device_type)  # Neuron: ops run on the host CPU
         if dev.device_type == "neuron":  # attach results.json to a problem report: the packages it ran on
@@ -542,9 +529,9 @@ class GuardHooks(Hooks):
         out["time_to_first_step"] = self.phases.result()  # a collective
         if trainer.config.compile.enable:  # what compiled when, and the recompiles after the warm-up
             out["compile"] = {"backend": trainer.config.compile.backend, **trainer.compiles.summary()}
-        if cfg.compare_losses:  # over the whole curve, steps before a resume included
+        if cfg.guards.compare_losses:  # over the whole curve, steps before a resume included
             history = self.history(trainer)
-            out["loss_comparison"] = compare_losses(history["losses"], cfg.compare_losses, cfg.loss_tolerance,
+            out["loss_comparison"] = compare_losses(history["losses"], cfg.guards.compare_losses, cfg.guards.loss_tolerance,
                                                     steps=history["steps"])
         if dev.is_main:
             if warning := pilot.mfu_warning(report):
@@ -554,7 +541,7 @@ class GuardHooks(Hooks):
             if "compile" in out:
                 print(compile_line(out["compile"]), file=sys.stderr if out["compile"]["recompiles_after_warmup"]
                       else sys.stdout, flush=True)
-            if cfg.compare_losses:
+            if cfg.guards.compare_losses:
                 print(format_loss_comparison(out["loss_comparison"]), flush=True)
         return out
 
@@ -576,13 +563,13 @@ def compile_line(audit: dict) -> str:
 
 def planned_save_s(shape: dict, cfg) -> float | None:
     """A checkpoint's size over --storage_gb_per_s (None without it, or for a config.json without the numbers)."""
-    if not cfg.storage_gb_per_s:
+    if not cfg.guards.storage_gb_per_s:
         return None
     try:
         size = dryrun.checkpoint_plan(dryrun.parameter_estimate(shape), cfg, shape=shape)["checkpoint_bytes"]
     except (KeyError, TypeError):
         return None
-    return size / (cfg.storage_gb_per_s * 1e9)
+    return size / (cfg.guards.storage_gb_per_s * 1e9)
 
 
 def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dict:
@@ -595,29 +582,29 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
 
     torchtitan_fixes.quiet_known_noise()  # the plan (a training run's child too) prints what training would not
     found = recipe.dry_run_inputs(cfg, out_dir) if hasattr(recipe, "dry_run_inputs") else Inputs()
-    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.dry_run_ranks)
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.guards.dry_run_ranks)
     tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
     shape = recipe.model_shape(cfg, tc, found)
     check_layout(shape, tp=tc.parallelism.tensor_parallel_degree, seq_len=tc.training.seq_len,
-                 world_size=ranks or cfg.dry_run_ranks, global_batch=tc.training.global_batch_size,
+                 world_size=ranks or cfg.guards.dry_run_ranks, global_batch=tc.training.global_batch_size,
                  local_batch=tc.training.local_batch_size, seq_divisor=recipe.seq_divisor)
     label, published = recipe.describe(cfg, shape) if hasattr(recipe, "describe") else (cfg.preset, None)
     planned_for = device.resolve_device_type(cfg.device) if ranks else cfg.device if cfg.device != "auto" else "neuron"
-    r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.dry_run_ranks, per_core_gib=cfg.per_core_gib,
+    r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.guards.dry_run_ranks, per_core_gib=cfg.guards.per_core_gib,
                        published_params=published, label=label, device_type=planned_for)
     if ranks:
         return r
     disk = dryrun.checkpoint_plan(r["parameters"], cfg, shape=shape)
     print(dryrun.format_disk(disk, out_dir), flush=True)
-    projection = dryrun.project(cfg, tc, shape, cfg.dry_run_ranks)
+    projection = dryrun.project(cfg, tc, shape, cfg.guards.dry_run_ranks)
     notice = None
-    if projection and cfg.storage_gb_per_s:  # a step at the assumed MFU, the save over the stated bandwidth
+    if projection and cfg.guards.storage_gb_per_s:  # a step at the assumed MFU, the save over the stated bandwidth
         notice = interval.stop_verdict(
             step_s=projection["seconds"] / projection["steps"], batch_s=0.0, evaluates=False,
-            save_s=disk["checkpoint_bytes"] / (cfg.storage_gb_per_s * 1e9), notice_s=cfg.stop_notice_s,
-            comm_timeout_s=cfg.comm_timeout_s, save_source=f"planned at {cfg.storage_gb_per_s:g} GB/s")
+            save_s=disk["checkpoint_bytes"] / (cfg.guards.storage_gb_per_s * 1e9), notice_s=cfg.guards.stop_notice_s,
+            comm_timeout_s=cfg.comm_timeout_s, save_source=f"planned at {cfg.guards.storage_gb_per_s:g} GB/s")
         print(interval.format_verdict(notice).replace("[stop notice]", "[dry run] stop notice:"), flush=True)
-    return dryrun.finish(r, out_dir=out_dir, per_core_gib=cfg.per_core_gib, results={
-        "script": recipe.name, "config": cfg, "model_shape": shape, "disk": disk, "projection": projection,
+    return dryrun.finish(r, out_dir=out_dir, per_core_gib=cfg.guards.per_core_gib, results={
+        "script": recipe.name, "config": cli.flags(cfg), "model_shape": shape, "disk": disk, "projection": projection,
         "stop_safety": notice})
 

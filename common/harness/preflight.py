@@ -673,11 +673,11 @@ def preset_config(script: str, preset: str):
         spec.loader.exec_module(module)
     if "torchtitan.tools.utils" not in sys.modules:
         device.route_torchtitan_device("cpu")  # as the dry run routes it; a routed torchtitan (trn2) stays routed
-    recipe = lifecycle.guarded(module.RECIPE)
-    cfg = recipe.presets[preset]()
+    recipe = module.RECIPE
+    cfg = lifecycle.parse(recipe, ["--preset", preset])
     with tempfile.TemporaryDirectory() as out:
         found = recipe.dry_run_inputs(cfg, Path(out)) if hasattr(recipe, "dry_run_inputs") else Inputs()
-        target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.dry_run_ranks)
+        target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.guards.dry_run_ranks)
         with contextlib.redirect_stdout(io.StringIO()):
             tc, _notes = recipe.trainer_config(cfg, target, Path(out), found)
     return tc

@@ -7,11 +7,11 @@ difference, before anything is built or launched. Stopping: common/harness/stops
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
+from common import cli
 from common.errors import UserError, one_line
 from common.recipe import GUARDED_RECORD
 from common.results import atomic_write_text
@@ -113,7 +113,7 @@ def run_record(script: str, cfg, *, world_size: int, dataset: tuple[str, str] | 
     """What this run's checkpoints are written with: every setting except MAY_CHANGE (the model's shape among them:
     its flavor or flags, and --hf_checkpoint's config and files), with paths resolved, the data (its folder, and
     each file it reads by size and hash) and the world size."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in MAY_CHANGE}
+    settings = {k: v for k, v in cli.flags(cfg).items() if k not in MAY_CHANGE}
     for key in ("hf_assets", "dataset_path"):
         if settings.get(key):
             settings[key] = str(Path(settings[key]).resolve())
