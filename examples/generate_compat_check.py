@@ -7,6 +7,7 @@
 # and, for the subcommands `lookup` and `rankings`:
 #   examples/compat_check/subcommands.py examples/compat_check/lookup.py examples/compat_check/page.py
 #   examples/compat_check/rankings.py
+#   common/harness/__init__.py common/harness/compile_cache.py common/harness/pilot.py common/harness/stops.py
 # and, for the Neuron stack's preflight before a Trainium run, from the harness:
 #   common/harness/__init__.py common/harness/preflight.py
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.
@@ -669,6 +670,9 @@ def subcommand():
     try:
         from compat_check import subcommands
     except ModuleNotFoundError as missing:
+        if (missing.name or "").startswith("common.harness"):  # the lookup's pull commands: the compile cache's keys
+            sys.exit("error: lookup and rankings need common/harness/__init__.py, compile_cache.py, pilot.py and "
+                     f"stops.py beside common/ ({one_line(str(missing))}): copy them too (this file's header)")
         if not (missing.name or "").startswith("compat_check."):
             raise
         sys.exit(f"error: lookup and rankings need examples/compat_check/subcommands.py, lookup.py, page.py and "

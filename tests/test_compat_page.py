@@ -22,6 +22,7 @@ STACK_NEW = {"neuronx_cc": "2.23.6484.0", "library": "transformers", "library_ve
 STACK_OLD = dict(STACK_NEW, neuronx_cc="2.21.1", library_version="4.57.1", transformers="4.57.1")
 RUN_PY = "# the script that ran\nprint('shown as text, never run')\n"
 CACHE = "TORCH_NEURONX_NEFF_CACHE_DIR=/var/tmp/neff-cache"
+SHARED = "s3://team bucket/compile-cache'; touch PWNED"  # a shared compile cache (compile_cache_url)
 
 
 def _row(model_id: str, result: str, stack: dict, **extra) -> dict:
@@ -50,7 +51,7 @@ def results(tmp_path_factory) -> Path:
         _row("Qwen/Qwen3-8B", "PASS", STACK_NEW, tp=2, runner="tp", english=True),
         _row("Qwen/Qwen3-VL-2B-Instruct", "PASS", STACK_NEW, task="image-text-to-text", cpu_match=True),
         _row("meta-llama/Llama-3.2-1B-Instruct", "FAIL", STACK_NEW, cpu_match=False,
-             error="RuntimeError: tokens differ\nsecond line"),
+             error="RuntimeError: tokens differ\nsecond line", compile_cache_url=SHARED),
         _row("org/unlisted-model", "EXCLUDED", STACK_NEW, exclusion="no sharding plan: GPT2Config", tp=2, runner=None),
         _row("Qwen/Qwen3-0.6B", "EXCLUDED", STACK_NEW, unavailable=True, wall_s=None, hbm_peak_gb=None,
              exclusion="not fetched (no verdict; a rerun tries again): LocalEntryNotFoundError: offline"),
@@ -126,6 +127,11 @@ def test_page_search_filters_and_a_row(browser, results, tmp_path):
     assert "neuronx-cc==2.23.6484.0" in reproduce
     assert "export TORCH_NEURONX_NEFF_CACHE_DIR=/var/tmp/neff-cache" in reproduce
     assert "python generate_compat_check.py --models meta-llama/Llama-3.2-1B-Instruct" in reproduce
+    pull = [line for line in reproduce.split("\n") if line.startswith("python -m tools.compile_cache")]
+    assert [shlex.split(line) for line in pull] == [["python", "-m", "tools.compile_cache", "pull", SHARED, "--device",
+                                                     "neuron", "--key",
+                                                     "neuron_neuronx-cc-2.23.6484.0_torch-neuronx-2.14.3"]]
+    assert SHARED in detail.text  # under Run, as text
     assert _console_errors(browser) == []
     shot = tmp_path / "page.png"
     browser.save_screenshot(str(shot))
@@ -220,6 +226,7 @@ def test_reproduce_quotes_every_word_and_shows_no_command_for_other_run_args(bro
         commands = [words for words in commands if words]  # comments are no command
         assert [words[0] for words in commands] == (["pip", "python", "export"] if argv else ["pip", "export"]), block
         assert not any(set(w) <= set("();<>|&") for words in commands for w in words), block
+        assert "# no shared compile cache recorded for this row" in block.split("\n"), block
         rerun = [line for line in block.split("\n") if line.startswith("python")]
         if argv is None:
             assert rerun == [] and "# not reproducible from this row" in block, (args, block)

@@ -222,7 +222,7 @@ def test_lookup_output_is_one_printable_line_per_row(tmp_path, capsys):
     rows.write_row(path, {"model_id": "evil\x1b[2J\nPASS", "result": "FAIL", "error": "\r\n\x1b]0;title\x07boom"})
     assert lookup.lookup_main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "\x1b" not in out and len(out.splitlines()) == 3
+    assert "\x1b" not in out and len(out.splitlines()) == 4  # header, the row, no shared compile cache, summary
 
 
 def test_lookup_page_never_replaces_an_input_or_a_file_it_did_not_write(tmp_path):

@@ -19,13 +19,17 @@ With `--rankings FILE` (written by the `rankings` subcommand: rankings.py) the T
 task's ranked models in the file's order, each with its rows, and a ranked model without a row as "not tested"
 (neither PASS nor FAIL, not a failure), with its rank and downloads; the page holds both views. The compile audit's
 counts (graphs, recompiles, graph breaks) are columns of the table; `--compiles_once` keeps the rows audited with no
-recompile after the first decode step.
+recompile after the first decode step. The table's `pull` column marks each row whose stack has a shared compile cache
+recorded (`compile_cache_url`) with the number of the command under the table that pulls its compiled graphs for its
+compiler (`python -m tools.compile_cache pull URL --device D --key KEY`, quoted as the page quotes it); a line then
+says how many rows have no shared compile cache recorded.
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -150,8 +154,34 @@ def _shown(value, col: str) -> str:
     return one_line(lines[0] if lines else "-")
 
 
-def format_results(df) -> str:
-    return format_table([list(values) for values in df[[c for c, _, _ in SHOW]].itertuples(index=False)], SHOW)
+def format_results(df, marks: list | None = None) -> str:
+    """The rows view's table; with `marks` (pull_notes), a `pull` column before the prose columns."""
+    records = [list(values) for values in df[[c for c, _, _ in SHOW]].itertuples(index=False)]
+    if marks is None:
+        return format_table(records, SHOW)
+    at = [c for c, _, _ in SHOW].index("exclusion")
+    show = SHOW[:at] + (("pull", "pull", 6),) + SHOW[at:]
+    return format_table([r[:at] + [m] + r[at:] for r, m in zip(records, marks)], show)
+
+
+def pull_notes(df) -> tuple[list, list[str]]:
+    """Per row of `df` its mark in the table's `pull` column ("[1]": the first command below; None: none), and the
+    lines under the table: each distinct command that pulls rows' compiled graphs from their shared compile cache
+    for their compiler (page.pull_command), once, with how many rows it serves; then how many rows record none."""
+    commands, keys = page.pull_cells(df)
+    numbers: dict[str, int] = {}
+    marks = [None if c is None else f"[{numbers.setdefault(c, len(numbers) + 1)}]" for c in commands]
+    counts, key_of = Counter(commands), dict(zip(commands, keys))
+    lines = [one_line(f"[{n}] {c}  ({counts[c]} row(s)"
+                      + (")" if key_of[c] else "; their versions give no key: it pulls this host's)"))
+             for c, n in numbers.items()]
+    urls = df["compile_cache_url"].tolist() if "compile_cache_url" in df.columns else [None] * len(df)
+    unusable = sum(c is None and isinstance(u, str) and bool(u) for c, u in zip(commands, urls))
+    if unusable:
+        lines.append(f"{unusable} row(s) record a shared compile cache that is not one printable line: no command")
+    if counts[None] - unusable:
+        lines.append(f"no shared compile cache recorded: {counts[None] - unusable} of {len(commands)} row(s)")
+    return marks, lines
 
 
 def format_table(records: list[list], show: tuple) -> str:
@@ -245,7 +275,8 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
         if args.html:  # every column the page shows; run_py as its distinct texts
             columns, dictionary = PAGE_READS + ("run_py",), ("run_py",)
         else:  # the table, or --run_py's one row: run_py is read for that row alone, below
-            columns, dictionary = tuple(dict.fromkeys(FILTER_COLUMNS + tuple(c for c, _, _ in SHOW))), ()
+            columns = tuple(dict.fromkeys(FILTER_COLUMNS + tuple(c for c, _, _ in SHOW) + page.PULL_READS))
+            dictionary = ()
         df, problems = load_results(files, columns, dictionary)
         for problem in problems:
             print(one_line(f"skipped: {problem}"), file=sys.stderr)
@@ -279,7 +310,10 @@ def lookup_main(argv: list[str] | None = None, *, prog: str = "lookup", selected
                       "printed as \N{REPLACEMENT CHARACTER}: the stored text differs from what is shown; read it "
                       "before saving it", file=sys.stderr)
             return 0
-        print(format_results(df))
+        marks, notes = pull_notes(df)
+        print(format_results(df, marks))
+        for note in notes:
+            print(note)
         print(summary_line(df))
         if args.html:
             write_page_or_fail(df, args, selected, rerun, ranks)

@@ -11,7 +11,8 @@ Every value from a results file is untrusted. The data travels as JSON inside a
 that element; the page's script builds every cell with textContent, never as HTML; and a
 Content-Security-Policy allows only the page's own script and style (by hash), no network at all.
 The Reproduce block quotes every value, and shows a row's rerun command only when its `run_args` are a plain
-list of the script's flags that its parser accepts (`rerun`). The page is meant to be shared: this machine's home
+list of the script's flags that its parser accepts (`rerun`), and the command that pulls its compiled graphs for its
+compiler where it records a shared compile cache (`pull_command`). The page is meant to be shared: this machine's home
 folder and the set-up's cache are written as `~` and `$QWEN3_RECIPES_CACHE` wherever a value names them. The page
 is written only as a new file or over a page this module wrote (GENERATOR, check_target), never over a results file
 it read, never through a symbolic link, and a FIFO of that name is never opened.
@@ -30,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common.errors import UserError
+from common.harness.compile_cache import key_from_versions
 from compat_check.rows import COLUMNS
 
 GENERATOR = '<meta name="generator" content="qwen3-trainium-recipes compat lookup">'  # in every page's <head>
@@ -82,6 +84,46 @@ def _shell_word(word: str) -> str:
     return shlex.quote(word)
 
 
+# What a row records of its stack, by the names of the compile cache's key parts (common/harness/compile_cache.py).
+KEY_COLUMNS = {"neuronx-cc": "neuronx_cc", "torch-neuronx": "torch_neuronx", "torch": "torch", "python": "python"}
+PULL_READS = ("compile_cache_url", "device", *KEY_COLUMNS.values())  # the columns a pull command is made of
+
+
+def pull_command(url, device, versions: dict) -> tuple[str | None, str | None]:
+    """(the command that pulls a row's compiled graphs from its shared compile cache, the key it pulls), or (None,
+    None) where the row records no shared cache URL or one that is not one printable line. The key is the one the
+    row's versions give (common.harness.compile_cache.key_from_versions): the command refuses to run on a host of
+    another key, so graphs are pulled only for the compiler that made them. A row that does not record every part
+    of its key (a CUDA row: Triton and CUDA) gives the command without --key: it pulls the key of the host it runs
+    on, for the row's device. `device`: the row's (None in the public files, whose rows all ran on Trainium). Every
+    word quoted (shlex.quote, as the rerun command), this machine's home folder as ~."""
+    if type(url) is not str or not url.strip() or not url.isprintable():
+        return None, None
+    device = device if type(device) is str else "neuron" if versions.get("neuronx-cc") else None
+    key = key_from_versions(device, versions) if device else None
+    words = ["python", "-m", "tools.compile_cache", "pull", url.strip()]
+    words += ["--device", device] if device in ("cpu", "cuda", "neuron") else []
+    words += ["--key", key] if key else []
+    return " ".join(map(_shell_word, words)), key
+
+
+def pull_cells(df) -> tuple[list, list]:
+    """`pull_command` of every row of `df` (its `pull` and `pull_key` cells): each distinct stack once."""
+    if "compile_cache_url" not in df.columns:
+        return [None] * len(df), [None] * len(df)
+    names = [c for c in PULL_READS if c in df.columns]
+    made: dict = {}
+    commands, keys = [], []
+    for values in zip(*(df[c].tolist() for c in names)):
+        if values not in made:
+            row = dict(zip(names, values))
+            made[values] = pull_command(row.get("compile_cache_url"), row.get("device"),
+                                        {part: row.get(col) for part, col in KEY_COLUMNS.items()})
+        commands.append(made[values][0])
+        keys.append(made[values][1])
+    return commands, keys
+
+
 def _column(df, name: str, prefixes: list[tuple[str, str]] = ()) -> list:
     """Column `name` of `df` as the page's cells (`_cell` of each value, local folders as `shareable` writes them),
     or nulls where `df` has no such column."""
@@ -122,9 +164,10 @@ def page_data(df, selected: tuple[str, ...], sources: list[str], rerun=None, ran
     run_py = df["run_py"].tolist() if "run_py" in df.columns else [None] * len(df)
     text_cells = [texts.setdefault(t, len(texts)) if isinstance(t, str) and t else None for t in run_py]
     local = _local_prefixes()  # a page is meant to be shared: this machine's cache and home folders not named
+    pulls, pull_keys = pull_cells(df)
     rows = [list(row) for row in zip(*(_column(df, c, local) for c in PAGE_COLUMNS),
-                                     rerun_cells, text_cells)]
-    return {"columns": [*PAGE_COLUMNS, "rerun", "run_py"], "rows": rows,
+                                     rerun_cells, pulls, pull_keys, text_cells)]
+    return {"columns": [*PAGE_COLUMNS, "rerun", "pull", "pull_key", "run_py"], "rows": rows,
             "texts": [shareable(t, local) for t in texts], "selected": list(selected),
             "sources": [shareable(str(s), local) for s in sources], "rankings": rankings_data(rankings),
             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -536,6 +579,18 @@ SCRIPT = r"""
     } else {
       lines.push("# where the graphs were cached is not recorded in this row: the first run compiles, reruns reuse it");
     }
+    const pull = get(r, "pull");
+    if (pull) {  // built by page.py: the row's shared compile cache and the key its versions give, every word quoted
+      lines.push(get(r, "pull_key") ? "# the graphs of this compiler from the shared compile cache (run from the " +
+                                      "repository's root; refused on a host of another key)"
+                                    : "# from the shared compile cache: the row does not record every version of " +
+                                      "its key, so this pulls the key of the host it runs on");
+      lines.push(pull);
+    } else if (get(r, "compile_cache_url")) {
+      lines.push("# the shared compile cache recorded (under Run) is not one printable line: no command from it");
+    } else {
+      lines.push("# no shared compile cache recorded for this row");
+    }
     // one line each: a newline or carriage return in a value (quoted or in a comment) cannot start a command
     return lines.map(function (l) { return l.replace(/[\u0000-\u001f\u007f-\u009f\u2028\u2029]/g, "\ufffd"); })
                 .join("\n");
@@ -564,6 +619,8 @@ SCRIPT = r"""
                         ["tested at", get(r, "tested_at")], ["prompt", get(r, "prompt")], ["image", get(r, "image")],
                         ["generated text", get(r, "generated_text")],
                         ["compiled graphs cached in", get(r, "compile_cache")],
+                        ["shared compile cache", get(r, "compile_cache_url") ||
+                                                 "no shared compile cache recorded"],
                         ["rerun flags (as recorded)", get(r, "run_args")],
                         ["results file", get(r, "source_file")]]));
     auditDetail(r, box);

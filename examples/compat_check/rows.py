@@ -50,6 +50,7 @@ EXTRA_COLUMNS = (
     "prompt", "generated_text", "judge", "task",
     "image",  # image-text-to-text: the image file and its sha256
     "compile_cache",  # where the compiled graphs were cached (NEFF cache on Trainium, inductor's elsewhere)
+    "compile_cache_url",  # the shared compile cache holding them (tools/compile_cache.py's URL); null: none recorded
     "packages",  # JSON {name: version}: the other packages the run used
     "run_args",  # the flags that rerun this model with this row's settings
     "timings",  # JSON {load_s, generate_s, reference_s, judge_s}: where the time went
