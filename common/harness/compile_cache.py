@@ -20,7 +20,7 @@ The API a training run calls (common/harness/lifecycle.py wires it; results.json
     if shared and local_rank == 0: shared.push()      # one process per node; pushes from several nodes may overlap
     results["compile_cache_shared"] = shared.summary() if shared else None
 
-    compile_cache.cache_key(device_type) -> str       # "neuron_neuronx-cc-2.21.18209.0_torch-neuronx-2.8.0.2.10.1"
+    compile_cache.cache_key(device_type) -> str       # Neuron 2.33.0: "neuron_neuronx-cc-2.28.7631.0_torch-neuronx-2.14.3.0"
     compile_cache.local_folder(device_type, compiled) -> str | None   # pilot.compile_cache_folder's folder
     SharedCache(url, key, local_dir, kind="neff" | "inductor").pull() -> int, .push() -> int, .summary() -> dict
 
