@@ -1,6 +1,7 @@
-"""The compile cache shared across hosts (common/harness/compile_cache.py) and its command line (tools/compile_cache.py):
-two local caches through a shared folder, a file:// URL and an in-memory fsspec store; keys kept apart; two pushers
-at once in two processes; a store it cannot reach or write as one error. In-process, no training run: seconds."""
+"""The compile cache shared across hosts (common/harness/compile_cache.py) and its command line
+(tools/compile_cache.py): two local caches through a shared folder, a file:// URL and an in-memory fsspec store; keys
+kept apart; two pushers at once in two processes; a store it cannot reach or write as one error. In-process, no
+training run: seconds."""
 from __future__ import annotations
 
 import hashlib
@@ -191,9 +192,14 @@ def test_a_local_cache_inside_the_store_is_refused(tmp_path):
         SharedCache(str(tmp_path / "store"), "../up", tmp_path / "local")
 
 
-def test_names_leading_out_of_the_folder_are_never_entries():
+def test_names_leading_out_of_the_folder_are_never_entries(tmp_path):
     assert not compile_cache._safe("../x") and not compile_cache._safe("a/../../x") and not compile_cache._safe("/x")
     assert not compile_cache._safe("a/.b.123.tmp") and compile_cache._safe("a/b.so")
+    store = MemoryFileSystem()  # an object store takes any name
+    store.pipe({f"/cc-{tmp_path.name}/cpu_k/fx/a.so": b"a", f"/cc-{tmp_path.name}/cpu_k/fx/b\n\x1b[2J.so": b"b"})
+    shared = SharedCache(f"memory://cc-{tmp_path.name}", "cpu_k", tmp_path / "local")
+    assert shared.pull() == 1 and read_all(tmp_path / "local") == {"fx/a.so": b"a"}
+    assert shared.summary()["unsafe_names"] == 1
 
 
 # ------------------------------------------------------------------------------------ keys

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds = shared.pull_s if args.command == "pull" else shared.push_s
         print(f"{done} ({size / 2**20:.1f} MiB) {where} in {seconds:.1f} s")
         if shared.unsafe:
-            print(f"skipped {shared.unsafe} name(s) in the store that lead outside the folder ('..')",
+            print(f"skipped {shared.unsafe} name(s) in the store that lead outside the folder ('..') or are not "
+                  "printable",
                   file=sys.stderr)
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)

@@ -13,14 +13,14 @@ made by the first push.
 The API a training run calls (common/harness/lifecycle.py wires it; results.json `compile_cache_shared`):
 
     from common.harness import compile_cache
-    shared = compile_cache.for_run(url, dev.device_type, compiled=tc.compile.enable)  # None: no URL, or nothing compiles
+    shared = compile_cache.for_run(url, dev.device_type, compiled=tc.compile.enable)  # None: no URL, nothing compiled
     # after common.device.setup() (it sets TORCH_NEURONX_NEFF_CACHE_DIR), before the model is built and step 1:
     if shared and local_rank == 0: shared.pull()      # one process per node; the node's other ranks wait (barrier)
     # after the first steps have compiled their graphs (step 2: the optimizer's first update compiles too):
     if shared and local_rank == 0: shared.push()      # one process per node; pushes from several nodes may overlap
     results["compile_cache_shared"] = shared.summary() if shared else None
 
-    compile_cache.cache_key(device_type) -> str       # Neuron 2.33.0: "neuron_neuronx-cc-2.28.7631.0_torch-neuronx-2.14.3.0"
+    compile_cache.cache_key(device_type) -> str  # Neuron 2.33.0: "neuron_neuronx-cc-2.28.7631.0_torch-neuronx-2.14.3.0"
     compile_cache.local_folder(device_type, compiled) -> str | None   # pilot.compile_cache_folder's folder
     SharedCache(url, key, local_dir, kind="neff" | "inductor").pull() -> int, .push() -> int, .summary() -> dict
 
@@ -165,10 +165,10 @@ def _skipped_name(name: str) -> bool:
 
 
 def _safe(rel: str) -> bool:
-    """A relative path that stays inside the folder it is joined to, with no part that is skipped."""
+    """A relative path that stays inside the folder it is joined to, printable, with no part that is skipped."""
     parts = rel.split("/")
-    return bool(rel) and not rel.startswith("/") and all(p not in ("", ".", "..") and not _skipped_name(p)
-                                                         for p in parts)
+    return bool(rel) and rel.isprintable() and not rel.startswith("/") and \
+        all(p not in ("", ".", "..") and not _skipped_name(p) for p in parts)
 
 
 def entries(files, kind: str) -> dict[str, tuple[list[str], list[str]]]:
@@ -242,16 +242,16 @@ class SharedCache:
         self.url, self.key, self.local_dir, self.kind = url, key, Path(local_dir), kind
         self.pulled = self.pushed = self.pulled_bytes = self.pushed_bytes = None
         self.pull_s = self.push_s = None
-        self.unsafe = 0  # names in the store that would leave the local folder ('..'): never copied
+        self.unsafe = 0  # store names leading out of the local folder ('..') or not printable: never copied
         self._fs = self._root = None
 
     # ------------------------------------------------------------------ the store
     def _fail(self, what: str, e: BaseException) -> UserError:
         detail = one_line(f"{type(e).__name__}: {e}")[:300]
-        return UserError(f"shared compile cache {shown_url(self.url)}: cannot {what} ({detail}); check that the URL "
-                         "is right, that this host reaches it and may read and write there (a plain path: a shared "
-                         "folder mounted on every host, such as FSx or EFS; s3://: the s3fs package and AWS "
-                         "credentials)")
+        return UserError(f"shared compile cache {shown_url(self.url)}: cannot {one_line(what)} ({detail}); check "
+                         "that the URL is right, that this host reaches it and may read and write there (a plain "
+                         "path: a shared folder mounted on every host, such as FSx or EFS; s3://: the s3fs package "
+                         "and AWS credentials)")
 
     def _store(self):
         """(fsspec file system, this key's folder in it), connected once. A local store's root must be a folder."""
@@ -295,7 +295,7 @@ class SharedCache:
             rel = path[len(base.rstrip("/")) + 1:]
             if _safe(rel):
                 files[rel] = int(info.get("size") or 0)
-            elif not any(_skipped_name(p) for p in rel.split("/")):  # a '..' or empty part: never joined locally
+            elif not any(_skipped_name(p) for p in rel.split("/")):  # '..', an empty part, a control character
                 unsafe += 1
         return files, unsafe
 
@@ -308,7 +308,7 @@ class SharedCache:
         have = set(local_files(self.local_dir))
         fs, base = self._store()
         copied = copied_bytes = 0
-        for name, (files, markers) in sorted(entries(stored, self.kind).items()):
+        for _, (files, markers) in sorted(entries(stored, self.kind).items()):
             if all(m in have for m in markers):
                 continue
             for rel in [f for f in files if f not in markers] + markers:
@@ -353,7 +353,7 @@ class SharedCache:
         stored, self.unsafe = self._store_files()
         fs, base = self._store()
         copied = copied_bytes = 0
-        for name, (files, markers) in sorted(entries(local_files(self.local_dir), self.kind).items()):
+        for _, (files, markers) in sorted(entries(local_files(self.local_dir), self.kind).items()):
             if all(m in stored for m in markers):
                 continue
             try:
@@ -369,6 +369,8 @@ class SharedCache:
         return copied
 
     def _put(self, fs, src: Path, dest: str) -> int:
+        """One local file into the store: written to a unique temporary name beside `dest`, then moved onto it (a
+        rename on a shared file system; an object store's copy, whose object appears whole). Its size."""
         parent, name = posixpath.split(dest)
         tmp = f"{parent}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
         fin = open(src, "rb")  # FileNotFoundError: the caller skips the entry
