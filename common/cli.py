@@ -126,12 +126,6 @@ def _parse_optional(conv: Callable) -> Callable:
     return parse
 
 
-def sections_of(cls: type) -> dict[str, dataclasses.Field]:
-    """The fields of `cls` that are typed sections (`field(metadata={"section": ...})`): another dataclass whose fields
-    are flags too, each flag one field of its section (a training recipe's `guards`)."""
-    return {f.name: f for f in dataclasses.fields(cls) if "section" in f.metadata}
-
-
 def flag_fields(cls: type, sections: dict[str, type] | None = None) -> list[tuple[str | None, dataclasses.Field]]:
     """(section name or None, field) for every flag: `cls`'s own fields, then each section's in `sections` ({name:
     its dataclass}); a section `cls` declares that is not in `sections` has no flags (the core alone: no guards)."""
@@ -153,9 +147,10 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
     parser.add_argument("--preset", default=default_preset, choices=sorted(presets),
                         help=f"named preset the flags below start from (default: {default_preset}). "
                              + "; ".join(f"{k}: {text}" for k, text in about.items()))
+    parser.epilog = " ".join(f.metadata["help"] for f in dataclasses.fields(cls) if "dotted" in f.metadata) or None
     hints = {None: typing.get_type_hints(cls), **{n: typing.get_type_hints(c) for n, c in (sections or {}).items()}}
     for section, f in flag_fields(cls, sections):
-        if f.name == "preset":
+        if f.name == "preset" or "dotted" in f.metadata:
             continue
         tp = hints[section][f.name]
         owner = cls.__name__ if section is None else (sections or {})[section].__name__
@@ -192,6 +187,8 @@ def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[st
     dataclass}) filled in (the preset's, else the section's defaults, then its flags). `unknown_hint`: why a flag may
     be unknown here, added to argparse's `unrecognized arguments` line."""
     parser = build_parser(cls, presets, description, default_preset, sections)
+    dotted = {f.name for f in dataclasses.fields(cls) if "dotted" in f.metadata}
+    argv, settings = split_dotted(list(sys.argv[1:] if argv is None else argv)) if dotted else (argv, ())
     if unknown_hint is None:
         args = vars(parser.parse_args(argv))
     else:
@@ -205,12 +202,39 @@ def parse_config(cls: type, presets: dict[str, Callable[[], Any]], argv: list[st
     given = {name: {k: v for k, v in args.items() if owner[k] == name} for name in (None, *(sections or {}))}
     filled = {name: dataclasses.replace(getattr(cfg, name) or section(), **given[name])
               for name, section in (sections or {}).items()}
-    cfg = dataclasses.replace(cfg, preset=preset, **given[None], **filled)
+    cfg = dataclasses.replace(cfg, preset=preset, **given[None], **filled,
+                              **{name: (*getattr(cfg, name), *settings) for name in dotted})
     check_bounds(cfg)
     for part in (cfg, *filled.values()):
         if hasattr(part, "validate"):
             part.validate()
     return cfg
+
+
+def split_dotted(argv: list[str]) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    """The command line's dotted settings apart from its flags: `--SECTION.FIELD VALUE` (or `=VALUE`), torchtitan's
+    own name of a Trainer.Config field (`--lr_scheduler.decay_ratio 0.5`); set on the recipe's Trainer.Config by
+    `common.recipe.set_dotted`. A dotted flag without a value is one UserError."""
+    rest, settings, i = [], [], 0
+    while i < len(argv):
+        word = argv[i]
+        name = word[2:].split("=", 1)[0]
+        if word == "--":
+            rest += argv[i:]
+            break
+        if not (word.startswith("--") and "." in name and name[0].isalpha()):
+            rest.append(word)
+            i += 1
+            continue
+        if "=" in word:
+            settings.append((name, word.split("=", 1)[1]))
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            settings.append((name, argv[i + 1]))
+            i += 2
+        else:
+            raise UserError(f"--{name} takes a value: --{name} VALUE (torchtitan's setting {name})")
+    return rest, tuple(settings)
 
 
 def check_bounds(cfg) -> None:
@@ -313,7 +337,9 @@ def flags(cfg) -> dict:
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if "section" not in f.metadata:
+        if "dotted" in f.metadata:
+            out.update(dict(value))
+        elif "section" not in f.metadata:
             out[f.name] = value
         elif value is not None:
             out.update(dataclasses.asdict(value))

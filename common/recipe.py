@@ -10,8 +10,11 @@ copy of an example with the core alone, `run_core` trains and exports. An exampl
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -87,6 +90,11 @@ class TrainConfig:
         "help": "Trainium: the folder TorchNeuron keeps its compiled graphs (NEFFs) in, TORCH_NEURONX_NEFF_CACHE_DIR "
                 "(default: that variable where set, else OUT_DIR/neff_cache, beside the run: a resume on a new host, "
                 "whose /tmp is empty, compiles nothing again; give every run one folder to share their compiles)"})
+    torchtitan: tuple = field(default=(), metadata={"dotted": True, "help": (
+        "Any other torchtitan setting by its own dotted name, --SECTION.FIELD VALUE, set on the recipe's "
+        "Trainer.Config after the flags above (--lr_scheduler.decay_ratio 0.5, --lr_scheduler.min_lr_factor 0.1, "
+        "--training.max_norm 0.5, --parallelism.data_parallel_shard_degree 8, --compile.components model); "
+        "a field a flag above sets is refused with that flag's name; lists are comma-separated, none is None")})
     guards: Any = field(default=None, metadata={  # a typed section, as torchft's `fault_tolerance` in its Config
         "section": "the guards' settings where common/harness/ runs the recipe (its Guards; their fields are flags "
                    "too); None for the core alone"})
@@ -241,6 +249,103 @@ def apply_settings(tc, cfg, dev, out_dir: Path, found: Inputs) -> list[str]:
     return torchtitan_fixes.apply_trainer_settings(tc, dev, seed=cfg.seed)  # CUDA graphs, gloo, seed, logging
 
 
+# The Trainer.Config fields a short flag sets (apply_settings, and the guards' configure): a dotted setting of one is
+# refused with the flag's name, so that each field has one name on the command line.
+SHORT_FLAGS = {
+    "training.steps": "steps", "training.local_batch_size": "local_batch_size", "training.seq_len": "seq_len",
+    "training.global_batch_size": "global_batch_size", "training.mixed_precision_param": "dtype",
+    "optimizer.lr": "lr", "lr_scheduler.warmup_steps": "warmup_steps", "debug.seed": "seed",
+    "comm.init_timeout_seconds": "comm_timeout_s", "comm.train_timeout_seconds": "comm_timeout_s",
+    "parallelism.tensor_parallel_degree": "tensor_parallel_degree", "compile.enable": "compile",
+    "compile.backend": "compile_backend", "activation_checkpoint": "activation_checkpoint",
+    "dataloader.dataset": "dataset", "dataloader.dataset_path": "dataset_path", "dump_folder": "out_dir",
+    "hf_assets_path": "hf_assets", "checkpoint.interval": "checkpoint_every",
+    "checkpoint.keep_latest_k": "keep_checkpoints", "checkpoint.async_mode": "async_checkpoint",
+    "checkpoint.initial_load_path": "hf_checkpoint", "metrics.enable_tensorboard": "tensorboard",
+    "validator.enable": "eval_every", "validator.freq": "eval_every", "validator.steps": "eval_steps",
+    "profiler.enable_profiling": "profile", "profiler.profile_freq": "profile_freq",
+}
+
+
+def set_dotted(tc, settings) -> list[str]:
+    """The command line's dotted settings (`--SECTION.FIELD VALUE`: cli.split_dotted) set on the Trainer.Config `tc`,
+    each converted to its field's type; one UserError for a name it has not, a field a short flag sets, or a value
+    its type refuses. Returns notes for the log."""
+    notes = []
+    for name, text in settings:
+        if (short := SHORT_FLAGS.get(name)) or (short := SHORT_FLAGS.get(name.split(".")[0])):
+            raise UserError(f"--{name}: set it with --{short}, the flag for this setting")
+        *parents, last = name.split(".")
+        obj, walked = tc, []
+        for part in parents:
+            walked.append(part)
+            obj = getattr(obj, part, None) if dataclasses.is_dataclass(obj) and part in _field_names(obj) else None
+            if obj is None or not dataclasses.is_dataclass(obj):
+                raise UserError(f"--{name}: torchtitan's {type(tc).__qualname__} has no section "
+                                f"{'.'.join(walked)}")
+        if not dataclasses.is_dataclass(obj) or last not in _field_names(obj):
+            known = ", ".join(sorted(_field_names(obj)))
+            raise UserError(f"--{name}: torchtitan's {type(obj).__qualname__} has no field {last!r} (its fields: "
+                            f"{known})")
+        value = _typed(name, text, _field_type(obj, last), getattr(obj, last))
+        setattr(obj, last, value)
+        notes.append(f"{name}={value!r}")
+    return notes
+
+
+def _field_names(obj) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj) if f.init}
+
+
+def _field_type(obj, name: str):
+    """The annotation of field `name` of dataclass `obj` (Annotated unwrapped); None where it cannot be resolved."""
+    try:
+        tp = typing.get_type_hints(type(obj))[name]
+    except Exception:  # noqa: BLE001  a forward reference torchtitan's module cannot resolve: use the value's type
+        return None
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _typed(name: str, text: str, tp, current):
+    """`text` as a value of type `tp` (None: the current value's type): bool, int, float, str, a Literal's choice, an
+    optional one (none), or a list of them (comma-separated)."""
+    import types
+
+    if tp is None:
+        tp = type(current) if current is not None else str
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if text.lower() == "none" and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _typed(name, text, inner[0], current)
+        tp = type(current) if current is not None else str
+    if typing.get_origin(tp) is typing.Literal:
+        if text not in [str(a) for a in args]:
+            raise UserError(f"--{name} takes one of {', '.join(map(str, args))}; got {text!r}")
+        return next(a for a in args if str(a) == text)
+    if typing.get_origin(tp) in (list, tuple) and args:
+        items = [_typed(name, t.strip(), args[0], None) for t in text.split(",") if t.strip()]
+        return items if typing.get_origin(tp) is list else tuple(items)
+    if tp is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise UserError(f"--{name} takes true or false; got {text!r}")
+        return text.lower() in ("true", "1")
+    if tp in (int, float, str):
+        try:
+            value = tp(text)
+        except ValueError:
+            raise UserError(f"--{name} takes {'an integer' if tp is int else 'a number'}; got {text!r}") from None
+        if tp is float and not math.isfinite(value):
+            raise UserError(f"--{name} takes a finite number; got {text!r}")
+        return value
+    raise UserError(f"--{name} is a {getattr(tp, '__qualname__', tp)} setting, which the command line cannot "
+                    "write: set it in the recipe's config function")
+
+
 def compile_backend(device_type: str) -> str:
     """torch.compile's backend for a device: TorchTitan Neuron's `neuron` (its release notes: "eager and
     `--compile.backend neuron`", awsdocs-neuron.readthedocs-hosted.com release-notes/components/torchtitan-neuron),
@@ -317,6 +422,7 @@ def train(recipe: Recipe, cfg, dev: device.DeviceInfo, out_dir: Path, found: Inp
     export.clear_stale_checkpoints(out_dir, dev.is_main)
     tc, notes = recipe.trainer_config(cfg, dev, out_dir, found)
     notes += guards.configure(tc, dev, out_dir, found)
+    notes += set_dotted(tc, cfg.torchtitan)  # the command line's other torchtitan settings, by their own names
     if dev.is_main:  # one writer; out_dir is shared by all ranks (as torchtitan's dump folder is)
         export.stage_hf_assets(Path(tc.hf_assets_path), found.tokenizer_dir, found.hf_folder)
     import torch

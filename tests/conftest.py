@@ -273,7 +273,9 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes[, environment, "
     # the native script's 2-rank run (own launch), the one the stop and reshard tests' runs would be had they never
     # stopped: the tiny Qwen3 from its HF folder (load check before step 1), 8 steps, exported from FSDP shards, every
     # rank's batches traced (the reshard debug trace, in the folder `NAME.trace` beside the out_dir)
-    "native_2_ranks_8_steps": ("train_native_qwen3.py", (*TWO_RANKS_RUN, "--nproc_per_node", "2"), 0,
+    # (and one torchtitan setting by its dotted name, at torchtitan's own default: tests/test_dotted_settings.py)
+    "native_2_ranks_8_steps": ("train_native_qwen3.py", (*TWO_RANKS_RUN, "--nproc_per_node", "2",
+                                                         "--training.max_norm", "1.0"), 0,
                                {"QWEN3_RECIPES_RESHARD_DEBUG": "{out}.trace"}),
 }
 

@@ -27,7 +27,7 @@ from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_ev
 from common.harness.phases import Phases, format_line as phases_line
 from common.harness.preflight import installed_lists, require_stack, wants_neuron
 from common.processes import die_with_parent
-from common.recipe import Hooks, Inputs, Recipe, check_layout, inputs, train
+from common.recipe import Hooks, Inputs, Recipe, check_layout, inputs, set_dotted, train
 
 
 @dataclass
@@ -296,6 +296,8 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     end = stops.deadline(cfg.guards.time_limit)
     launched = launcher.launched_record()  # a worker of the scripts' own launch: its launcher checked this host
     found = preflight(recipe, cfg, host_checked=launched is not None)
+    if launch and cfg.torchtitan:  # a bad dotted setting: one line here, not one a worker in torchrun's table
+        check_dotted(recipe, cfg, out_dir, found)
     record = launched or resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
     resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.guards.reshard)  # the same run, steps left
     if launcher.is_rank_zero() and cfg.guards.node_rank == 0:
@@ -308,6 +310,21 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
               f"{interval.PROBE_BYTES >> 20} MiB written and fsync'd by one process), the save the first auto "
               "interval plans with; --storage_gb_per_s B for your storage's own, all ranks together", flush=True)
     return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
+
+
+def check_dotted(recipe: Recipe, cfg, out_dir: Path, found: Inputs) -> None:
+    """The dotted torchtitan settings set on the recipe's Trainer.Config as a worker will set them (one UserError for
+    a bad one), in the launching process, which trains nothing: its torchtitan is bound to the CPU (as the dry
+    run's), the workers' to the run's device."""
+    import torch
+
+    device.route_torchtitan_device("cpu")
+    from common import torchtitan_fixes  # after the routing: torchtitan binds its device at import
+
+    torchtitan_fixes.quiet_known_noise()  # what the workers print once, not here too
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, launcher.planned_world_size(cfg))
+    tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
+    set_dotted(tc, cfg.torchtitan)
 
 
 def previous_results(out_dir: Path) -> dict:
@@ -584,6 +601,7 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
     found = recipe.dry_run_inputs(cfg, out_dir) if hasattr(recipe, "dry_run_inputs") else Inputs()
     target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.guards.dry_run_ranks)
     tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
+    set_dotted(tc, cfg.torchtitan)  # the command line's other torchtitan settings: the plan is the run's
     shape = recipe.model_shape(cfg, tc, found)
     check_layout(shape, tp=tc.parallelism.tensor_parallel_degree, seq_len=tc.training.seq_len,
                  world_size=ranks or cfg.guards.dry_run_ranks, global_batch=tc.training.global_batch_size,
