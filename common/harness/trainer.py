@@ -436,11 +436,14 @@ class GuardedLoop:
             if self.step == 1:
                 guards.check_logits(self)  # the loaded weights against transformers' load of them
                 guards.phases.mark("load check")
+            self.metrics_processor.record.start()  # the first step's time is its own: not the load, nor its check
         super().train_step(data_iterator)  # ends in the metrics' log: loss, memory peak, MFU
         self.compiles.collect(self.step, "step")  # the graphs compiled during it (--compile)
         if first:
             guards.compile_cache.first_step()
             guards.phases.mark("first step")
+        elif self.step == self.first_step + 1:  # the first steps' graphs, for the next host: pushed now
+            guards.push_compiled()
         # The step's end: the ranks agree whether to stop; a stop makes this step a save step (torchtitan's save
         # comes next) and skips its evaluation.
         guards.stop.step_ended(self.step, eval_due=bool(

@@ -7,7 +7,8 @@ run's stop signals. A check the run's stop cut short (its process killed while t
     python -m common.harness.verifier verify EXPORT_DIR --reference REF.safetensors --out check.json
 
 `verify` checks an export on its own, its inputs first: --reference a reference of the export's shape, --out a
-new file or a previous check's JSON.
+new file or a previous check's JSON. `reference` writes the load check's reference (ReferenceLogits): transformers'
+logits of an HF folder on the reference text.
 """
 from __future__ import annotations
 
@@ -77,6 +78,70 @@ def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
             signal.signal(sig, signal.SIG_IGN)
 
     return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True, preexec_fn=start, **popen)
+
+
+class ReferenceLogits:
+    """The load check's reference, computed off the path to step 1: transformers' float32 logits of the HF folder the
+    run starts from, on the reference text, in a process of its own (`python -m common.harness.verifier reference`)
+    started beside the run's imports and build (it depends on nothing the run builds); `wait` at step 1 returns them,
+    waiting only for what is left of it."""
+
+    def __init__(self, hf_dir: Path, tokenizer_dir: Path, stopping=None):
+        import tempfile
+
+        self.stopping = stopping  # () -> whether the run is stopping: a process killed meanwhile gives no verdict
+        self.folder = tempfile.TemporaryDirectory(prefix="qwen3-load-reference-")
+        self.out = Path(self.folder.name) / "load_reference.safetensors"
+        self.proc = python_module("common.harness.verifier", "reference", str(hf_dir), "--tokenizer",
+                                  str(tokenizer_dir), "--out", str(self.out), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE)
+
+    def wait(self) -> dict:
+        """{input_ids, position_ids, logits}; a UserError (its error line) where the process failed, CheckInterrupted
+        where a stop cut it short."""
+        from safetensors.torch import load_file
+
+        try:
+            _, stderr = self.proc.communicate()
+        except BaseException:
+            self.close()
+            raise
+        code = self.proc.returncode
+        if (interrupted := no_verdict(code, self.stopping)) is not None:
+            raise interrupted
+        if code:
+            raise UserError(f"transformers cannot load it: {last_line(stderr)}")
+        tensors = load_file(str(self.out))
+        self.folder.cleanup()
+        return tensors
+
+    def close(self) -> None:
+        """Ends the process where it still runs (a run that ends before step 1, or resumes)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.folder.cleanup()
+
+
+def reference_logits(hf_dir: Path, tokenizer_dir: Path, out: Path) -> None:
+    """transformers' float32 logits of the HF folder on common.export.REFERENCE_TEXT, with its input_ids and
+    position_ids, written to `out` (safetensors, atomically)."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    ids = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).encode(export.REFERENCE_TEXT).ids
+    tokens, positions = torch.tensor([ids]), torch.arange(len(ids))[None]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(tokens, position_ids=positions).logits.float().contiguous()
+    staged = out.with_name(f".{out.name}.{os.getpid()}")
+    save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(staged))
+    os.replace(staged, out)
 
 
 def last_line(text: str) -> str:
@@ -164,8 +229,16 @@ def _main(argv: list[str] | None = None) -> int:
                         help="safetensors file with input_ids, position_ids and the trained model's logits")
     verify.add_argument("--out", type=Path, required=True, help="where to write the check as JSON")
     verify.add_argument("--weights_only", action="store_true", help="a checkpoint, not an export: no tokenizer needed")
+    reference = commands.add_parser("reference", help="transformers' logits of an HF folder on the reference text "
+                                                      "(the load check's reference)")
+    reference.add_argument("hf_dir", type=Path)
+    reference.add_argument("--tokenizer", type=Path, required=True, help="the folder holding tokenizer.json")
+    reference.add_argument("--out", type=Path, required=True, help="the safetensors file to write")
     args = p.parse_args(argv)
     try:
+        if args.cmd == "reference":
+            reference_logits(args.hf_dir, args.tokenizer, args.out)
+            return 0
         check = verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only)
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
