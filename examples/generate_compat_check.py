@@ -7,7 +7,7 @@
 # and, for the subcommands `lookup` and `rankings`:
 #   examples/compat_check/subcommands.py examples/compat_check/lookup.py examples/compat_check/page.py
 #   examples/compat_check/rankings.py
-#   common/harness/__init__.py common/harness/compile_cache.py common/harness/pilot.py common/harness/stops.py
+#   common/harness/__init__.py common/harness/compile_cache.py
 # and, for the Neuron stack's preflight before a Trainium run, from the harness:
 #   common/harness/__init__.py common/harness/preflight.py
 # --task train also runs examples/train_hf_backend.py: copy it and the files its own header lists.

@@ -29,12 +29,26 @@ def _assert_compiled_like_eager(res: dict) -> None:
     assert res["export_check"]["passed"], res["export_check"]
 
 
-def test_the_native_script_compiled_trains_as_eager_with_no_recompile_after_warm_up(tmp_path):
+def test_the_native_script_compiled_trains_as_eager_with_no_recompile_after_warm_up(tmp_path, monkeypatch):
     """10 steps compiled, with an evaluation every 5 steps and a save every 4: the losses are the eager golden
     losses, the export re-reads as the trained model, and after the 2-step warm-up nothing compiles again (the
-    evaluation at step 1 compiles its no-grad graph once; the saves compile nothing)."""
-    res = _compiled_run("train_native_qwen3.py", tmp_path / "n", "--eval_every", "5", "--checkpoint_every", "4")
+    evaluation at step 1 compiles its no-grad graph once; the saves compile nothing). With --compile_cache, an
+    entry another host of this compiler pushed (under this host's key) is pulled into this host's cache before step
+    1, and one of another compiler's key is not (common/harness/compile_cache.py; pull and push in full:
+    tests/test_compile_cache.py)."""
+    from common.harness.compile_cache import cache_key
+
+    shared, local = tmp_path / "shared", tmp_path / "inductor"
+    for key in (cache_key("cpu"), "cpu_torch-0.0_python-3.0"):
+        (shared / key / "seeded").mkdir(parents=True)
+        (shared / key / "seeded" / "entry.bin").write_text(key)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(local))  # this "host's" own cache, not the machine's
+    res = _compiled_run("train_native_qwen3.py", tmp_path / "n", "--eval_every", "5", "--checkpoint_every", "4",
+                        "--compile_cache", str(shared))
     _assert_compiled_like_eager(res)
+    pulled = res["compile_cache_shared"]
+    assert (pulled["key"], pulled["pulled"], pulled["dir"]) == (cache_key("cpu"), 1, str(local)), pulled
+    assert (local / "seeded" / "entry.bin").read_text() == cache_key("cpu") and isinstance(pulled["pushed"], int)
     after_eval = [e for e in res["compile"]["events"] if e["where"] == "after"]
     assert after_eval and all(e["step"] == 1 and "grad_mode" in str(e["reason"]) for e in after_eval), after_eval
     assert [r["step"] for r in res["eval_losses"]] == [1, 5, 10]

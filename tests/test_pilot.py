@@ -295,7 +295,7 @@ def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeyp
     """timing.compile_cache: the cache folder's entries counted before step 1 and after it; a first run that adds
     entries found it cold, a second that adds none warm. Counted here on a real folder in-process, as a compile
     fills it (a CPU run compiles nothing: the profiled run says "none"); and where each device's cache is."""
-    from common.harness import pilot
+    from common.harness import compile_cache as pilot  # the watch and the folders live with the shared cache
 
     assert profiled_run[1]["timing"]["compile_cache"]["state"] == "none"
     folder = tmp_path / "inductor"

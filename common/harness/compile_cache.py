@@ -21,7 +21,7 @@ The API a training run calls (common/harness/lifecycle.py wires it; results.json
     results["compile_cache_shared"] = shared.summary() if shared else None
 
     compile_cache.cache_key(device_type) -> str  # Neuron 2.33.0: "neuron_neuronx-cc-2.28.7631.0_torch-neuronx-2.14.3.0"
-    compile_cache.local_folder(device_type, compiled) -> str | None   # pilot.compile_cache_folder's folder
+    compile_cache.local_folder(device_type, compiled) -> str | None   # compile_cache_folder's folder
     SharedCache(url, key, local_dir, kind="neff" | "inductor").pull() -> int, .push() -> int, .summary() -> dict
 
 pull() and push() return the entries copied. Failures talking to the store (no such folder, no permission, no network,
@@ -59,7 +59,7 @@ from urllib.parse import urlsplit, urlunsplit
 from common.errors import UserError, one_line
 from common.results import atomic_path, installed_version
 
-KINDS = ("neff", "inductor")  # pilot.compile_cache_folder's kinds: TorchNeuron's NEFF cache, inductor's cache
+KINDS = ("neff", "inductor")  # compile_cache_folder's kinds: TorchNeuron's NEFF cache, inductor's cache
 KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 CHUNK = 1 << 20  # bytes a copy reads and writes at a time
 
@@ -126,12 +126,10 @@ def cache_key(device_type: str) -> str:
 
 
 def local_folder(device_type: str, compiled: bool) -> str | None:
-    """The folder this run's compiled graphs go to (pilot.compile_cache_folder: on Trainium the NEFF cache,
+    """The folder this run's compiled graphs go to (compile_cache_folder: on Trainium the NEFF cache,
     TORCH_NEURONX_NEFF_CACHE_DIR, which common.device.setup sets; elsewhere inductor's), or None where nothing is
     compiled (CPU or CUDA without torch.compile)."""
-    from common.harness import pilot
-
-    where = pilot.compile_cache_folder(device_type, compiled)
+    where = compile_cache_folder(device_type, compiled)
     return None if where is None else where["dir"]
 
 
@@ -139,12 +137,63 @@ def for_run(url: str | None, device_type: str, compiled: bool) -> SharedCache | 
     """The shared cache of a training run: None where no URL is given or nothing is compiled."""
     if not url:
         return None
-    from common.harness import pilot
-
-    where = pilot.compile_cache_folder(device_type, compiled)
+    where = compile_cache_folder(device_type, compiled)
     if where is None:
         return None
     return SharedCache(url, cache_key(device_type), where["dir"], kind=where["kind"])
+
+
+def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
+    """{"kind", "dir", "dir_from"} of the cache this run's compiled graphs go to, or None where nothing is compiled.
+    Neuron compiles every graph with neuronx-cc, eager mode too, into TorchNeuron's NEFF cache:
+    TORCH_NEURONX_NEFF_CACHE_DIR, which common.device.setup sets for every Neuron run (the run's --neff_cache_dir;
+    unset, TorchNeuron writes /tmp/neff_cache). Elsewhere only torch.compile compiles (`compiled`: the
+    Trainer.Config's compile.enable), into inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default a folder in the
+    temp dir)."""
+    if device_type == "neuron":
+        folder = os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
+        return {"kind": "neff", "dir": folder or "/tmp/neff_cache",
+                "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR" if folder else "TorchNeuron's default"}
+    if not compiled:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private in torch 2.14
+
+    return {"kind": "inductor", "dir": cache_dir(),
+            "dir_from": "TORCHINDUCTOR_CACHE_DIR" if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else "the default"}
+
+
+def count_entries(folder, suffix: str = "") -> int:
+    """The files under `folder` whose names end with `suffix`, at any depth (0 where there is no such folder): a
+    compile adds at least one (a NEFF cache: one .neff per compiled graph)."""
+    return sum(1 for _, _, files in os.walk(folder) for name in files if name.endswith(suffix))
+
+
+class CompileCacheWatch:
+    """Counts the compile cache's entries before step 1 (`start`) and when step 1 has ended (`first_step`, a
+    when step 1 has ended): new entries mean step 1 compiled, a cold cache; none, a warm one. `result()` is
+    timing.compile_cache: {"kind", "dir", "entries_before", "entries_after", "state"}, the state "cold", "warm",
+    or "none" where nothing is compiled (CPU or CUDA without torch.compile: eager mode)."""
+
+    def __init__(self, where: dict | None, device_type: str):
+        self.where, self.device_type = where, device_type
+        self.suffix = ".neff" if where is not None and where["kind"] == "neff" else ""  # NEFFs, not their locks
+        self.before = self.after = None
+
+    def start(self) -> None:
+        if self.where is not None:
+            self.before = count_entries(self.where["dir"], self.suffix)
+
+    def first_step(self) -> None:
+        if self.where is not None and self.after is None:
+            self.after = count_entries(self.where["dir"], self.suffix)
+
+    def result(self) -> dict:
+        if self.where is None:
+            return {"kind": None, "dir": None, "entries_before": None, "entries_after": None, "state": "none",
+                    "note": f"eager mode on {self.device_type}: nothing compiled (torch.compile is off)"}
+        state = ("unknown" if self.before is None or self.after is None
+                 else "cold" if self.after > self.before else "warm")
+        return {**self.where, "entries_before": self.before, "entries_after": self.after, "state": state}
 
 
 def shown_url(url: str) -> str:
@@ -277,6 +326,10 @@ class SharedCache:
                                     f"{shown_url(self.url)} overlap: give the run a folder of its own on this host")
             self._fs, self._root = fs, base
         return self._fs, self._root
+
+    def reachable(self) -> None:
+        """The store opened (and a local one found a folder), or one UserError naming it: before a launch."""
+        self._store()
 
     def _store_files(self) -> tuple[dict[str, int], int]:
         """({relative path: size} of this key's files in the store that can be entries, names refused as unsafe)."""

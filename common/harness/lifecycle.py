@@ -20,7 +20,7 @@ from pathlib import Path
 
 from common import cli, device, export
 from common.errors import UserError, one_line
-from common.harness import dryrun, interval, launcher, pilot, reshard, resume, stops, verifier
+from common.harness import compile_cache, dryrun, interval, launcher, pilot, reshard, resume, stops, verifier
 from common.harness.checks import explain_failure, check_outputs, check_settings, compare_losses, \
     format_loss_comparison, load_tolerance, logit_check, read_reference_losses, whole_history
 from common.harness.evaluation import EVAL_LOSSES, apply_eval_settings, check_eval_flags, eval_dataset, eval_rows
@@ -160,6 +160,12 @@ class Guards:
         "help": "with --profile: trace step N and its multiples, as torchtitan's profiler.profile_freq (the steps "
                 "just before each, 1 to 3, are the profiler's warm-up, so at least 2); 0: the last step (--steps)",
         **cli.bounds(0, 10**7)})
+    compile_cache: str | None = field(default=None, metadata={
+        "help": "a compile cache shared across hosts: a folder on shared storage (FSx, EFS), file:// or an fsspec URL "
+                "(s3://bucket/prefix with s3fs installed). Before step 1 one process a node pulls the graphs this "
+                "compiler made into the local cache (the NEFF cache on Trainium, inductor's with --compile), under a "
+                "key of the compiler's versions; after step 2 and at the end it pushes the new ones "
+                "(docs/compile.md); results.json: compile_cache_shared", "metavar": "URL"})
     tensorboard: bool = field(default=False, metadata={
         "help": "torchtitan's TensorBoard logging into OUT_DIR/tb (loss, grad norm, memory, throughput, MFU)"})
     dry_run_ranks: int = field(
@@ -245,6 +251,7 @@ class Checked:
     end: float | None  # --time_limit as a time
     launch: bool  # the scripts' own launch starts torchrun with this command
     phases: Phases | None = None  # the time to step 1, marked as it goes (common/harness/phases.py)
+    resumed: int | None = None  # the step this run resumes from (None: it starts at step 1)
 
 
 def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
@@ -296,6 +303,9 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     end = stops.deadline(cfg.guards.time_limit)
     launched = launcher.launched_record()  # a worker of the scripts' own launch: its launcher checked this host
     found = preflight(recipe, cfg, host_checked=launched is not None)
+    if cfg.guards.compile_cache:  # a store this host cannot reach: one line now, not a worker's at the build
+        compile_cache.SharedCache(cfg.guards.compile_cache, compile_cache.cache_key(device.resolve_device_type(
+            cfg.device)), out_dir / "neff_cache").reachable()
     if launch and cfg.torchtitan:  # a bad dotted setting: one line here, not one a worker in torchrun's table
         check_dotted(recipe, cfg, out_dir, found)
     record = launched or resume.run_record(recipe.name, cfg, world_size=world_size, dataset=found.dataset)
@@ -309,7 +319,8 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
         print(f"[checkpoint] OUT_DIR's write bandwidth: {cfg.guards.storage_gb_per_s:.3g} GB/s measured ("
               f"{interval.PROBE_BYTES >> 20} MiB written and fsync'd by one process), the save the first auto "
               "interval plans with; --storage_gb_per_s B for your storage's own, all ranks together", flush=True)
-    return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch)
+    return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch,
+                   resumed=resumed)
 
 
 def check_dotted(recipe: Recipe, cfg, out_dir: Path, found: Inputs) -> None:
@@ -388,6 +399,12 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
         plan = pilot.PlanInAChild(
             lambda: dry_run(recipe, cfg, checked.out_dir, ranks=checked.world_size)["total_bytes"],
             device.resolve_device_type(cfg.device), key=checked.record)
+    reference = None
+    if launcher.is_rank_zero() and checked.found.initial_hf and cfg.load_check and checked.resumed is None:
+        # the load check's reference (transformers' logits of the HF folder), computed beside the imports and the
+        # build: step 1 waits only for what is left of it
+        reference = verifier.ReferenceLogits(checked.found.initial_hf, checked.found.tokenizer_dir,
+                                             stopping=lambda: stop.reason is not None)
     phases = checked.phases or Phases()
     phases.mark("plan")
     dev = device.setup(cfg.device, lnc=cfg.lnc, timeout_s=cfg.comm_timeout_s,
@@ -396,11 +413,13 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
     try:
         launcher.check_same_stack(checked.record)  # several hosts: the same settings and packages on each
         results = train(recipe, cfg, dev, checked.out_dir, checked.found,
-                        hooks(recipe, cfg, checked, stop, plan=plan))
+                        hooks(recipe, cfg, checked, stop, plan=plan, reference=reference))
     except UserError as e:  # a check after training under the scripts' own launch: its launcher says it, exit 2
         stops.exit_if_failed_after_training(e, stop)
         raise
     finally:
+        if reference is not None:
+            reference.close()
         device.teardown()
     if results.get("stopped") and dev.is_main:
         print(stops.resume_line(results["stopped"]), flush=True)
@@ -415,11 +434,13 @@ class GuardHooks(Hooks):
     at their points in the loop), and the pilot report and loss comparison in results.json."""
 
     def __init__(self, recipe: Recipe, cfg, checked: Checked, stop: stops.StopControl,
-                 plan: pilot.PlanInAChild | None):
+                 plan: pilot.PlanInAChild | None, reference: verifier.ReferenceLogits | None = None):
         self.recipe, self.cfg, self.found, self.record, self.stop = recipe, cfg, checked.found, checked.record, stop
         self.phases = checked.phases or Phases()
         self.plan = plan  # the dry run's memory for this configuration (rank 0), read with the results
+        self.reference = reference  # the load check's reference logits, being computed (rank 0)
         self.load_check, self.profile, self.compile_cache, self.started = None, None, None, time.time()
+        self.shared_cache: compile_cache.SharedCache | None = None  # --compile_cache
         self.losses_path = self.eval_path = None
 
     def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
@@ -435,8 +456,16 @@ class GuardHooks(Hooks):
             self.profile = pilot.apply_profile_settings(tc, steps=cfg.steps, profile_freq=cfg.guards.profile_freq,
                                                         device_type=dev.device_type)
             notes.append(self.profile["note"])
-        self.compile_cache = pilot.CompileCacheWatch(
-            pilot.compile_cache_folder(dev.device_type, compiled=tc.compile.enable), dev.device_type)
+        where = compile_cache.compile_cache_folder(dev.device_type, compiled=tc.compile.enable)
+        self.compile_cache = compile_cache.CompileCacheWatch(where, dev.device_type)
+        if cfg.guards.compile_cache and where is not None:  # the graphs this compiler made on other hosts, pulled
+            self.shared_cache = compile_cache.SharedCache(cfg.guards.compile_cache, compile_cache.cache_key(
+                dev.device_type), where["dir"], kind=where["kind"])  # by one process a node (train()'s barrier)
+            if dev.local_rank == 0:
+                notes.append(f"compile cache: {self.shared_cache.pull()} entries pulled from "
+                             f"{compile_cache.shown_url(cfg.guards.compile_cache)}")
+        elif cfg.guards.compile_cache:
+            notes.append(f"--compile_cache unused: nothing compiles in eager mode on {dev.device_type} (add --compile)")
         if dev.is_main:
             resume.write_record(out_dir, self.record)
             self.losses_path, self.eval_path = out_dir / "losses.jsonl", out_dir / EVAL_LOSSES
@@ -511,7 +540,7 @@ class GuardHooks(Hooks):
             self.load_check = logit_check(trainer, found.initial_hf, found.tokenizer_dir,
                                           tolerance=load_tolerance(cfg.dtype, cfg.export_tolerance),
                                           is_main=self.dev.is_main, pass_positions=self.recipe.pass_positions,
-                                          check_process=self.check_process(self.recipe))
+                                          reference=self.reference)
 
     def check_process(self, recipe: Recipe):
         """Where the trainer patches transformers, each check in a process of its own that dies with the run (one the
@@ -519,6 +548,12 @@ class GuardHooks(Hooks):
         if not recipe.patches_transformers:
             return export.in_process
         return verifier.Verifier(stopping=lambda: self.stop.reason is not None)
+
+    def push_compiled(self) -> None:
+        """After the first steps (the graphs the steps, the optimizer's first update and the load check compiled) and
+        at the end: the entries this host's cache has and the shared one lacks, pushed by one process a node."""
+        if self.shared_cache is not None and self.dev.local_rank == 0:
+            self.shared_cache.push()
 
     # ---- after training ----------------------------------------------------------------------------------------
     def history(self, trainer) -> dict:
@@ -544,6 +579,8 @@ class GuardHooks(Hooks):
         out.update(self.reshard.results(rec, out["stopped"]))  # segments.json's parts of the run
         out.update(self.saves.results())  # the auto interval and the stop-notice verdict
         out["time_to_first_step"] = self.phases.result()  # a collective
+        self.push_compiled()  # what the later steps compiled (a recompile after a save or evaluation)
+        out["compile_cache_shared"] = self.shared_cache.summary() if self.shared_cache else None
         if trainer.config.compile.enable:  # what compiled when, and the recompiles after the warm-up
             out["compile"] = {"backend": trainer.config.compile.backend, **trainer.compiles.summary()}
         if cfg.guards.compare_losses:  # over the whole curve, steps before a resume included

@@ -259,59 +259,6 @@ def files_since(folder, out_dir, since: float, pattern: str = "**/*") -> list[di
     return found
 
 
-def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
-    """{"kind", "dir", "dir_from"} of the cache this run's compiled graphs go to, or None where nothing is compiled.
-    Neuron compiles every graph with neuronx-cc, eager mode too, into TorchNeuron's NEFF cache:
-    TORCH_NEURONX_NEFF_CACHE_DIR, which common.device.setup sets for every Neuron run (the run's --neff_cache_dir;
-    unset, TorchNeuron writes /tmp/neff_cache). Elsewhere only torch.compile compiles (`compiled`: the
-    Trainer.Config's compile.enable), into inductor's cache (TORCHINDUCTOR_CACHE_DIR, by default a folder in the
-    temp dir)."""
-    if device_type == "neuron":
-        folder = os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR")
-        return {"kind": "neff", "dir": folder or "/tmp/neff_cache",
-                "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR" if folder else "TorchNeuron's default"}
-    if not compiled:
-        return None
-    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private in torch 2.14
-
-    return {"kind": "inductor", "dir": cache_dir(),
-            "dir_from": "TORCHINDUCTOR_CACHE_DIR" if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else "the default"}
-
-
-def count_entries(folder, suffix: str = "") -> int:
-    """The files under `folder` whose names end with `suffix`, at any depth (0 where there is no such folder): a
-    compile adds at least one (a NEFF cache: one .neff per compiled graph)."""
-    return sum(1 for _, _, files in os.walk(folder) for name in files if name.endswith(suffix))
-
-
-class CompileCacheWatch:
-    """Counts the compile cache's entries before step 1 (`start`) and when step 1 has ended (`first_step`, a
-    when step 1 has ended): new entries mean step 1 compiled, a cold cache; none, a warm one. `result()` is
-    timing.compile_cache: {"kind", "dir", "entries_before", "entries_after", "state"}, the state "cold", "warm",
-    or "none" where nothing is compiled (CPU or CUDA without torch.compile: eager mode)."""
-
-    def __init__(self, where: dict | None, device_type: str):
-        self.where, self.device_type = where, device_type
-        self.suffix = ".neff" if where is not None and where["kind"] == "neff" else ""  # NEFFs, not their locks
-        self.before = self.after = None
-
-    def start(self) -> None:
-        if self.where is not None:
-            self.before = count_entries(self.where["dir"], self.suffix)
-
-    def first_step(self) -> None:
-        if self.where is not None and self.after is None:
-            self.after = count_entries(self.where["dir"], self.suffix)
-
-    def result(self) -> dict:
-        if self.where is None:
-            return {"kind": None, "dir": None, "entries_before": None, "entries_after": None, "state": "none",
-                    "note": f"eager mode on {self.device_type}: nothing compiled (torch.compile is off)"}
-        state = ("unknown" if self.before is None or self.after is None
-                 else "cold" if self.after > self.before else "warm")
-        return {**self.where, "entries_before": self.before, "entries_after": self.after, "state": state}
-
-
 def checked_mfu(flops: int, tokens_per_s: float, peak: dict, world_size: int) -> tuple[float | None, str | None]:
     """(MFU, None), or (None, why) where it is no measurement: a peak that is not a positive finite number, or an
     MFU above 1 (the peak is below what the run did). (None, None) without a throughput."""
