@@ -1,8 +1,9 @@
-"""common/harness/preflight.py's comparison of AWS's TorchTitan Neuron config of a layout with the project's preset of
-that layout: a field-by-field difference of two torchtitan Trainer.Config objects (parallelism, activation
-checkpointing, training, compile, the attention class, the parallelize function's module). AWS's config is stood in
-for by torchtitan's own `qwen3_32b()` Trainer.Config with fields changed; the preset's is made as its --dry_run makes
-it. No torchtitan_neuron module is imported or imitated.
+"""tools/aws_config_diff.py: AWS's TorchTitan Neuron config of a layout against the project's preset of that layout,
+a field-by-field difference of two torchtitan Trainer.Config objects (parallelism, activation checkpointing,
+training, compile, the attention class, the parallelize function's module). AWS's config is stood in for by
+torchtitan's own `qwen3_32b()` Trainer.Config with fields changed; the preset's is made as its --dry_run makes it.
+No torchtitan_neuron module is imported or imitated. `python -m common.harness.preflight --target trn2` names the
+command instead of comparing.
 """
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import dataclasses
 import pytest
 
 from common.harness import preflight
+from tools import aws_config_diff
 
 
 @pytest.fixture(scope="module")
 def preset_8b():
-    return preflight.preset_config("train_native_qwen3.py", "qwen3_8b")
+    return aws_config_diff.preset_config("train_native_qwen3.py", "qwen3_8b")
 
 
 def _aws_like():
@@ -31,7 +33,7 @@ def _aws_like():
 
 
 def test_the_difference_names_each_field_that_differs_and_only_those(preset_8b):
-    diff = {path: (theirs, ours) for path, theirs, ours in preflight.config_diff(_aws_like(), preset_8b)}
+    diff = {path: (theirs, ours) for path, theirs, ours in aws_config_diff.config_diff(_aws_like(), preset_8b)}
     assert diff["compile.enable"] == (True, False), diff
     assert diff["activation_checkpoint (class)"] == (
         "torchtitan.distributed.activation_checkpoint.FullAC.Config",
@@ -41,7 +43,7 @@ def test_the_difference_names_each_field_that_differs_and_only_those(preset_8b):
     for agreed in ("parallelism.tensor_parallel_degree", "training.global_batch_size", "training.seq_len",
                    "training.local_batch_size", "parallelism.data_parallel_shard_degree"):
         assert agreed not in diff, (agreed, diff[agreed])
-    assert all(path.split(".")[0].split(" ")[0] in preflight.DIFF_SECTIONS + ("attention", "parallelize")
+    assert all(path.split(".")[0].split(" ")[0] in aws_config_diff.DIFF_SECTIONS + ("attention", "parallelize")
                for path in diff), diff
 
 
@@ -60,18 +62,19 @@ def test_a_field_only_one_side_has_and_a_nested_config_are_shown():
 
     theirs, ours = Theirs(inner=Inner(a=2)), Ours()
     out = []
-    preflight._diff("parallelism", theirs, ours, out)
+    aws_config_diff._diff("parallelism", theirs, ours, out)
     assert out[0][0] == "parallelism (class)"
     assert ("parallelism.inner.a", 2, 1) in out
-    assert ("parallelism.spmd_backend", "neuron", preflight._ABSENT) in out
-    assert "parallelism.spmd_backend: AWS 'neuron', preset (absent)" in preflight.format_diff(out, "AWS", "preset")
+    assert ("parallelism.spmd_backend", "neuron", aws_config_diff._ABSENT) in out
+    assert "parallelism.spmd_backend: AWS 'neuron', preset (absent)" in aws_config_diff.format_diff(out, "AWS",
+                                                                                                    "preset")
 
 
-def test_the_preflight_prints_the_difference_where_the_package_imports(preset_8b):
+def test_the_tool_prints_the_difference_where_the_package_imports(preset_8b):
     """The printed block, with torchtitan's own registry in the place of torchtitan_neuron's (the same lookup:
     MODULE.config_registry, as torchtitan's --module finds it)."""
-    text = preflight.aws_comparison(configs=(("train_native_qwen3.py", "qwen3_8b", "torchtitan.models.qwen3",
-                                              "qwen3_32b"),), package="torchtitan")
+    text = aws_config_diff.aws_comparison(configs=(("train_native_qwen3.py", "qwen3_8b", "torchtitan.models.qwen3",
+                                                    "qwen3_32b"),), package="torchtitan")
     first, *rest = text.splitlines()
     assert first.startswith("[preflight] AWS's torchtitan.models.qwen3 qwen3_32b vs train_native_qwen3.py "
                             "--preset qwen3_8b: "), first
@@ -79,4 +82,26 @@ def test_the_preflight_prints_the_difference_where_the_package_imports(preset_8b
 
 
 def test_without_torchtitan_neuron_the_comparison_is_one_line():
-    assert preflight.aws_comparison() == "[preflight] AWS's configs not compared: torchtitan_neuron is not installed"
+    assert (aws_config_diff.aws_comparison()
+            == "[preflight] AWS's configs not compared: torchtitan_neuron is not installed")
+
+
+def test_the_command_prints_the_comparison_and_exits_0(capsys):
+    assert aws_config_diff.main([]) == 0
+    assert capsys.readouterr().out == aws_config_diff.aws_comparison() + "\n"
+
+
+def test_a_bad_command_line_is_one_error_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as stop:
+        aws_config_diff.main(["--target", "trn2"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unrecognized arguments: --target trn2") and err.count("\n") == 1, err
+
+
+def test_the_trn2_preflight_names_the_command_instead_of_comparing(capsys):
+    preflight.main(["--target", "trn2"])
+    out = capsys.readouterr().out
+    assert ("[preflight] AWS's own configs of these layouts beside the presets, field by field: "
+            "python -m tools.aws_config_diff") in out.splitlines(), out
+    assert "AWS's configs not compared" not in out
