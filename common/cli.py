@@ -128,8 +128,9 @@ def _parse_optional(conv: Callable) -> Callable:
 
 def flag_fields(cls: type, sections: dict[str, type] | None = None) -> list[tuple[str | None, dataclasses.Field]]:
     """(section name or None, field) for every flag: `cls`'s own fields, then each section's in `sections` ({name:
-    its dataclass}); a section `cls` declares that is not in `sections` has no flags (the core alone: no guards)."""
-    own = [(None, f) for f in dataclasses.fields(cls) if "section" not in f.metadata]
+    its dataclass}); a section `cls` declares that is not in `sections` has no flags (the core alone: no guards), nor
+    has its dotted field (torchtitan's own settings by their names: split_dotted)."""
+    own = [(None, f) for f in dataclasses.fields(cls) if "section" not in f.metadata and "dotted" not in f.metadata]
     inner = [(name, f) for name, section in (sections or {}).items() for f in dataclasses.fields(section)]
     names = [f.name for _, f in own + inner]
     if len(set(names)) != len(names):  # a programming error: one flag, two fields
@@ -150,7 +151,7 @@ def build_parser(cls: type, presets: dict[str, Callable[[], Any]], description: 
     parser.epilog = " ".join(f.metadata["help"] for f in dataclasses.fields(cls) if "dotted" in f.metadata) or None
     hints = {None: typing.get_type_hints(cls), **{n: typing.get_type_hints(c) for n, c in (sections or {}).items()}}
     for section, f in flag_fields(cls, sections):
-        if f.name == "preset" or "dotted" in f.metadata:
+        if f.name == "preset":
             continue
         tp = hints[section][f.name]
         owner = cls.__name__ if section is None else (sections or {})[section].__name__
