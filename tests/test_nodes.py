@@ -29,7 +29,29 @@ def test_fi_info_is_found_in_awss_efa_folder_off_path_and_the_refusal_names_that
             launcher.check_efa("node 1 of 2")
     efa = _fi_info(tmp_path / "opt/amazon/efa/bin", "provider: efa\n    fabric: efa\nprovider: efa\n    fabric: efa")
     monkeypatch.setattr(launcher, "EFA_BIN", efa)  # AWS's folder, here under tmp_path: fi_info is not on PATH
-    assert launcher.check_efa("node 0 of 2") == 2
+    assert len(launcher.check_efa("node 0 of 2")) == 2
+
+
+def test_the_efa_devices_are_counted_against_the_neuron_devices_as_trn2_pairs_them(tmp_path, monkeypatch):
+    """trn2 connects each Trainium2 chip to its own EFA interface (16 and 16 on a trn2.48xlarge): the launch counts
+    the EFA devices `fi_info -p efa` lists (by their endpoints' domains, an RDM and a datagram endpoint each) against
+    the /dev/neuronN devices, one line; fewer EFA devices than chips is a warning naming the fix."""
+    listing = "\n".join(f"provider: efa\n    fabric: efa\n    domain: rdmap{16 + i}s27-{kind}"
+                        for i in range(16) for kind in ("rdm", "dgrm"))
+    monkeypatch.setattr(launcher, "EFA_BIN", _fi_info(tmp_path / "efa", listing))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    efa = launcher.check_efa("node 0 of 2")
+    assert len(efa) == 16 and "rdmap16s27" in efa
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in [f"neuron{i}" for i in range(16)] + ["neuron_sys", "null"]:
+        (dev / name).write_text("")
+    assert launcher.efa_pairing("node 0 of 2", efa, dev) == (
+        "[launch] node 0 of 2: 16 EFA device(s) for 16 Neuron device(s): one for each chip, as trn2 pairs them (each "
+        "NeuronCore uses its chip's EFA interface)")
+    short = launcher.efa_pairing("node 1 of 2", set(sorted(efa)[:4]), dev)
+    assert short.startswith("[launch] node 1 of 2: warning: 4 EFA device(s) for 16 Neuron device(s)"), short
+    assert "launch the instance with all its EFA interfaces" in short
 
 
 def _nodes(**kw):

@@ -250,7 +250,7 @@ def test_a_multi_node_launch_checks_efa_and_node_0_before_torchrun(tmp_path, mon
         launcher.check_efa("node 1 of 2")
     efa = _fake_fi_info(tmp_path / "efa", "provider: efa\n    fabric: efa\nprovider: efa\n    fabric: efa")
     monkeypatch.setenv("PATH", f"{efa}:{PATH}")
-    assert launcher.check_efa("node 0 of 2") == 2
+    assert len(launcher.check_efa("node 0 of 2")) == 2
     for var in launcher.EFA_ENV:  # restored after the test
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)

@@ -87,7 +87,10 @@ def check_nodes(cfg) -> None:
                         f"host reaches: with --nnodes {cfg.guards.nnodes} pass node 0's address (`hostname -I` on node 0), "
                         "the same on every node")
     if cfg.guards.check_efa or neuron:
-        check_efa(node)
+        efa = check_efa(node)
+        if neuron:
+            print(efa_pairing(node, efa), file=sys.stderr if len(efa) < len(neuron_devices()) else sys.stdout,
+                  flush=True)
         for var, value in EFA_ENV.items():
             os.environ.setdefault(var, value)  # the workers inherit them (torchrun passes its environment on)
     if cfg.guards.node_rank:
@@ -151,8 +154,9 @@ def find_fi_info() -> str | None:
     return shutil.which("fi_info") or shutil.which("fi_info", path=str(EFA_BIN))
 
 
-def check_efa(node: str) -> int:
-    """The EFA endpoints `fi_info -p efa` lists (AWS's documented check): none, or no fi_info, is a UserError."""
+def check_efa(node: str) -> set[str]:
+    """The EFA devices `fi_info -p efa` lists (AWS's documented check), by the domain names of their endpoints
+    (`rdmap16s27`, an RDM and a datagram endpoint each): none, or no fi_info, is a UserError."""
     import subprocess
 
     fi_info = find_fi_info()
@@ -169,7 +173,29 @@ def check_efa(node: str) -> int:
     if out.returncode != 0 or endpoints == 0:
         raise UserError(f"{node}: `fi_info -p efa` lists no EFA endpoint (exit {out.returncode}: "
                         f"{one_line(out.stderr or out.stdout) or 'no output'}): this host's EFA is not configured")
-    return endpoints
+    domains = (line.split(":", 1)[1].strip() for line in out.stdout.splitlines() if line.strip().startswith("domain:"))
+    return {d.rsplit("-", 1)[0] for d in domains if d} or {f"endpoint {i}" for i in range(endpoints)}
+
+
+def neuron_devices(dev: Path = Path("/dev")) -> list[str]:
+    """The Neuron devices the driver exposes, /dev/neuronN (AWS's count of them: `ls /dev/neuron*`,
+    aws-neuron-sdk@81ce03a:deploy/environments/docker-setup.rst:112)."""
+    return sorted(p.name for p in dev.glob("neuron*") if p.name[len("neuron"):].isdigit())
+
+
+def efa_pairing(node: str, efa: set[str], dev: Path = Path("/dev")) -> str:
+    """The EFA devices against the Neuron devices, as AWS pairs them on trn2: each Trainium2 chip connected to its own
+    EFA interface (16 and 16 on a trn2.48xlarge: aws-neuron-sdk@81ce03a:neuron-runtime/about/collectives.rst:110),
+    each NeuronCore using its chip's (libfabric's "EFA NIC selection for trn2", ofiwg/libfabric#12251). A line for
+    the launch: fewer EFA devices than chips is a warning (launched without all its EFA interfaces)."""
+    chips = neuron_devices(dev)
+    if len(efa) >= len(chips):
+        return (f"[launch] {node}: {len(efa)} EFA device(s) for {len(chips)} Neuron device(s): one for each chip, as "
+                "trn2 pairs them (each NeuronCore uses its chip's EFA interface)")
+    return (f"[launch] {node}: warning: {len(efa)} EFA device(s) for {len(chips)} Neuron device(s): trn2 connects "
+            "each chip to its own EFA interface (a trn2.48xlarge has 16), and the collectives of a chip without "
+            "its interface cross the host or fail: launch the instance with all its EFA interfaces (its launch "
+            "template's network interfaces: docs/first-hour-trn2.md, \"The second hour: two nodes\")")
 
 
 class _StoppedWaiting(Exception):
