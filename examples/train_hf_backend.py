@@ -119,9 +119,6 @@ class HFBackend(Recipe):
         """The HF folder: pretrained, every file checked (config, architecture, keys, shapes, finite values); random,
         its config.json and architecture; its tokenizer either way."""
         ckpt = Path(cfg.hf_checkpoint)
-        if cfg.document_mask != "auto":  # route_attention_to_sdpa passes the backend's own mask, always
-            raise UserError("--document_mask is not taken by the Transformers backend: it masks packed documents "
-                            "as its flavor says (sft_full: block_causal)")
         if cfg.preset in HF_MODEL_ID and not ckpt.exists():
             raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
         if ckpt.resolve().is_relative_to(paths.CACHE_DIR.resolve()) and not ckpt.exists():
@@ -143,6 +140,8 @@ class HFBackend(Recipe):
         from torchtitan.experiments.transformers_modeling_backend.config_registry import (
             transformers_modeling_backend_full)
 
+        from common import torchtitan_fixes
+
         tc = transformers_modeling_backend_full()
         tc.hf_model = str(found.hf_folder)  # a local folder: the architecture comes from its config.json
         # "sft_full" is "full" (every size from config.json) with attn_mask_type="block_causal":
@@ -152,8 +151,9 @@ class HFBackend(Recipe):
         notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
         hf_fixes.fit_decay_to_steps(tc.lr_scheduler, cfg.steps)  # the builder's decay ratio, fitted to a short run
         if cfg.attn_backend == "sdpa":
-            hf_fixes.route_attention_to_sdpa(tc.model_spec)
-            notes.append("attention -> HF SDPA with a packed-document mask")
+            hf_fixes.route_attention_to_sdpa(tc.model_spec, cfg.document_mask)
+            masked = torchtitan_fixes.document_masking(cfg.document_mask, dev.device_type)
+            notes.append(f"attention -> HF SDPA, {'a packed-document mask' if masked else 'causal (documents not masked)'}")
         return tc, notes
 
     def model_shape(self, cfg: Config, tc, found: Inputs) -> dict:

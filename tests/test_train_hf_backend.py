@@ -107,6 +107,18 @@ GOLDEN = GOLDEN_DIR / "train_hf_backend.tiny.json"  # 2 ranks, 6 steps
 TINY_STEPS = 4  # the golden loss falls 0.38 by step 4 (11.94 -> 11.56)
 
 
+@pytest.mark.extended
+def test_document_mask_off_runs_causal_sdpa_without_a_mask(shared_run, tmp_path):
+    """--document_mask off (the default on Neuron, whose fused flash attention takes no mask): HF's SDPA runs causal
+    (no mask passed), so step 1's loss on the same packed batch differs from the masked shared run's."""
+    masked = shared_run("hf_tiny")[1]
+    proc = run_example(SCRIPT, "--steps", "1", "--document_mask", "off", "--no-export", "--out_dir",
+                       str(tmp_path / "o"))
+    assert "attention -> HF SDPA, causal (documents not masked)" in proc.stdout, proc.stdout[-2000:]
+    causal = read_results(tmp_path / "o")
+    assert abs(causal["first_step_loss"] - masked["first_step_loss"]) > 1e-4, (causal["losses"], masked["losses"])
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, prepared_assets):
     """`--preset tiny --steps 4 --checkpoint_every 2` under torchrun with 2 ranks (FSDP over gloo),

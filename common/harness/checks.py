@@ -77,17 +77,18 @@ def load_tolerance(dtype: str, export_tolerance: float) -> float:
 
 
 def logit_check(trainer, ckpt_dir, tokenizer_dir, tolerance: float, is_main: bool, pass_positions: bool,
-                reference=None) -> dict:
+                reference=None, stopping=None) -> dict:
     """The built and loaded model's logits against transformers' `from_pretrained` of the folder (float32), before
     step 1, within `tolerance` (load_tolerance): `reference` (rank 0's verifier.ReferenceLogits, computed since the
-    run started) gives transformers' logits, this forward the trainer's; the check's result."""
+    run's checks) gives transformers' logits, this forward the trainer's; `stopping() -> bool`: whether the run is
+    stopping (a reference process killed meanwhile gives no verdict). The check's result."""
     import torch
 
     tokens, _positions, logits = model_logits(trainer, tokenizer_dir, pass_positions=pass_positions)
     check = None
     if is_main:
         try:
-            ref = reference.wait()
+            ref = reference.wait(stopping)
             n = tokens.shape[1]  # under tensor parallel a prefix of the text (a causal model's logits are a prefix)
             if not torch.equal(ref["input_ids"][:, :n], tokens):
                 raise UserError("the reference's tokens are not the trainer's: the tokenizer folder changed")

@@ -252,6 +252,7 @@ class Checked:
     launch: bool  # the scripts' own launch starts torchrun with this command
     phases: Phases | None = None  # the time to step 1, marked as it goes (common/harness/phases.py)
     resumed: int | None = None  # the step this run resumes from (None: it starts at step 1)
+    reference: verifier.ReferenceLogits | None = None  # the load check's reference, being computed (rank 0)
 
 
 def main(recipe: Recipe, cfg, hooks: type | None = None) -> dict:
@@ -303,6 +304,11 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     end = stops.deadline(cfg.guards.time_limit)
     launched = launcher.launched_record()  # a worker of the scripts' own launch: its launcher checked this host
     found = preflight(recipe, cfg, host_checked=launched is not None)
+    reference = None
+    if not launch and launcher.is_rank_zero() and found.initial_hf and cfg.load_check:
+        # the load check's reference (transformers' logits of the HF folder) is computed from here on, beside the
+        # rest of the checks, the imports and the build: step 1 waits only for what is left of it
+        reference = verifier.ReferenceLogits(found.initial_hf, found.tokenizer_dir)
     if cfg.guards.compile_cache:  # a store this host cannot reach: one line now, not a worker's at the build
         compile_cache.SharedCache(cfg.guards.compile_cache, compile_cache.cache_key(device.resolve_device_type(
             cfg.device)), out_dir / "neff_cache").reachable()
@@ -320,7 +326,7 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
               f"{interval.PROBE_BYTES >> 20} MiB written and fsync'd by one process), the save the first auto "
               "interval plans with; --storage_gb_per_s B for your storage's own, all ranks together", flush=True)
     return Checked(out_dir=out_dir, found=found, record=record, world_size=world_size, end=end, launch=launch,
-                   resumed=resumed)
+                   resumed=resumed, reference=reference)
 
 
 def check_dotted(recipe: Recipe, cfg, out_dir: Path, found: Inputs) -> None:
@@ -399,12 +405,10 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
         plan = pilot.PlanInAChild(
             lambda: dry_run(recipe, cfg, checked.out_dir, ranks=checked.world_size)["total_bytes"],
             device.resolve_device_type(cfg.device), key=checked.record)
-    reference = None
-    if launcher.is_rank_zero() and checked.found.initial_hf and cfg.load_check and checked.resumed is None:
-        # the load check's reference (transformers' logits of the HF folder), computed beside the imports and the
-        # build: step 1 waits only for what is left of it
-        reference = verifier.ReferenceLogits(checked.found.initial_hf, checked.found.tokenizer_dir,
-                                             stopping=lambda: stop.reason is not None)
+    reference = checked.reference
+    if reference is not None and checked.resumed is not None:  # a resume has no load check
+        reference.close()
+        reference = None
     phases = checked.phases or Phases()
     phases.mark("plan")
     dev = device.setup(cfg.device, lnc=cfg.lnc, timeout_s=cfg.comm_timeout_s,
@@ -540,7 +544,7 @@ class GuardHooks(Hooks):
             self.load_check = logit_check(trainer, found.initial_hf, found.tokenizer_dir,
                                           tolerance=load_tolerance(cfg.dtype, cfg.export_tolerance),
                                           is_main=self.dev.is_main, pass_positions=self.recipe.pass_positions,
-                                          reference=self.reference)
+                                          reference=self.reference, stopping=lambda: self.stop.reason is not None)
 
     def check_process(self, recipe: Recipe):
         """Where the trainer patches transformers, each check in a process of its own that dies with the run (one the

@@ -86,19 +86,18 @@ class ReferenceLogits:
     started beside the run's imports and build (it depends on nothing the run builds); `wait` at step 1 returns them,
     waiting only for what is left of it."""
 
-    def __init__(self, hf_dir: Path, tokenizer_dir: Path, stopping=None):
+    def __init__(self, hf_dir: Path, tokenizer_dir: Path):
         import tempfile
 
-        self.stopping = stopping  # () -> whether the run is stopping: a process killed meanwhile gives no verdict
         self.folder = tempfile.TemporaryDirectory(prefix="qwen3-load-reference-")
         self.out = Path(self.folder.name) / "load_reference.safetensors"
         self.proc = python_module("common.harness.verifier", "reference", str(hf_dir), "--tokenizer",
                                   str(tokenizer_dir), "--out", str(self.out), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE)
 
-    def wait(self) -> dict:
+    def wait(self, stopping=None) -> dict:
         """{input_ids, position_ids, logits}; a UserError (its error line) where the process failed, CheckInterrupted
-        where a stop cut it short."""
+        where a stop cut it short (`stopping() -> bool`: whether the run is stopping)."""
         from safetensors.torch import load_file
 
         try:
@@ -107,7 +106,7 @@ class ReferenceLogits:
             self.close()
             raise
         code = self.proc.returncode
-        if (interrupted := no_verdict(code, self.stopping)) is not None:
+        if (interrupted := no_verdict(code, stopping)) is not None:
             raise interrupted
         if code:
             raise UserError(f"transformers cannot load it: {last_line(stderr)}")

@@ -45,7 +45,7 @@ def _dense_attention_masks(model, positions: torch.Tensor) -> torch.Tensor:
     return document_causal_mask(positions, block_causal=block_causal)
 
 
-def route_attention_to_sdpa(model_spec) -> None:
+def route_attention_to_sdpa(model_spec, document_mask: str = "auto") -> None:
     """Workaround: run the backend's attention through transformers' SDPA path with the same
     causal + packed-document mask the backend's FlexAttention would apply.
 
@@ -56,16 +56,23 @@ def route_attention_to_sdpa(model_spec) -> None:
     returns a dense (B, 1, L, L) boolean mask built from `positions`, which HF passes unchanged
     to `scaled_dot_product_attention` (a 4D mask is used as is, see transformers'
     masking_utils._preprocess_mask_arguments). Honours the flavor's `attn_mask_type`
-    ("block_causal": causal within each document; "causal": plain causal).
+    ("block_causal": causal within each document; "causal": plain causal). Where the documents are not masked
+    (`document_mask`: common.torchtitan_fixes.document_masking; auto: off on Neuron, whose fused flash attention takes
+    no mask) no mask is passed: HF's SDPA path then runs causal SDPA (`is_causal`), as torchtitan's own models do.
     Remove when the backend accepts a non-flex attention implementation with document masks."""
     inner = model_spec.parallelize_fn
     if getattr(inner, "_sdpa_routed", False):
         return
 
     def parallelize(model, **kwargs):
+        from torchtitan.tools.utils import device_type  # the device torchtitan trains on, routed by now
+
+        from common.torchtitan_fixes import document_masking
+
         model.model.config._attn_implementation = "sdpa"
         # An instance attribute: only this model's forward uses the dense mask.
-        model.get_attention_masks = lambda positions: _dense_attention_masks(model, positions)
+        model.get_attention_masks = (lambda positions: _dense_attention_masks(model, positions)) \
+            if document_masking(document_mask, device_type) else (lambda positions: None)
         return inner(model, **kwargs)
 
     parallelize._sdpa_routed = True
