@@ -153,7 +153,8 @@ class HFBackend(Recipe):
         if cfg.attn_backend == "sdpa":
             hf_fixes.route_attention_to_sdpa(tc.model_spec, cfg.document_mask)
             masked = torchtitan_fixes.document_masking(cfg.document_mask, dev.device_type)
-            notes.append(f"attention -> HF SDPA, {'a packed-document mask' if masked else 'causal (documents not masked)'}")
+            notes.append("attention -> HF SDPA, " + ("a packed-document mask" if masked else
+                                                     "causal (documents not masked)"))
         return tc, notes
 
     def model_shape(self, cfg: Config, tc, found: Inputs) -> dict:

@@ -429,7 +429,8 @@ def project(cfg, tc, shape: dict, world_size: int) -> dict | None:
         return None
     from common.harness import pilot
 
-    peak = cfg.guards.peak_tflops * 1e12 if cfg.guards.peak_tflops else pilot.trn2_peak(cfg.lnc) if cfg.device == "neuron" else None
+    peak = (cfg.guards.peak_tflops * 1e12 if cfg.guards.peak_tflops
+            else pilot.trn2_peak(cfg.lnc) if cfg.device == "neuron" else None)
     if peak is None:
         raise UserError(f"--assumed_mfu needs --peak_tflops for --device {cfg.device} (trn2's peak is known: "
                         "--device neuron)")

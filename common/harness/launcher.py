@@ -43,8 +43,8 @@ def check_nproc(cfg) -> None:
     """Before a self-launch: a node rank below --nnodes, no more processes than the host has cores (CPU) or GPUs,
     and memory for their start-up, unless --oversubscribe."""
     if cfg.guards.node_rank >= cfg.guards.nnodes:
-        raise UserError(f"--node_rank {cfg.guards.node_rank} is not below --nnodes {cfg.guards.nnodes} (node ranks are 0 to "
-                        f"{cfg.guards.nnodes - 1})")
+        raise UserError(f"--node_rank {cfg.guards.node_rank} is not below --nnodes {cfg.guards.nnodes} (node ranks "
+                        f"are 0 to {cfg.guards.nnodes - 1})")
     nproc_per_node = cfg.guards.nproc_per_node
     if not launches(cfg) or nproc_per_node <= 1 or cfg.guards.oversubscribe:
         return
@@ -80,12 +80,13 @@ def check_nodes(cfg) -> None:
     from common.device import resolve_device_type
 
     node = f"node {cfg.guards.node_rank} of {cfg.guards.nnodes}"
-    addresses = resolve_master(cfg.guards.master_addr, node)  # every node: torchrun would wait on a name that never resolves
+    # every node: torchrun would wait on a name that never resolves
+    addresses = resolve_master(cfg.guards.master_addr, node)
     neuron = cfg.device == "neuron" or resolve_device_type(cfg.device) == "neuron"
     if neuron and all_loopback(addresses):  # two "nodes" on one CPU host over loopback (the tests) stay allowed
-        raise UserError(f"{node}: --master_addr {cfg.guards.master_addr} is this host's loopback address, which no other "
-                        f"host reaches: with --nnodes {cfg.guards.nnodes} pass node 0's address (`hostname -I` on node 0), "
-                        "the same on every node")
+        raise UserError(f"{node}: --master_addr {cfg.guards.master_addr} is this host's loopback address, which no "
+                        f"other host reaches: with --nnodes {cfg.guards.nnodes} pass node 0's address (`hostname -I` on "
+                        "node 0), the same on every node")
     if cfg.guards.check_efa or neuron:
         efa = check_efa(node)
         if neuron:
@@ -434,7 +435,8 @@ def self_launch(cfg, argv: list[str], out_dir: Path, deadline: float | None = No
         elif not arg.startswith("--nproc_per_node="):
             rest.append(arg)
     where = (["--standalone"] if cfg.guards.nnodes == 1 else  # torchrun's static rendezvous at node 0's address
-             [f"--nnodes={cfg.guards.nnodes}", f"--node_rank={cfg.guards.node_rank}", f"--master_addr={cfg.guards.master_addr}",
+             [f"--nnodes={cfg.guards.nnodes}", f"--node_rank={cfg.guards.node_rank}",
+              f"--master_addr={cfg.guards.master_addr}",
               f"--master_port={cfg.guards.master_port}"])
     logs = rank_logs_dir(out_dir, cfg.guards.node_rank)
     check_logs_dir(logs)

@@ -318,7 +318,8 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.guards.reshard)  # the same run, steps left
     if launcher.is_rank_zero() and cfg.guards.node_rank == 0:
         say_replaced(out_dir, resumed)
-    if cfg.guards.checkpoint_every == "auto" and not cfg.guards.storage_gb_per_s and not launch and launcher.is_rank_zero():
+    if (cfg.guards.checkpoint_every == "auto" and not cfg.guards.storage_gb_per_s and not launch
+            and launcher.is_rank_zero()):
         # the first auto interval plans its save over OUT_DIR's bandwidth: measured here, before anything is built,
         # by the process that trains as rank 0 (the ranks agree on the longest planned save: the others need none)
         cfg.guards.storage_gb_per_s = max(interval.write_probe(out_dir), 1e-6)
@@ -449,7 +450,8 @@ class GuardHooks(Hooks):
 
     def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
         cfg = self.cfg
-        every = int(cfg.guards.checkpoint_every) if cfg.guards.checkpoint_every != "auto" else 0  # auto: GuardedCheckpointer's
+        every = cfg.guards.checkpoint_every
+        every = int(every) if every != "auto" else 0  # auto: GuardedCheckpointer's
         tc.checkpoint.interval = every or cfg.steps + 1
         tc.checkpoint.keep_latest_k = cfg.guards.keep_checkpoints
         tc.checkpoint.async_mode = "async" if cfg.guards.async_checkpoint else "disabled"
@@ -474,7 +476,8 @@ class GuardHooks(Hooks):
             resume.write_record(out_dir, self.record)
             self.losses_path, self.eval_path = out_dir / "losses.jsonl", out_dir / EVAL_LOSSES
         self.dev = dev
-        note = apply_eval_settings(tc, cfg.guards.eval_every, cfg.guards.eval_steps, found.dataset, cfg.guards.eval_dataset_path)
+        note = apply_eval_settings(tc, cfg.guards.eval_every, cfg.guards.eval_steps, found.dataset,
+                                   cfg.guards.eval_dataset_path)
         return notes + ([note] if note else [])
 
     def components(self) -> dict:
@@ -510,7 +513,8 @@ class GuardHooks(Hooks):
         made, cfg, dev = self.components(), self.cfg, self.dev
         self.saves = interval.SaveWatch(
             self.stop, every=cfg.guards.checkpoint_every, mtbi_h=cfg.guards.mean_hours_between_interruptions,
-            planned_save_s=planned_save_s(shape, cfg), notice_s=cfg.guards.stop_notice_s, comm_timeout_s=cfg.comm_timeout_s,
+            planned_save_s=planned_save_s(shape, cfg), notice_s=cfg.guards.stop_notice_s,
+            comm_timeout_s=cfg.comm_timeout_s,
             price_per_hour=cfg.guards.price_per_hour, evaluates=bool(cfg.guards.eval_every), is_main=dev.is_main,
             async_saves=cfg.guards.async_checkpoint)
         self.peak = pilot.peak_flops(dev.device_type, cfg.dtype, cfg.guards.peak_tflops, lnc=cfg.lnc)
@@ -589,7 +593,8 @@ class GuardHooks(Hooks):
             out["compile"] = {"backend": trainer.config.compile.backend, **trainer.compiles.summary()}
         if cfg.guards.compare_losses:  # over the whole curve, steps before a resume included
             history = self.history(trainer)
-            out["loss_comparison"] = compare_losses(history["losses"], cfg.guards.compare_losses, cfg.guards.loss_tolerance,
+            out["loss_comparison"] = compare_losses(history["losses"], cfg.guards.compare_losses,
+                                                    cfg.guards.loss_tolerance,
                                                     steps=history["steps"])
         if dev.is_main:
             if warning := pilot.mfu_warning(report):
@@ -649,7 +654,8 @@ def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dic
                  local_batch=tc.training.local_batch_size, seq_divisor=recipe.seq_divisor)
     label, published = recipe.describe(cfg, shape) if hasattr(recipe, "describe") else (cfg.preset, None)
     planned_for = device.resolve_device_type(cfg.device) if ranks else cfg.device if cfg.device != "auto" else "neuron"
-    r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.guards.dry_run_ranks, per_core_gib=cfg.guards.per_core_gib,
+    r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.guards.dry_run_ranks,
+                       per_core_gib=cfg.guards.per_core_gib,
                        published_params=published, label=label, device_type=planned_for)
     if ranks:
         return r
