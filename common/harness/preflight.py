@@ -626,9 +626,13 @@ def main(argv: list[str] | None = None) -> int:
     used_by = [" ".join(SCRIPTS[u] if u in SCRIPTS else "(NKI_LAUNCH wrap_nki)" for u in users)
                if set(users) != set(SCRIPTS) else "all" for *_, users in full]
     print(format_table(rows, used_by), flush=True)
-    if target == "trn2":
-        print("[preflight] AWS's own configs of these layouts beside the presets, field by field: "
-              "python -m tools.aws_config_diff", flush=True)
+    if target == "trn2":  # AWS's own configs of the presets' layouts, field by field (tools/, in the repository)
+        tool = Path(__file__).resolve().parents[2] / "tools" / "aws_config_diff.py"
+        if importlib.util.find_spec("torchtitan_neuron") and tool.is_file():
+            subprocess.run([sys.executable, "-m", "tools.aws_config_diff"], cwd=tool.parents[1], check=False)
+        else:
+            print("[preflight] AWS's own configs of these layouts beside the presets, field by field: "
+                  "python -m tools.aws_config_diff", flush=True)
     missing = problems(rows)
     if missing:
         print(f"error: the {target} stack is not usable: {'; '.join(missing)}", file=sys.stderr, flush=True)
