@@ -45,6 +45,16 @@ def _dense_attention_masks(model, positions: torch.Tensor) -> torch.Tensor:
     return document_causal_mask(positions, block_causal=block_causal)
 
 
+def attention_masks(model, document_mask: str, device_type: str):
+    """The model's `get_attention_masks` (positions -> mask): the dense causal + packed-document mask where documents
+    are masked on `device_type` (common.torchtitan_fixes.document_masking), else None (HF's SDPA runs causal)."""
+    from common.torchtitan_fixes import document_masking
+
+    if document_masking(document_mask, device_type):
+        return lambda positions: _dense_attention_masks(model, positions)
+    return lambda positions: None
+
+
 def route_attention_to_sdpa(model_spec, document_mask: str = "auto") -> None:
     """Workaround: run the backend's attention through transformers' SDPA path with the same
     causal + packed-document mask the backend's FlexAttention would apply.
@@ -67,12 +77,9 @@ def route_attention_to_sdpa(model_spec, document_mask: str = "auto") -> None:
     def parallelize(model, **kwargs):
         from torchtitan.tools.utils import device_type  # the device torchtitan trains on, routed by now
 
-        from common.torchtitan_fixes import document_masking
-
         model.model.config._attn_implementation = "sdpa"
         # An instance attribute: only this model's forward uses the dense mask.
-        model.get_attention_masks = (lambda positions: _dense_attention_masks(model, positions)) \
-            if document_masking(document_mask, device_type) else (lambda positions: None)
+        model.get_attention_masks = attention_masks(model, document_mask, device_type)
         return inner(model, **kwargs)
 
     parallelize._sdpa_routed = True
