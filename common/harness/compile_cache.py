@@ -156,10 +156,11 @@ def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
                 "dir_from": "TORCH_NEURONX_NEFF_CACHE_DIR" if folder else "TorchNeuron's default"}
     if not compiled:
         return None
-    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private in torch 2.14
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir  # private in torch 2.14
 
-    return {"kind": "inductor", "dir": cache_dir(),
-            "dir_from": "TORCHINDUCTOR_CACHE_DIR" if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else "the default"}
+    folder = cache_dir()  # inductor's first call sets TORCHINDUCTOR_CACHE_DIR to its default: compared, not read
+    return {"kind": "inductor", "dir": folder,
+            "dir_from": "the default" if folder == default_cache_dir() else "TORCHINDUCTOR_CACHE_DIR"}
 
 
 def count_entries(folder, suffix: str = "") -> int:

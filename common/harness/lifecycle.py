@@ -306,9 +306,10 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     found = preflight(recipe, cfg, host_checked=launched is not None)
     reference = None
     if not launch and launcher.is_rank_zero() and found.initial_hf and cfg.load_check:
-        # the load check's reference (transformers' logits of the HF folder) is computed from here on, beside the
-        # rest of the checks, the imports and the build: step 1 waits only for what is left of it
-        reference = verifier.ReferenceLogits(found.initial_hf, found.tokenizer_dir)
+        # the load check's reference (transformers' logits of the HF folder): for the Transformers backend computed
+        # from here on in a process of its own, beside the rest of the checks, the imports and the build
+        reference = verifier.ReferenceLogits(found.initial_hf, found.tokenizer_dir,
+                                             own_process=recipe.patches_transformers)
     if cfg.guards.compile_cache:  # a store this host cannot reach: one line now, not a worker's at the build
         compile_cache.SharedCache(cfg.guards.compile_cache, compile_cache.cache_key(device.resolve_device_type(
             cfg.device)), out_dir / "neff_cache").reachable()

@@ -81,25 +81,36 @@ def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
 
 
 class ReferenceLogits:
-    """The load check's reference, computed off the path to step 1: transformers' float32 logits of the HF folder the
-    run starts from, on the reference text, in a process of its own (`python -m common.harness.verifier reference`)
-    started beside the run's imports and build (it depends on nothing the run builds); `wait` at step 1 returns them,
-    waiting only for what is left of it."""
+    """The load check's reference: transformers' float32 logits of the HF folder the run starts from, on the
+    reference text. Where the trainer patches transformers (the Transformers backend), in a process of its own
+    (`python -m common.harness.verifier reference`) started beside the run's imports and build, off the path to step
+    1 (it depends on nothing the run builds): `wait` at step 1 waits only for what is left of it. Elsewhere in this
+    process, at `wait` (transformers is imported here for the export check anyway: a second interpreter would cost
+    more than it hides)."""
 
-    def __init__(self, hf_dir: Path, tokenizer_dir: Path):
-        import tempfile
+    def __init__(self, hf_dir: Path, tokenizer_dir: Path, own_process: bool = True):
+        self.hf_dir, self.tokenizer_dir, self.proc, self.folder = hf_dir, tokenizer_dir, None, None
+        if own_process:
+            import tempfile
 
-        self.folder = tempfile.TemporaryDirectory(prefix="qwen3-load-reference-")
-        self.out = Path(self.folder.name) / "load_reference.safetensors"
-        self.proc = python_module("common.harness.verifier", "reference", str(hf_dir), "--tokenizer",
-                                  str(tokenizer_dir), "--out", str(self.out), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE)
+            self.folder = tempfile.TemporaryDirectory(prefix="qwen3-load-reference-")
+            self.out = Path(self.folder.name) / "load_reference.safetensors"
+            self.proc = python_module("common.harness.verifier", "reference", str(hf_dir), "--tokenizer",
+                                      str(tokenizer_dir), "--out", str(self.out), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE)
 
     def wait(self, stopping=None) -> dict:
-        """{input_ids, position_ids, logits}; a UserError (its error line) where the process failed, CheckInterrupted
-        where a stop cut it short (`stopping() -> bool`: whether the run is stopping)."""
+        """{input_ids, position_ids, logits}; a UserError (its error line) where transformers cannot load the folder,
+        CheckInterrupted where a stop cut the process short (`stopping() -> bool`: whether the run is stopping)."""
         from safetensors.torch import load_file
 
+        if self.proc is None:
+            try:
+                return reference_tensors(self.hf_dir, self.tokenizer_dir)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001  as the last line of the process's traceback
+                raise UserError(f"transformers cannot load it: {one_line(f'{type(e).__name__}: {e}')}") from None
         try:
             _, stderr = self.proc.communicate()
         except BaseException:
@@ -116,17 +127,17 @@ class ReferenceLogits:
 
     def close(self) -> None:
         """Ends the process where it still runs (a run that ends before step 1, or resumes)."""
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self.folder.cleanup()
+        if self.folder is not None:
+            self.folder.cleanup()
 
 
-def reference_logits(hf_dir: Path, tokenizer_dir: Path, out: Path) -> None:
+def reference_tensors(hf_dir: Path, tokenizer_dir: Path) -> dict:
     """transformers' float32 logits of the HF folder on common.export.REFERENCE_TEXT, with its input_ids and
-    position_ids, written to `out` (safetensors, atomically)."""
+    position_ids."""
     import torch
-    from safetensors.torch import save_file
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -138,8 +149,15 @@ def reference_logits(hf_dir: Path, tokenizer_dir: Path, out: Path) -> None:
     model.eval()
     with torch.no_grad():
         logits = model(tokens, position_ids=positions).logits.float().contiguous()
+    return {"input_ids": tokens, "position_ids": positions, "logits": logits}
+
+
+def reference_logits(hf_dir: Path, tokenizer_dir: Path, out: Path) -> None:
+    """reference_tensors written to `out` (safetensors, atomically): the process of ReferenceLogits."""
+    from safetensors.torch import save_file
+
     staged = out.with_name(f".{out.name}.{os.getpid()}")
-    save_file({"input_ids": tokens, "position_ids": positions, "logits": logits}, str(staged))
+    save_file(reference_tensors(hf_dir, tokenizer_dir), str(staged))
     os.replace(staged, out)
 
 
