@@ -94,7 +94,9 @@ class TrainConfig:
         "Any other torchtitan setting by its own dotted name, --SECTION.FIELD VALUE, set on the recipe's "
         "Trainer.Config after the flags above (--lr_scheduler.decay_ratio 0.5, --lr_scheduler.min_lr_factor 0.1, "
         "--training.max_norm 0.5, --parallelism.data_parallel_shard_degree 8, --compile.components model); "
-        "a field a flag above sets is refused with that flag's name; lists are comma-separated, none is None")})
+        "a field a flag above sets is refused with that flag's name, and so are the sections the scripts hold "
+        "(checkpoint, dataloader, validator, profiler, metrics, the model spec); lists are comma-separated, none "
+        "is None")})
     guards: Any = field(default=None, metadata={  # a typed section, as torchft's `fault_tolerance` in its Config
         "section": "the guards' settings where common/harness/ runs the recipe (its Guards; their fields are flags "
                    "too); None for the core alone"})
@@ -267,14 +269,30 @@ SHORT_FLAGS = {
 }
 
 
+# The Trainer.Config sections and fields the scripts own as a whole: what they promise (a resume, an export re-read,
+# results.json's records) depends on them. A dotted setting of one is refused with the flags that set them.
+HELD = {
+    "checkpoint": "the resume and the export depend on it: --checkpoint_every, --keep_checkpoints, "
+                  "--async_checkpoint, --hf_checkpoint, --export",
+    "dataloader": "the resume keeps its shards and positions: --dataset, --dataset_path",
+    "validator": "--eval_every, --eval_steps, --eval_dataset_path",
+    "profiler": "--profile, --profile_freq, --profile_device",
+    "metrics": "results.json records each step: --tensorboard",
+    "debug.seed": "--seed", "debug.deterministic": "the CPU runs' reproducible losses depend on it",
+    "model_spec": "the recipe's model: --preset, --hf_checkpoint and the example's model flags",
+}
+
+
 def set_dotted(tc, settings) -> list[str]:
     """The command line's dotted settings (`--SECTION.FIELD VALUE`: cli.split_dotted) set on the Trainer.Config `tc`,
-    each converted to its field's type; one UserError for a name it has not, a field a short flag sets, or a value
-    its type refuses. Returns notes for the log."""
+    each converted to its field's type; one UserError for a name it has not, a field a short flag sets or the scripts
+    hold (HELD), or a value its type refuses. Returns notes for the log."""
     notes = []
     for name, text in settings:
         if (short := SHORT_FLAGS.get(name)) or (short := SHORT_FLAGS.get(name.split(".")[0])):
             raise UserError(f"--{name}: set it with --{short}, the flag for this setting")
+        if held := next((why for part, why in HELD.items() if name == part or name.startswith(part + ".")), None):
+            raise UserError(f"--{name}: set by the scripts, not on the command line ({held})")
         *parents, last = name.split(".")
         obj, walked = tc, []
         for part in parents:
