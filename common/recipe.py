@@ -142,18 +142,20 @@ class Recipe:
         """The recipe: a torchtitan Trainer.Config for these flags on this device, and notes for the log."""
         raise NotImplementedError
 
+    # The three configs of the model below are torchtitan's own Qwen3's (its model spec's config.json); a recipe of
+    # another model (the Transformers backend's) gives its own.
     def model_shape(self, cfg, tc, found: Inputs) -> dict:
         """The config.json of the model `tc` configures: what it sizes and counts (FLOPs, memory)."""
-        raise NotImplementedError
+        return checkpoint.hf_config_from_qwen3(tc.model_spec.model)
 
     def export_config(self, cfg, tc, found: Inputs, dtype: str) -> dict:
         """The config.json the HF export carries, its weights in `dtype`."""
-        raise NotImplementedError
+        return checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=dtype)
 
     def built_config(self, cfg, trainer, found: Inputs) -> Any:
         """The config of the model as built (a config.json dict or a transformers config): the load check compares
         it with the HF folder's."""
-        return self.model_shape(cfg, trainer.config, found)
+        return checkpoint.hf_config_from_qwen3(trainer.config.model_spec.model)
 
     def after_build(self, cfg, trainer, tc, found: Inputs, log) -> dict:
         """After the build, before step 1: results entries."""

@@ -203,13 +203,6 @@ class MoENKI(Recipe):
         """The config.json of the model this run trains: the checkpoint's, or the base shape cut."""
         return model_shape(cfg)
 
-    def built_config(self, cfg: Config, trainer, found: Inputs) -> dict:
-        """The config.json of the model as torchtitan built it."""
-        return checkpoint.hf_config_from_qwen3(trainer.config.model_spec.model)
-
-    def export_config(self, cfg: Config, tc, found: Inputs, dtype: str) -> dict:
-        return checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=dtype)
-
     @staticmethod
     def replaced_modules(tc) -> list[str]:
         """FQNs of the modules the registry swapped, read back from the config tree."""

@@ -133,13 +133,6 @@ class NativeQwen3(Recipe):
             notes.append(f"attention -> {torchtitan_fixes.ATTENTION_PATHS[path]} in {len(changed)} layers")
         return tc, notes
 
-    def model_shape(self, cfg: Config, tc, found: Inputs) -> dict:
-        """The config.json of the model torchtitan builds."""
-        return checkpoint.hf_config_from_qwen3(tc.model_spec.model)
-
-    def export_config(self, cfg: Config, tc, found: Inputs, dtype: str) -> dict:
-        return checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=dtype)
-
     def describe(self, cfg: Config, shape: dict) -> tuple[str, float | None]:
         """--dry_run's label, and the published size it must match."""
         return f"{cfg.preset} (Qwen3 {cfg.flavor})", None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor)
