@@ -56,8 +56,8 @@ def test_round_trip_between_two_hosts(tmp_path, form):
     assert SharedCache(url, "cpu_torch-9.9_python-3.11", first).pull() == 1
     assert (first / "fxgraph" / "new").read_bytes() == b"compiled on the second host"
     assert not [p for p in first.rglob("*") if p.name.endswith(".tmp") and p.name != ".1234.5678.tmp"]
-    summary = pusher.summary()
-    assert summary["url"] == url and summary["key"] == "cpu_torch-9.9_python-3.11" and summary["pushed"] == 0
+    summary = pusher.summary()  # a run pushes twice (after its first steps, at its end): the counts are the run's
+    assert summary["url"] == url and summary["key"] == "cpu_torch-9.9_python-3.11" and summary["pushed"] == 3
     assert puller.summary()["pulled"] == 0 and puller.summary()["pushed"] is None
 
 

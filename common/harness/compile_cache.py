@@ -402,7 +402,7 @@ class SharedCache:
     def push(self) -> int:
         """Copy the local entries the store lacks into `<url>/<key>/`, each file to a unique temporary name beside
         its final name and then moved onto it, an entry's markers last; an entry the store has is skipped. Returns
-        the entries copied."""
+        the entries copied (added to `pushed`, the counts of every push of this object)."""
         start = time.perf_counter()
         stored, self.unsafe = self._store_files()
         fs, base = self._store()
@@ -419,7 +419,10 @@ class SharedCache:
                 raise
             copied += 1
             copied_bytes += sum(sizes)
-        self.pushed, self.pushed_bytes, self.push_s = copied, copied_bytes, time.perf_counter() - start
+        # a run pushes more than once (after its first steps, at its end): the counts are the run's
+        self.pushed = (self.pushed or 0) + copied
+        self.pushed_bytes = (self.pushed_bytes or 0) + copied_bytes
+        self.push_s = (self.push_s or 0.0) + time.perf_counter() - start
         return copied
 
     def _put(self, fs, src: Path, dest: str) -> int:

@@ -447,6 +447,7 @@ class GuardHooks(Hooks):
         self.reference = reference  # the load check's reference logits, being computed (rank 0)
         self.load_check, self.profile, self.compile_cache, self.started = None, None, None, time.time()
         self.shared_cache: compile_cache.SharedCache | None = None  # --compile_cache
+        self.push_error: str | None = None  # the last push's failure, where one failed
         self.losses_path = self.eval_path = None
 
     def configure(self, tc, dev, out_dir: Path, found: Inputs) -> list[str]:
@@ -562,7 +563,12 @@ class GuardHooks(Hooks):
         """After the first steps (the graphs the steps, the optimizer's first update and the load check compiled) and
         at the end: the entries this host's cache has and the shared one lacks, pushed by one process a node."""
         if self.shared_cache is not None and self.dev.local_rank == 0:
-            self.shared_cache.push()
+            try:
+                self.shared_cache.push()
+            except UserError as e:  # the cache is a saving, not the run's work: it trains and exports on
+                self.push_error = one_line(str(e))
+                print(f"[compile cache] warning: the push failed, the run goes on: {self.push_error}",
+                      file=sys.stderr, flush=True)
 
     # ---- after training ----------------------------------------------------------------------------------------
     def history(self, trainer) -> dict:
@@ -589,7 +595,8 @@ class GuardHooks(Hooks):
         out.update(self.saves.results())  # the auto interval and the stop-notice verdict
         out["time_to_first_step"] = self.phases.result()  # a collective
         self.push_compiled()  # what the later steps compiled (a recompile after a save or evaluation)
-        out["compile_cache_shared"] = self.shared_cache.summary() if self.shared_cache else None
+        out["compile_cache_shared"] = {**self.shared_cache.summary(), "push_error": self.push_error} \
+            if self.shared_cache else None
         if trainer.config.compile.enable:  # what compiled when, and the recompiles after the warm-up
             out["compile"] = {"backend": trainer.config.compile.backend, **trainer.compiles.summary()}
         if cfg.guards.compare_losses:  # over the whole curve, steps before a resume included
