@@ -233,7 +233,7 @@ def _start_dry_run(example, ecfg, ranks: int, out: Path, threads: int) -> Callab
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            lifecycle.dry_run(example.RECIPE, replace(ecfg, dry_run_ranks=ranks), out)
+            lifecycle.dry_run(example.RECIPE, replace(ecfg, guards=replace(ecfg.guards, dry_run_ranks=ranks)), out)
             code = 0
         except BaseException:  # noqa: BLE001  into the log, read by the parent
             import traceback
