@@ -671,8 +671,8 @@ def subcommand():
         from compat_check import subcommands
     except ModuleNotFoundError as missing:
         if (missing.name or "").startswith("common.harness"):  # the lookup's pull commands: the compile cache's keys
-            sys.exit("error: lookup and rankings need common/harness/__init__.py, compile_cache.py, pilot.py and "
-                     f"stops.py beside common/ ({one_line(str(missing))}): copy them too (this file's header)")
+            sys.exit("error: lookup and rankings need common/harness/__init__.py and compile_cache.py beside common/ "
+                     f"({one_line(str(missing))}): copy them too (this file's header)")
         if not (missing.name or "").startswith("compat_check."):
             raise
         sys.exit(f"error: lookup and rankings need examples/compat_check/subcommands.py, lookup.py, page.py and "
