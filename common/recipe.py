@@ -280,7 +280,7 @@ HELD = {
     "validator": "--eval_every, --eval_steps, --eval_dataset_path",
     "profiler": "--profile, --profile_freq, --profile_device",
     "metrics": "results.json records each step: --tensorboard",
-    "debug.seed": "--seed", "debug.deterministic": "the CPU runs' reproducible losses depend on it",
+    "debug.deterministic": "the CPU runs' reproducible losses depend on it",
     "model_spec": "the recipe's model: --preset, --hf_checkpoint and the example's model flags",
 }
 

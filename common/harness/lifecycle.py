@@ -333,17 +333,23 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
 
 def check_dotted(recipe: Recipe, cfg, out_dir: Path, found: Inputs) -> None:
     """The dotted torchtitan settings set on the recipe's Trainer.Config as a worker will set them (one UserError for
-    a bad one), in the launching process, which trains nothing: its torchtitan is bound to the CPU (as the dry
-    run's), the workers' to the run's device."""
+    a bad one), in the launching process, which trains nothing (planned_config)."""
+    planned_config(recipe, cfg, out_dir, found, launcher.planned_world_size(cfg))
+
+
+def planned_config(recipe: Recipe, cfg, out_dir: Path, found: Inputs, world_size: int):
+    """The recipe's Trainer.Config with the command line's dotted settings, for `world_size` ranks on the meta
+    device, in a process that trains nothing (the dry run, a launcher): its torchtitan is bound to the CPU."""
     import torch
 
-    device.route_torchtitan_device("cpu")
+    device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
     from common import torchtitan_fixes  # after the routing: torchtitan binds its device at import
 
-    torchtitan_fixes.quiet_known_noise()  # what the workers print once, not here too
-    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, launcher.planned_world_size(cfg))
+    torchtitan_fixes.quiet_known_noise()  # the plan (a training run's child too) prints what training would not
+    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, world_size)
     tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
-    set_dotted(tc, cfg.torchtitan)
+    set_dotted(tc, cfg.torchtitan)  # the command line's other torchtitan settings: the plan is the run's
+    return tc
 
 
 def previous_results(out_dir: Path) -> dict:
@@ -464,11 +470,11 @@ class GuardHooks(Hooks):
             self.profile = pilot.apply_profile_settings(tc, steps=cfg.steps, profile_freq=cfg.guards.profile_freq,
                                                         device_type=dev.device_type)
             notes.append(self.profile["note"])
-        where = compile_cache.compile_cache_folder(dev.device_type, compiled=tc.compile.enable)
-        self.compile_cache = compile_cache.CompileCacheWatch(where, dev.device_type)
-        if cfg.guards.compile_cache and where is not None:  # the graphs this compiler made on other hosts, pulled
-            self.shared_cache = compile_cache.SharedCache(cfg.guards.compile_cache, compile_cache.cache_key(
-                dev.device_type), where["dir"], kind=where["kind"])  # by one process a node (train()'s barrier)
+        self.compile_cache = compile_cache.CompileCacheWatch(
+            compile_cache.compile_cache_folder(dev.device_type, compiled=tc.compile.enable), dev.device_type)
+        # the graphs this compiler made on other hosts, pulled by one process a node (train()'s barrier)
+        self.shared_cache = compile_cache.for_run(cfg.guards.compile_cache, dev.device_type, tc.compile.enable)
+        if self.shared_cache is not None:
             if dev.local_rank == 0:
                 notes.append(f"compile cache: {self.shared_cache.pull()} entries pulled from "
                              f"{compile_cache.shown_url(cfg.guards.compile_cache)}")
@@ -646,16 +652,8 @@ def planned_save_s(shape: dict, cfg) -> float | None:
 def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dict:
     """Size the preset at --dry_run_ranks ranks on this machine (common/harness/dryrun.py); no training. With
     `ranks`: the plan alone for that many (a training run's planned memory), nothing written."""
-    import torch
-
-    device.route_torchtitan_device("cpu")  # the model lives on the meta device; nothing runs
-    from common import torchtitan_fixes  # after the routing: torchtitan binds its device at import
-
-    torchtitan_fixes.quiet_known_noise()  # the plan (a training run's child too) prints what training would not
     found = recipe.dry_run_inputs(cfg, out_dir) if hasattr(recipe, "dry_run_inputs") else Inputs()
-    target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, ranks or cfg.guards.dry_run_ranks)
-    tc, _notes = recipe.trainer_config(cfg, target, out_dir, found)
-    set_dotted(tc, cfg.torchtitan)  # the command line's other torchtitan settings: the plan is the run's
+    tc = planned_config(recipe, cfg, out_dir, found, ranks or cfg.guards.dry_run_ranks)
     shape = recipe.model_shape(cfg, tc, found)
     check_layout(shape, tp=tc.parallelism.tensor_parallel_degree, seq_len=tc.training.seq_len,
                  world_size=ranks or cfg.guards.dry_run_ranks, global_batch=tc.training.global_batch_size,
