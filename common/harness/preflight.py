@@ -37,15 +37,16 @@ from common.results import installed_version
 # not match.
 TRN2_PINS = {"torch": "==2.14.0", "torch-neuronx": "==2.14.3.0.*", "neuronx-cc": "==2.28.7631.0", "nki": "==0.7.0",
              "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.1"}  # torchtitan-neuron: release-2.33
-# 2.34 (2026-11-30; requirements-trn2-2.34.txt): torch-neuronx 2.14.3.1 ("torch-neuronx 2.13.3.1 and 2.14.3.1 (Neuron
-# 2.34.0 Release)", "install torch-neuronx==2.14.* with PyTorch 2.14":
-# https://github.com/aws-neuron/torch-neuronx/releases/tag/v2.34.0) and TorchTitan Neuron 0.2.2+neuron.2 ("Latest
-# version (in 2.34.0)": awsdocs-neuron.readthedocs-hosted.com/en/v2.34.0/release-notes/components/torchtitan-neuron.html).
-# Its compiler and NKI versions could not be read from a 2.34 page here: held to "newer than 2.33's", and the rows say
-# so (TRN2_UNCONFIRMED). torch: the 2.14 line torch-neuronx 2.14.* is built for (its own requirement fixes the patch).
-TRN2_234_PINS = {"torch": "==2.14.*", "torch-neuronx": "==2.14.3.1.*", "neuronx-cc": ">2.28.7631.0,<3",
-                 "nki": ">0.7.0,<1", "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.2"}
-TRN2_UNCONFIRMED = {"2.34": ("neuronx-cc", "nki")}  # the range is ours, not a version AWS's pages were read for
+# 2.34 (2026-11-30; requirements-trn2-2.34.txt), the Neuron 2.34.0 release's own versions: neuronx-cc 2.29.16866.0 and
+# nki 0.8.0 (its package list: https://awsdocs-neuron.readthedocs-hosted.com/en/v2.34.0/release-notes/
+# releasecontent.html), torch-neuronx 2.14.3.1 ("torch-neuronx 2.13.3.1 and 2.14.3.1 (Neuron 2.34.0 Release)",
+# "install torch-neuronx==2.14.* with PyTorch 2.14": https://github.com/aws-neuron/torch-neuronx/releases/tag/v2.34.0;
+# the build suffix is not given, hence 2.14.3.1.*) and TorchTitan Neuron 0.2.2+neuron.2 ("Latest version (in
+# 2.34.0)": https://awsdocs-neuron.readthedocs-hosted.com/en/v2.34.0/_sources/release-notes/components/
+# torchtitan-neuron.rst). torch: the 2.14 line torch-neuronx 2.14.* is built for (its own requirement fixes the patch).
+# Not confirmed for 2.34: the NKI Library (nkilib) version and TorchTitan Neuron's branch or tag.
+TRN2_234_PINS = {"torch": "==2.14.*", "torch-neuronx": "==2.14.3.1.*", "neuronx-cc": "==2.29.16866.0",
+                 "nki": "==0.8.0", "transformers": "==5.16.0", "torchtitan-neuron": "==0.2.2+neuron.2"}
 TRN2_STACKS = {"2.33": (TRN2_PINS, "requirements-trn2.txt"), "2.34": (TRN2_234_PINS, "requirements-trn2-2.34.txt")}
 # Which release a TorchNeuron build belongs to, by its first four numbers (2.13 and 2.14 lines alike).
 TORCH_NEURONX_RELEASE = {(3, 0): "2.33", (3, 1): "2.34"}
@@ -62,10 +63,14 @@ TRN2_INFO = ("nki-library",)  # reported: the public index has only a placeholde
 # versions (tests/assets/neuron-2.33.1.json): 2.33.1 changes only these (the pip stack stays 2.33.0's) and fixes a
 # hang when HWDGE DMA transposes race collectives, as the blockwise MoE backward kernel's transposes do while FSDP's
 # collectives run. An older one is a warning row; one not found (a container's driver is the host's) is reported.
-# On the 2.34 stack the same minimums hold and newer is expected (2.34's own versions are not pinned here).
 NEURON_SYSTEM = {"aws-neuronx-runtime-lib": "2.35.33.0", "aws-neuronx-collectives": "2.35.49.0",
                  "aws-neuronx-dkms": "2.31.8.0"}
 SYSTEM_RELEASE = "Neuron 2.33.1"
+# The 2.34 stack's: the Neuron 2.34.0 release's own (its package list:
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.34.0/release-notes/releasecontent.html), held as 2.33's are.
+NEURON_SYSTEM_234 = {"aws-neuronx-runtime-lib": "2.36.8.0", "aws-neuronx-collectives": "2.36.0.0",
+                     "aws-neuronx-dkms": "2.32.6.0"}
+SYSTEM_STACKS = {"2.33": (NEURON_SYSTEM, SYSTEM_RELEASE), "2.34": (NEURON_SYSTEM_234, "Neuron 2.34.0")}
 PIP_NAME = {"torch_neuronx": "torch-neuronx", "nkilib": "nkilib (neuronx-cc or nki-library)"}
 
 # Every external symbol the scripts use, a line each: "module:name name ...", then after "|" the keywords their calls
@@ -279,21 +284,20 @@ def _versions(target: str, read=installed_version) -> list[tuple[str, str, str]]
     rows += [("requirements.txt", problem, ERROR) for problem in unread]
     for dist, want in pins.items():
         have = read(dist) or (read("torchtitan") if dist == "torchtitan-neuron" else None)
-        found = have or "not installed"
-        if have and dist in TRN2_UNCONFIRMED.get(stack, ()):
-            found += f" ({stack}'s own version unconfirmed: newer than 2.33's)"
-        rows.append((f"{dist}{want}", found, OK if admits(want, have) else WARN))
+        rows.append((f"{dist}{want}", have or "not installed", OK if admits(want, have) else WARN))
     if target == "trn2":
         rows += [(dist, read(dist) or "not installed", INFO) for dist in TRN2_INFO]
-        rows += [_system_row(pkg, minimum, stack) for pkg, minimum in NEURON_SYSTEM.items()]
+        system, release = SYSTEM_STACKS[stack]
+        rows += [_system_row(pkg, minimum, release) for pkg, minimum in system.items()]
     return rows
 
 
-def _system_row(pkg: str, minimum: str, stack: str | None = "2.33") -> tuple[str, str, str]:
-    """An OS package of the Neuron stack against the version of SYSTEM_RELEASE: older is a warning (not an error:
-    the pip stack runs on 2.33.0's packages too, with the hang 2.33.1 fixes); newer is a warning too (a later
-    release's runtime under 2.33.0's pip packages is a pairing nobody tested: keep the table with any report)."""
-    requirement = f"{pkg} >= {minimum} ({SYSTEM_RELEASE})"
+def _system_row(pkg: str, minimum: str, release: str = SYSTEM_RELEASE) -> tuple[str, str, str]:
+    """An OS package of the Neuron stack against the version of its `release` (SYSTEM_STACKS: Neuron 2.33.1's on the
+    2.33 stack, 2.34.0's on the 2.34 stack): older is a warning (not an error: 2.33's pip stack runs on 2.33.0's
+    packages too, with the hang 2.33.1 fixes); newer is a warning too (a later release's runtime under the stack's
+    pip packages is a pairing nobody tested: keep the table with any report)."""
+    requirement = f"{pkg} >= {minimum} ({release})"
     have = _system_version(pkg)
     if have is None:
         return requirement, "not found", INFO
@@ -301,11 +305,9 @@ def _system_row(pkg: str, minimum: str, stack: str | None = "2.33") -> tuple[str
     if found is None:
         return requirement, f"{have}: cannot be compared", WARN
     if found < _release_numbers(minimum):
-        return requirement, f"{have}: older than {SYSTEM_RELEASE}'s", WARN
+        return requirement, f"{have}: older than {release}'s", WARN
     if found > _release_numbers(minimum):
-        if stack == "2.34":  # 2.34's own runtime is newer than 2.33.1's: expected, its exact version not pinned here
-            return requirement, f"{have}: newer than {SYSTEM_RELEASE}'s (2.34's not pinned here)", INFO
-        return requirement, f"{have}: newer than tested ({SYSTEM_RELEASE}'s)", WARN
+        return requirement, f"{have}: newer than tested ({release}'s)", WARN
     return requirement, have, OK
 
 
