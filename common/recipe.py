@@ -5,8 +5,8 @@ An example script is a recipe: its presets, its model choice and its torchtitan 
 and trained, the HF export written and re-read by transformers, results.json and loss.png. The guards a
 paid run wants around that (preflight, the out_dir lock, resume and stop signals, the self-launcher, the
 dry run, the pilot report, held-out eval: common/harness/) plug in through `Hooks`; without them, as in a
-copy of an example with the core alone, `run_core` trains and exports. An example's entry chooses between the two
-(the harness's `run` where common/harness/ is there, `run_core` otherwise).
+copy of an example with the core alone, `run_core` trains and exports. An example's entry line names one of the two:
+the harness's `run`, or `run_core` in a copy without common/harness/ (its header says which line to change).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from common import checkpoint, cli, device, export, paths
@@ -118,52 +119,57 @@ class Inputs:
     dataset: tuple[str, str | None] | None = None  # torchtitan's dataset name and path (None: a dry run reads none)
 
 
-class Recipe:
-    """An example's recipe: its flags and presets, its model and its torchtitan Trainer.Config. An example subclasses
-    it; `run_core` (or common/harness/lifecycle.py, with the guards) runs it. Methods without a body here must be
-    given; the others add to a run and may be left as they are."""
+# The model configs a recipe of torchtitan's own Qwen3 needs (its model spec's config.json); a recipe of another model
+# (the Transformers backend's) names its own.
+def qwen3_shape(cfg, tc, found: Inputs) -> dict:
+    """The config.json of the model `tc` configures: what it sizes and counts (FLOPs, memory)."""
+    return checkpoint.hf_config_from_qwen3(tc.model_spec.model)
 
-    name: ClassVar[str]  # the script's file name
-    config: ClassVar[type]  # its Config: a TrainConfig subclass, whose fields are its flags
-    presets: ClassVar[dict]  # preset name -> a function returning a Config
-    doc: ClassVar[str]  # the script's docstring: its --help
-    default_preset: ClassVar[str] = "tiny"
-    pass_positions: ClassVar[bool] = False  # the model's forward takes position_ids (the Transformers backend)
-    seq_divisor: ClassVar[int] = 1  # under tensor parallel, --seq_len is a multiple of the degree times this
+
+def qwen3_export_config(cfg, tc, found: Inputs, dtype: str) -> dict:
+    """The config.json the HF export carries, its weights in `dtype`."""
+    return checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=dtype)
+
+
+def qwen3_built_config(cfg, trainer, found: Inputs) -> Any:
+    """The config of the model as built: the load check compares it with the HF folder's."""
+    return checkpoint.hf_config_from_qwen3(trainer.config.model_spec.model)
+
+
+def nothing_more(*args) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An example's recipe, declared once as torchtitan declares a model (its `ModelSpec` names the functions that
+    build it): the script's flags and presets, and the functions that make its torchtitan Trainer.Config and check
+    what a config cannot say. `run_core` (or common/harness/lifecycle.py's `run`, with the guards) runs it."""
+
+    name: str  # the script's file name
+    doc: str  # the script's docstring: its --help
+    config: type  # its flags: a TrainConfig subclass
+    presets: dict  # preset name -> a function returning a `config` (--preset); the first is the default
+    check_inputs: Callable  # (cfg) -> Inputs: the recipe's own inputs, checked before anything is built
+    trainer_config: Callable  # (cfg, dev, out_dir, found) -> (Trainer.Config, notes for the log): the recipe
+    model_shape: Callable = qwen3_shape  # (cfg, tc, found) -> the trained model's config.json
+    export_config: Callable = qwen3_export_config  # (cfg, tc, found, dtype) -> the export's config.json
+    built_config: Callable = qwen3_built_config  # (cfg, trainer, found) -> the built model's config
+    after_build: Callable = nothing_more  # (cfg, trainer, tc, found, log) -> results entries, before step 1
+    after_train: Callable = nothing_more  # (cfg, trainer, found) -> results entries, after the last step
+    describe: Callable | None = None  # (cfg, shape) -> (the dry run's label, the published parameter count)
+    dry_run_inputs: Callable | None = None  # (cfg, out_dir) -> Inputs for a dry run (default: none)
+    stack: str = "native"  # the preflight's set of torchtitan symbols (common/harness/preflight.py)
+    stack_options: Callable | None = None  # (cfg) -> the preflight's options for that set
+    pass_positions: bool = False  # the model's forward takes position_ids (the Transformers backend)
+    seq_divisor: int = 1  # under tensor parallel, --seq_len is a multiple of the degree times this
     # The trainer patches transformers (the Transformers backend replaces its init functions): the load and export
     # checks, which read the HF folder with transformers, then run in a process of their own.
-    patches_transformers: ClassVar[bool] = False
+    patches_transformers: bool = False
 
-    def check_inputs(self, cfg) -> Inputs:
-        """The recipe's own inputs, checked before anything is built (one UserError for a bad one)."""
-        raise NotImplementedError
-
-    def trainer_config(self, cfg, dev, out_dir: Path, found: Inputs) -> tuple[Any, list[str]]:
-        """The recipe: a torchtitan Trainer.Config for these flags on this device, and notes for the log."""
-        raise NotImplementedError
-
-    # The three configs of the model below are torchtitan's own Qwen3's (its model spec's config.json); a recipe of
-    # another model (the Transformers backend's) gives its own.
-    def model_shape(self, cfg, tc, found: Inputs) -> dict:
-        """The config.json of the model `tc` configures: what it sizes and counts (FLOPs, memory)."""
-        return checkpoint.hf_config_from_qwen3(tc.model_spec.model)
-
-    def export_config(self, cfg, tc, found: Inputs, dtype: str) -> dict:
-        """The config.json the HF export carries, its weights in `dtype`."""
-        return checkpoint.hf_config_from_qwen3(tc.model_spec.model, dtype=dtype)
-
-    def built_config(self, cfg, trainer, found: Inputs) -> Any:
-        """The config of the model as built (a config.json dict or a transformers config): the load check compares
-        it with the HF folder's."""
-        return checkpoint.hf_config_from_qwen3(trainer.config.model_spec.model)
-
-    def after_build(self, cfg, trainer, tc, found: Inputs, log) -> dict:
-        """After the build, before step 1: results entries."""
-        return {}
-
-    def after_train(self, cfg, trainer, found: Inputs) -> dict:
-        """After the last step: results entries."""
-        return {}
+    @property
+    def default_preset(self) -> str:
+        return next(iter(self.presets))
 
 
 def inputs(recipe: Recipe, cfg) -> Inputs:

@@ -7,6 +7,8 @@
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
 #   common/harness/ (the whole folder)
+# With the core alone, the entry is the core's: change the `run` import below to
+#   from common.recipe import run_core as run
 """Train the model transformers' `AutoModelForCausalLM` builds, with torchtitan's Transformers
 modeling backend: public weights in, HF safetensors out.
 
@@ -50,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examp
 
 from common import checkpoint, cli, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
-from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
+from common.harness.lifecycle import run  # noqa: E402  the guarded run (the core alone: see the header)
+from common.recipe import Inputs, Recipe, TrainConfig, apply_settings  # noqa: E402
 from common.results import atomic_write_text  # noqa: E402
 if importlib.util.find_spec("hf_backend") is None:  # a copy without the folder beside the script
     print("error: hf_backend not found: put the folder hf_backend/ (examples/hf_backend/ in the repository) in "
@@ -107,108 +110,111 @@ PUBLISHED_CONFIG = {"qwen3_4b_instruct": {
 PUBLISHED_PARAMS = {"qwen3_4b_instruct": 4.0e9}  # Qwen3-4B model card: 4.0 B parameters
 
 
-class HFBackend(Recipe):
-    """An HF model folder trained through torchtitan's Transformers backend."""
-    name, config, presets, doc = "train_hf_backend.py", Config, PRESETS, __doc__
-    stack = "hf"  # the preflight's set of torchtitan symbols (common/harness/preflight.py)
-    pass_positions = True
-    seq_divisor = 2  # the backend asserts seq_len % (TP x 2 x its context-parallel degree, 1)
-    patches_transformers = True  # the backend replaces transformers' init functions: checks in their own process
 
-    def check_inputs(self, cfg: Config) -> Inputs:
-        """The HF folder: pretrained, every file checked (config, architecture, keys, shapes, finite values); random,
-        its config.json and architecture; its tokenizer either way."""
-        ckpt = Path(cfg.hf_checkpoint)
-        if cfg.preset in HF_MODEL_ID and not ckpt.exists():
-            raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
-        if ckpt.resolve().is_relative_to(paths.CACHE_DIR.resolve()) and not ckpt.exists():
-            raise UserError(f"{ckpt} does not exist: prepare the assets first (`make setup`)")
-        if cfg.init == "pretrained":
-            shape = checkpoint.validate_hf_checkpoint(ckpt, hf_fixes.ARCHITECTURES)
-        else:
-            shape = checkpoint.read_hf_config(ckpt)
-            checkpoint.require_architecture(shape, hf_fixes.ARCHITECTURES, ckpt)
-        folder = checkpoint.check_tokenizer(ckpt, ": the HF folder must carry its tokenizer")
-        return Inputs(shape=shape, tokenizer_dir=folder, hf_folder=folder,
-                      initial_hf=folder if cfg.init == "pretrained" else None)
-
-    def trainer_config(self, cfg: Config, dev, out_dir: Path, found: Inputs):
-        """The AWS guide's recipe: torchtitan's transformers_modeling_backend_full builder, `hf_model`
-        pointing at the HF folder, the initial weights loaded from its safetensors."""
-        # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
-        from torchtitan.experiments.transformers_modeling_backend import model_registry
-        from torchtitan.experiments.transformers_modeling_backend.config_registry import (
-            transformers_modeling_backend_full)
-
-        from common import torchtitan_fixes
-
-        tc = transformers_modeling_backend_full()
-        tc.hf_model = str(found.hf_folder)  # a local folder: the architecture comes from its config.json
-        # "sft_full" is "full" (every size from config.json) with attn_mask_type="block_causal":
-        # packed documents do not attend to each other, as in torchtitan's own Qwen3.
-        tc.model_spec = model_registry("sft_full")
-        tc.debug.print_config = False  # the builder prints the whole config; [config] has ours
-        notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
-        hf_fixes.fit_decay_to_steps(tc.lr_scheduler, cfg.steps)  # the builder's decay ratio, fitted to a short run
-        if cfg.attn_backend == "sdpa":
-            hf_fixes.route_attention_to_sdpa(tc.model_spec, cfg.document_mask)
-            masked = torchtitan_fixes.document_masking(cfg.document_mask, dev.device_type)
-            notes.append("attention -> HF SDPA, " + ("a packed-document mask" if masked else
-                                                     "causal (documents not masked)"))
-        return tc, notes
-
-    def model_shape(self, cfg: Config, tc, found: Inputs) -> dict:
-        """The folder's config.json: transformers builds the model from it."""
-        return found.shape
-
-    def built_config(self, cfg: Config, trainer, found: Inputs):
-        """The model's config as transformers built it."""
-        return trainer.model_parts[0].model.config
-
-    def export_config(self, cfg: Config, tc, found: Inputs, dtype: str) -> dict:
-        return hf_fixes.export_config(found.shape, dtype=dtype)
-
-    def after_build(self, cfg: Config, trainer, tc, found: Inputs, log) -> dict:
-        """The backend's rotary buffers recomputed and checked, and the tied embeddings checked, before step 1."""
-        model = trainer.model_parts[0]  # HFTransformerModel: `model.model` is the transformers model
-        was_wrong = hf_fixes.recompute_rotary_buffers(model)
-        n_checked = hf_fixes.check_rotary_buffers(model)
-        tied = bool(found.shape.get("tie_word_embeddings", False))
-        hf_fixes.check_embeddings_tied(model, tied)
-        # The values the meta-device build left are memory garbage: named in results.json, counted here.
-        recomputed = f" (recomputed {len(was_wrong)}: the meta-device build leaves them unset)" if was_wrong else ""
-        log(f"[hf] {type(model.model).__name__}: {n_checked} rotary buffers match config.json{recomputed}; "
-            f"embeddings tied: {tied}")
-        return {"init": cfg.init, "model": type(model.model).__name__, "rotary_buffers_recomputed": was_wrong,
-                "embeddings_tied": tied}
-
-    def after_train(self, cfg: Config, trainer, found: Inputs) -> dict:
-        hf_fixes.check_rotary_buffers(trainer.model_parts[0])  # still right after training
-        hf_fixes.check_embeddings_tied(trainer.model_parts[0], bool(found.shape.get("tie_word_embeddings", False)))
-        return {}
-
-    def dry_run_inputs(self, cfg: Config, out_dir: Path) -> Inputs:
-        """Only config.json: the downloaded one, or the published one embedded above."""
-        ckpt = Path(cfg.hf_checkpoint)
-        if (ckpt / "config.json").is_file():
-            shape = checkpoint.read_hf_config(ckpt)
-        elif cfg.preset in PUBLISHED_CONFIG:
-            shape, ckpt = PUBLISHED_CONFIG[cfg.preset], out_dir / "dry_run_config"
-            ckpt.mkdir(exist_ok=True)
-            atomic_write_text(ckpt / "config.json", json.dumps(shape, indent=2))
-        else:
-            raise UserError(f"no config.json in {ckpt}")
-        return Inputs(hf_folder=ckpt.resolve(), shape=shape)
-
-    def describe(self, cfg: Config, shape: dict) -> tuple[str, float | None]:
-        return f"{cfg.preset} ({shape['architectures'][0]}, Transformers backend)", PUBLISHED_PARAMS.get(cfg.preset)
+def check_inputs(cfg: Config) -> Inputs:
+    """The HF folder: pretrained, every file checked (config, architecture, keys, shapes, finite values); random,
+    its config.json and architecture; its tokenizer either way."""
+    ckpt = Path(cfg.hf_checkpoint)
+    if cfg.preset in HF_MODEL_ID and not ckpt.exists():
+        raise UserError(f"{ckpt} does not exist: download {HF_MODEL_ID[cfg.preset]} there first")
+    if ckpt.resolve().is_relative_to(paths.CACHE_DIR.resolve()) and not ckpt.exists():
+        raise UserError(f"{ckpt} does not exist: prepare the assets first (`make setup`)")
+    if cfg.init == "pretrained":
+        shape = checkpoint.validate_hf_checkpoint(ckpt, hf_fixes.ARCHITECTURES)
+    else:
+        shape = checkpoint.read_hf_config(ckpt)
+        checkpoint.require_architecture(shape, hf_fixes.ARCHITECTURES, ckpt)
+    folder = checkpoint.check_tokenizer(ckpt, ": the HF folder must carry its tokenizer")
+    return Inputs(shape=shape, tokenizer_dir=folder, hf_folder=folder,
+                  initial_hf=folder if cfg.init == "pretrained" else None)
 
 
-RECIPE = HFBackend()
+def trainer_config(cfg: Config, dev, out_dir: Path, found: Inputs):
+    """The AWS guide's recipe: torchtitan's transformers_modeling_backend_full builder, `hf_model`
+    pointing at the HF folder, the initial weights loaded from its safetensors."""
+    # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
+    from torchtitan.experiments.transformers_modeling_backend import model_registry
+    from torchtitan.experiments.transformers_modeling_backend.config_registry import (
+        transformers_modeling_backend_full)
+
+    from common import torchtitan_fixes
+
+    tc = transformers_modeling_backend_full()
+    tc.hf_model = str(found.hf_folder)  # a local folder: the architecture comes from its config.json
+    # "sft_full" is "full" (every size from config.json) with attn_mask_type="block_causal":
+    # packed documents do not attend to each other, as in torchtitan's own Qwen3.
+    tc.model_spec = model_registry("sft_full")
+    tc.debug.print_config = False  # the builder prints the whole config; [config] has ours
+    notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
+    hf_fixes.fit_decay_to_steps(tc.lr_scheduler, cfg.steps)  # the builder's decay ratio, fitted to a short run
+    if cfg.attn_backend == "sdpa":
+        hf_fixes.route_attention_to_sdpa(tc.model_spec, cfg.document_mask)
+        masked = torchtitan_fixes.document_masking(cfg.document_mask, dev.device_type)
+        notes.append("attention -> HF SDPA, " + ("a packed-document mask" if masked else
+                                                 "causal (documents not masked)"))
+    return tc, notes
+
+
+def model_shape(cfg: Config, tc, found: Inputs) -> dict:
+    """The folder's config.json: transformers builds the model from it."""
+    return found.shape
+
+
+def built_config(cfg: Config, trainer, found: Inputs):
+    """The model's config as transformers built it."""
+    return trainer.model_parts[0].model.config
+
+
+def export_config(cfg: Config, tc, found: Inputs, dtype: str) -> dict:
+    return hf_fixes.export_config(found.shape, dtype=dtype)
+
+
+def after_build(cfg: Config, trainer, tc, found: Inputs, log) -> dict:
+    """The backend's rotary buffers recomputed and checked, and the tied embeddings checked, before step 1."""
+    model = trainer.model_parts[0]  # HFTransformerModel: `model.model` is the transformers model
+    was_wrong = hf_fixes.recompute_rotary_buffers(model)
+    n_checked = hf_fixes.check_rotary_buffers(model)
+    tied = bool(found.shape.get("tie_word_embeddings", False))
+    hf_fixes.check_embeddings_tied(model, tied)
+    # The values the meta-device build left are memory garbage: named in results.json, counted here.
+    recomputed = f" (recomputed {len(was_wrong)}: the meta-device build leaves them unset)" if was_wrong else ""
+    log(f"[hf] {type(model.model).__name__}: {n_checked} rotary buffers match config.json{recomputed}; "
+        f"embeddings tied: {tied}")
+    return {"init": cfg.init, "model": type(model.model).__name__, "rotary_buffers_recomputed": was_wrong,
+            "embeddings_tied": tied}
+
+
+def after_train(cfg: Config, trainer, found: Inputs) -> dict:
+    hf_fixes.check_rotary_buffers(trainer.model_parts[0])  # still right after training
+    hf_fixes.check_embeddings_tied(trainer.model_parts[0], bool(found.shape.get("tie_word_embeddings", False)))
+    return {}
+
+
+def dry_run_inputs(cfg: Config, out_dir: Path) -> Inputs:
+    """Only config.json: the downloaded one, or the published one embedded above."""
+    ckpt = Path(cfg.hf_checkpoint)
+    if (ckpt / "config.json").is_file():
+        shape = checkpoint.read_hf_config(ckpt)
+    elif cfg.preset in PUBLISHED_CONFIG:
+        shape, ckpt = PUBLISHED_CONFIG[cfg.preset], out_dir / "dry_run_config"
+        ckpt.mkdir(exist_ok=True)
+        atomic_write_text(ckpt / "config.json", json.dumps(shape, indent=2))
+    else:
+        raise UserError(f"no config.json in {ckpt}")
+    return Inputs(hf_folder=ckpt.resolve(), shape=shape)
+
+
+def describe(cfg: Config, shape: dict) -> tuple[str, float | None]:
+    return f"{cfg.preset} ({shape['architectures'][0]}, Transformers backend)", PUBLISHED_PARAMS.get(cfg.preset)
+
+
+# An HF model folder trained through torchtitan's Transformers backend: its forward takes position_ids; it asserts
+# seq_len % (TP x 2 x its context-parallel degree, 1); it replaces transformers' init functions (checks that read the
+# HF folder with transformers run in a process of their own).
+RECIPE = Recipe("train_hf_backend.py", __doc__, Config, PRESETS, check_inputs, trainer_config,
+                model_shape=model_shape, export_config=export_config, built_config=built_config,
+                after_build=after_build, after_train=after_train, describe=describe, dry_run_inputs=dry_run_inputs,
+                stack="hf", pass_positions=True, seq_divisor=2, patches_transformers=True)
 
 if __name__ == "__main__":
-    if importlib.util.find_spec("common.harness"):  # copied with common/harness/: the guarded run
-        from common.harness.lifecycle import run
-    else:  # copied with the core alone: it trains and exports, without the guards
-        run = run_core
     sys.exit(run(RECIPE))

@@ -6,6 +6,8 @@
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
 #   common/harness/ (the whole folder)
+# With the core alone, the entry is the core's: change the `run` import below to
+#   from common.recipe import run_core as run
 """Train a reduced Qwen3-30B-A3B whose MoE blocks, attention and RoPE are kernel-backed replacements.
 
 The third path of the AWS guide: Qwen3-30B-A3B cut to 4 layers and 64 experts (top_k 4) so
@@ -41,7 +43,6 @@ With --stock --expert_dtype bfloat16 on both sides, the first 3 losses agree wit
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examp
 
 from common import checkpoint, cli, device, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
-from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
+from common.harness.lifecycle import run  # noqa: E402  the guarded run (the core alone: see the header)
+from common.recipe import Inputs, Recipe, TrainConfig, apply_settings  # noqa: E402
 
 
 # Qwen3-30B-A3B as published (config.json of Qwen/Qwen3-30B-A3B): the shape every preset cuts from.
@@ -152,96 +154,92 @@ def replacement_imports(cfg: Config, dev) -> list:
     return imports
 
 
-class MoENKI(Recipe):
-    """A reduced Qwen3-30B-A3B on torchtitan's qwen3_30b_a3b builder, its modules replaced by kernel-backed ones."""
-    name, config, presets, doc = "train_moe_nki.py", Config, PRESETS, __doc__
-    stack = "moe"  # the preflight's set of torchtitan symbols (common/harness/preflight.py)
 
-    def check_inputs(self, cfg: Config) -> Inputs:
-        """The tokenizer, the HF checkpoint to start from, and on Trainium the kernels' shape rules: seconds, before
-        any runtime starts."""
-        shape = model_shape(cfg)
-        if not cfg.stock and device.resolve_device_type(cfg.device) == "neuron":
-            import torch
-            from common.kernels import moe_nki
-
-            moe_nki.check_training_shapes(seq_len=cfg.seq_len, head_dim=shape["head_dim"], hidden=shape["hidden_size"],
-                                          # tensor parallel: each rank's experts hold a slice of the intermediate size
-                                          inter=shape["moe_intermediate_size"] // cfg.tensor_parallel_degree,
-                                          lnc=cfg.lnc, compute_dtype=getattr(torch, cfg.expert_dtype))
-        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-        found = Inputs(tokenizer_dir=checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint),
-                       shape=shape)
-        if cfg.hf_checkpoint:
-            checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_MOE)
-            found.hf_folder = found.initial_hf = Path(cfg.hf_checkpoint).resolve()
-        return found
-
-    def stack_options(self, cfg: Config) -> dict:
-        """The preflight checks the kernel launch this torch-neuronx needs."""
-        from common.kernels.rope_op import NKI_LAUNCH
-
-        return {"wrap_nki": NKI_LAUNCH == "wrap_nki"}
-
-    def trainer_config(self, cfg: Config, dev, out_dir: Path, found: Inputs):
-        """The AWS guide's recipe: torchtitan's qwen3_30b_a3b builder, the model cut, replacements registered."""
-        from torchtitan.models.common.config_utils import decoder_vocab_size
-        from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
-
-        tc = qwen3_30b_a3b()
-        tc.model_spec = checkpoint.qwen3_spec_from_hf(model_shape(cfg),
-                                                      where=cfg.hf_checkpoint or f"{cfg.preset} preset")
-        for layer in tc.model_spec.model.layers:
-            layer.moe.load_balance_coeff = cfg.load_balance_coeff or None
-        tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
-        tc.override.imports = replacement_imports(cfg, dev)
-        # No expert parallel, eager (the builder's defaults); tensor parallel as --tensor_parallel_degree (--stock).
-        tc.parallelism.expert_parallel_degree = 1
-        return tc, apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
-
-    def model_shape(self, cfg: Config, tc, found: Inputs) -> dict:
-        """The config.json of the model this run trains: the checkpoint's, or the base shape cut."""
-        return model_shape(cfg)
-
-    @staticmethod
-    def replaced_modules(tc) -> list[str]:
-        """FQNs of the modules the registry swapped, read back from the config tree."""
-        from common.kernels.moe_module import OpRoutedExperts
-        from common.kernels.rope_module import NKIRoPE
-        from common.torchtitan_fixes import SDPADocumentAttention
-
-        return sorted(fqn for cls in (SDPADocumentAttention.Config, OpRoutedExperts.Config, NKIRoPE.Config)
-                      for fqn, node, _p, _a in tc.traverse(cls) if type(node) is cls)
-
-    def after_build(self, cfg: Config, trainer, tc, found: Inputs, log) -> dict:
-        replacements = self.replaced_modules(tc)
-        log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
-        return {"model_shape": model_shape(cfg), "replacements": replacements}
-
-    def after_train(self, cfg: Config, trainer, found: Inputs) -> dict:
-        """Tokens per expert (summed over layers and ranks) and the load-balancing bias the HF export leaves out."""
+def check_inputs(cfg: Config) -> Inputs:
+    """The tokenizer, the HF checkpoint to start from, and on Trainium the kernels' shape rules: seconds, before
+    any runtime starts."""
+    shape = model_shape(cfg)
+    if not cfg.stock and device.resolve_device_type(cfg.device) == "neuron":
         import torch
-        from common.kernels import moe_module
+        from common.kernels import moe_nki
 
-        load = torch.tensor(moe_module.expert_load(trainer.model_parts[0]) or [0], dtype=torch.int64)
-        torch.distributed.all_reduce(load)  # every rank routed its own tokens
-        bias = [layer.moe.expert_bias_E for layer in trainer.model_parts[0].layers.values()
-                if getattr(layer.moe, "expert_bias_E", None) is not None]
-        return {"expert_load": load.tolist() if not cfg.stock else None,
-                "routing_bias": {"load_balance_coeff": cfg.load_balance_coeff or None, "exported": False,
-                                 "expert_bias_max_abs": max((float(b.abs().max()) for b in bias), default=0.0)}}
+        moe_nki.check_training_shapes(seq_len=cfg.seq_len, head_dim=shape["head_dim"], hidden=shape["hidden_size"],
+                                      # tensor parallel: each rank's experts hold a slice of the intermediate size
+                                      inter=shape["moe_intermediate_size"] // cfg.tensor_parallel_degree,
+                                      lnc=cfg.lnc, compute_dtype=getattr(torch, cfg.expert_dtype))
+    hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+    found = Inputs(tokenizer_dir=checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint),
+                   shape=shape)
+    if cfg.hf_checkpoint:
+        checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_MOE)
+        found.hf_folder = found.initial_hf = Path(cfg.hf_checkpoint).resolve()
+    return found
 
-    def describe(self, cfg: Config, shape: dict) -> tuple[str, float | None]:
-        """--dry_run's label, and the published size it must match (the full model only)."""
-        return (f"{cfg.preset} ({shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
-                f"top_k {shape['num_experts_per_tok']})", PUBLISHED_PARAMS if shape == QWEN3_30B_A3B else None)
+
+def stack_options(cfg: Config) -> dict:
+    """The preflight checks the kernel launch this torch-neuronx needs."""
+    from common.kernels.rope_op import NKI_LAUNCH
+
+    return {"wrap_nki": NKI_LAUNCH == "wrap_nki"}
 
 
-RECIPE = MoENKI()
+def trainer_config(cfg: Config, dev, out_dir: Path, found: Inputs):
+    """The AWS guide's recipe: torchtitan's qwen3_30b_a3b builder, the model cut, replacements registered."""
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
+
+    tc = qwen3_30b_a3b()
+    tc.model_spec = checkpoint.qwen3_spec_from_hf(model_shape(cfg),
+                                                  where=cfg.hf_checkpoint or f"{cfg.preset} preset")
+    for layer in tc.model_spec.model.layers:
+        layer.moe.load_balance_coeff = cfg.load_balance_coeff or None
+    tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
+    tc.override.imports = replacement_imports(cfg, dev)
+    # No expert parallel, eager (the builder's defaults); tensor parallel as --tensor_parallel_degree (--stock).
+    tc.parallelism.expert_parallel_degree = 1
+    return tc, apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
+
+
+def replaced_modules(tc) -> list[str]:
+    """FQNs of the modules the registry swapped, read back from the config tree."""
+    from common.kernels.moe_module import OpRoutedExperts
+    from common.kernels.rope_module import NKIRoPE
+    from common.torchtitan_fixes import SDPADocumentAttention
+
+    return sorted(fqn for cls in (SDPADocumentAttention.Config, OpRoutedExperts.Config, NKIRoPE.Config)
+                  for fqn, node, _p, _a in tc.traverse(cls) if type(node) is cls)
+
+
+def after_build(cfg: Config, trainer, tc, found: Inputs, log) -> dict:
+    replacements = replaced_modules(tc)
+    log(f"[replacements] {len(replacements)} modules: " + ", ".join(replacements))
+    return {"model_shape": model_shape(cfg), "replacements": replacements}
+
+
+def after_train(cfg: Config, trainer, found: Inputs) -> dict:
+    """Tokens per expert (summed over layers and ranks) and the load-balancing bias the HF export leaves out."""
+    import torch
+    from common.kernels import moe_module
+
+    load = torch.tensor(moe_module.expert_load(trainer.model_parts[0]) or [0], dtype=torch.int64)
+    torch.distributed.all_reduce(load)  # every rank routed its own tokens
+    bias = [layer.moe.expert_bias_E for layer in trainer.model_parts[0].layers.values()
+            if getattr(layer.moe, "expert_bias_E", None) is not None]
+    return {"expert_load": load.tolist() if not cfg.stock else None,
+            "routing_bias": {"load_balance_coeff": cfg.load_balance_coeff or None, "exported": False,
+                             "expert_bias_max_abs": max((float(b.abs().max()) for b in bias), default=0.0)}}
+
+
+def describe(cfg: Config, shape: dict) -> tuple[str, float | None]:
+    """--dry_run's label, and the published size it must match (the full model only)."""
+    return (f"{cfg.preset} ({shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
+            f"top_k {shape['num_experts_per_tok']})", PUBLISHED_PARAMS if shape == QWEN3_30B_A3B else None)
+
+
+# A reduced Qwen3-30B-A3B on torchtitan's qwen3_30b_a3b builder, its modules replaced by kernel-backed ones.
+RECIPE = Recipe("train_moe_nki.py", __doc__, Config, PRESETS, check_inputs, trainer_config,
+                model_shape=lambda cfg, tc, found: model_shape(cfg), after_build=after_build, after_train=after_train,
+                describe=describe, stack="moe", stack_options=stack_options)
 
 if __name__ == "__main__":
-    if importlib.util.find_spec("common.harness"):  # copied with common/harness/: the guarded run
-        from common.harness.lifecycle import run
-    else:  # copied with the core alone: it trains and exports, without the guards
-        run = run_core
     sys.exit(run(RECIPE))

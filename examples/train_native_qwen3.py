@@ -5,6 +5,8 @@
 # and the harness, for the guards (preflight, out_dir lock, resume, stop signals, self-launch, dry run, pilot
 # report, held-out eval, the export verifier):
 #   common/harness/ (the whole folder)
+# With the core alone, the entry is the core's: change the `run` import below to
+#   from common.recipe import run_core as run
 """Train torchtitan's own Qwen3, chosen through `config.model_spec`, and export HF safetensors.
 
 The second path of the AWS guide: start from torchtitan's `qwen3_32b` builder (torchtitan
@@ -34,7 +36,6 @@ unexpected keys and max_abs_logit_diff below 1e-5; loss.png plots the losses.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python examp
 
 from common import checkpoint, paths  # noqa: E402
 from common.errors import UserError  # noqa: E402
-from common.recipe import Inputs, Recipe, TrainConfig, apply_settings, run_core  # noqa: E402
+from common.harness.lifecycle import run  # noqa: E402  the guarded run (the core alone: see the header)
+from common.recipe import Inputs, Recipe, TrainConfig, apply_settings  # noqa: E402
 
 
 @dataclass
@@ -92,62 +94,55 @@ HF_MODEL_ID = {"qwen3_4b": "Qwen/Qwen3-4B-Instruct-2507", "qwen3_8b": "Qwen/Qwen
 PUBLISHED_PARAMS = {"4B": 4.0e9, "8B": 8.2e9}  # Qwen3-4B and Qwen3-8B model cards: 4.0 B and 8.2 B parameters
 
 
-class NativeQwen3(Recipe):
-    """torchtitan's own Qwen3 on its qwen3_32b builder, the model chosen through `model_spec`."""
-    name, config, presets, doc = "train_native_qwen3.py", Config, PRESETS, __doc__
-    stack = "native"  # the preflight's set of torchtitan symbols (common/harness/preflight.py)
-
-    def check_inputs(self, cfg: Config) -> Inputs:
-        """The tokenizer, the HF checkpoint to start from, and the model's shape where a config.json gives it."""
-        hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
-        found = Inputs(tokenizer_dir=checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint))
-        if cfg.hf_checkpoint:
-            found.shape = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
-            found.hf_folder = found.initial_hf = Path(cfg.hf_checkpoint).resolve()
-        elif cfg.flavor == "tiny":  # a torchtitan flavor has no config.json here: --dry_run sizes it
-            found.shape = checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3"))
-        return found
-
-    def trainer_config(self, cfg: Config, dev, out_dir: Path, found: Inputs):
-        """The AWS guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
-        # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
-        from torchtitan.models.qwen3 import model_registry
-        from torchtitan.models.qwen3.config_registry import qwen3_32b
-        from torchtitan.models.common.config_utils import decoder_vocab_size
-        from common import torchtitan_fixes
-
-        tc = qwen3_32b()
-        if cfg.hf_checkpoint or cfg.flavor == "tiny":  # the shape comes from a config.json (tiny: the set-up's
-            where = cfg.hf_checkpoint or paths.asset_dir("tiny_qwen3")  # tiny Qwen3, whose weights are not loaded)
-            shape = found.shape or checkpoint.read_hf_config(where)
-            tc.model_spec = checkpoint.qwen3_spec_from_hf(shape, where=where)
-        else:
-            try:
-                tc.model_spec = model_registry(cfg.flavor)
-            except KeyError:
-                raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
-        tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
-        notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
-        if changed := torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend, cfg.document_mask):
-            path = torchtitan_fixes.attention_path(tc.model_spec.model, dev.device_type)
-            notes.append(f"attention -> {torchtitan_fixes.ATTENTION_PATHS[path]} in {len(changed)} layers")
-        return tc, notes
-
-    def describe(self, cfg: Config, shape: dict) -> tuple[str, float | None]:
-        """--dry_run's label, and the published size it must match."""
-        return f"{cfg.preset} (Qwen3 {cfg.flavor})", None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor)
-
-    def dry_run_inputs(self, cfg: Config, out_dir: Path) -> Inputs:
-        if cfg.hf_checkpoint:
-            return Inputs(shape=checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE))
-        return Inputs()
+def check_inputs(cfg: Config) -> Inputs:
+    """The tokenizer, the HF checkpoint to start from, and the model's shape where a config.json gives it."""
+    hint = f" (download {HF_MODEL_ID[cfg.preset]} there first)" if cfg.preset in HF_MODEL_ID else ""
+    found = Inputs(tokenizer_dir=checkpoint.check_tokenizer(cfg.hf_assets or paths.asset_dir("tokenizer"), hint))
+    if cfg.hf_checkpoint:
+        found.shape = checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
+        found.hf_folder = found.initial_hf = Path(cfg.hf_checkpoint).resolve()
+    elif cfg.flavor == "tiny":  # a torchtitan flavor has no config.json here: --dry_run sizes it
+        found.shape = checkpoint.read_hf_config(paths.asset_dir("tiny_qwen3"))
+    return found
 
 
-RECIPE = NativeQwen3()
+def trainer_config(cfg: Config, dev, out_dir: Path, found: Inputs):
+    """The AWS guide's recipe: torchtitan's qwen3_32b builder, then the model spec swapped."""
+    # torchtitan imports stay inside functions: device.setup() must run before torchtitan loads.
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_32b
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from common import torchtitan_fixes
+
+    tc = qwen3_32b()
+    if cfg.hf_checkpoint or cfg.flavor == "tiny":  # the shape comes from a config.json (tiny: the set-up's
+        where = cfg.hf_checkpoint or paths.asset_dir("tiny_qwen3")  # tiny Qwen3, whose weights are not loaded)
+        tc.model_spec = checkpoint.qwen3_spec_from_hf(found.shape or checkpoint.read_hf_config(where), where=where)
+    else:
+        try:
+            tc.model_spec = model_registry(cfg.flavor)
+        except KeyError:
+            raise UserError(f"unknown Qwen3 flavor {cfg.flavor!r}") from None
+    tc.loss.loss_fn.global_vocab_size = decoder_vocab_size(tc.model_spec)
+    notes = apply_settings(tc, cfg, dev, out_dir, found)  # files, data, batch, AdamW, checkpointer, fixes
+    if changed := torchtitan_fixes.use_attention_backend(tc.model_spec.model, cfg.attn_backend, cfg.document_mask):
+        path = torchtitan_fixes.attention_path(tc.model_spec.model, dev.device_type)
+        notes.append(f"attention -> {torchtitan_fixes.ATTENTION_PATHS[path]} in {len(changed)} layers")
+    return tc, notes
+
+
+def describe(cfg: Config, shape: dict) -> tuple[str, float | None]:
+    """--dry_run's label, and the published size it must match."""
+    return f"{cfg.preset} (Qwen3 {cfg.flavor})", None if cfg.hf_checkpoint else PUBLISHED_PARAMS.get(cfg.flavor)
+
+
+def dry_run_inputs(cfg: Config, out_dir: Path) -> Inputs:
+    return Inputs(shape=checkpoint.validate_hf_checkpoint(cfg.hf_checkpoint, checkpoint.QWEN3_DENSE)
+                  if cfg.hf_checkpoint else None)
+
+
+RECIPE = Recipe("train_native_qwen3.py", __doc__, Config, PRESETS, check_inputs, trainer_config,
+                describe=describe, dry_run_inputs=dry_run_inputs, stack="native")
 
 if __name__ == "__main__":
-    if importlib.util.find_spec("common.harness"):  # copied with common/harness/: the guarded run
-        from common.harness.lifecycle import run
-    else:  # copied with the core alone: it trains and exports, without the guards
-        run = run_core
     sys.exit(run(RECIPE))

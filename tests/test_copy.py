@@ -64,7 +64,16 @@ def copy_example(name: str, dest, core_only: bool = False):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, target)
     assert not core_only or not (dest / "common" / "harness").exists()
-    return dest / "examples" / name
+    script = dest / "examples" / name
+    if core_only and GUARDED_ENTRY in script.read_text():  # the one line the header says to change
+        header = script.read_text().split('"""')[0]
+        assert f"#   {CORE_ENTRY}" in header, f"{name}'s header does not say which entry line the core alone takes"
+        script.write_text(script.read_text().replace(GUARDED_ENTRY, CORE_ENTRY, 1))
+    return script
+
+
+GUARDED_ENTRY = "from common.harness.lifecycle import run"  # a training example's entry: the guarded run
+CORE_ENTRY = "from common.recipe import run_core as run"  # the core alone's, as the header says
 
 
 def run_copy(cmd: list[str], project) -> subprocess.CompletedProcess:

@@ -29,7 +29,7 @@ def _scripts() -> list[str]:
     training Recipe that the harness runs through it): a new script is in the table without being listed here."""
     return [f"{folder}/{path.name}" for folder in ("examples", "bench")
             for path in sorted((ROOT / folder).glob("*.py"))
-            if "cli.run_cli(" in path.read_text() or "(Recipe):" in path.read_text()]
+            if "cli.run_cli(" in path.read_text() or "RECIPE = Recipe(" in path.read_text()]
 
 
 SCRIPTS = _scripts()

@@ -137,7 +137,7 @@ def preset_config(script: str, preset: str):
     recipe = module.RECIPE
     cfg = lifecycle.parse(recipe, ["--preset", preset])
     with tempfile.TemporaryDirectory() as out:
-        found = recipe.dry_run_inputs(cfg, Path(out)) if hasattr(recipe, "dry_run_inputs") else Inputs()
+        found = recipe.dry_run_inputs(cfg, Path(out)) if recipe.dry_run_inputs else Inputs()
         target = device.DeviceInfo(torch.device("meta"), cfg.device, "fake", 0, 0, cfg.guards.dry_run_ranks)
         with contextlib.redirect_stdout(io.StringIO()):
             tc, _notes = recipe.trainer_config(cfg, target, Path(out), found)

@@ -201,8 +201,8 @@ def preflight(recipe: Recipe, cfg, host_checked: bool = False) -> Inputs:
     `host_checked` (a worker of the scripts' own launch, whose launcher ran these checks on this host just before),
     only what the worker needs: its inputs."""
     if wants_neuron(cfg.device) and not host_checked:  # the installed Neuron stack is the one these calls need
-        options = recipe.stack_options(cfg) if hasattr(recipe, "stack_options") else {}
-        require_stack("trn2", getattr(recipe, "stack", "native"), **options)
+        options = recipe.stack_options(cfg) if recipe.stack_options else {}
+        require_stack("trn2", recipe.stack, **options)
     found = inputs(recipe, cfg)
     check_layout(found.shape, tp=cfg.tensor_parallel_degree, seq_len=cfg.seq_len,
                  world_size=launcher.planned_world_size(cfg), global_batch=cfg.global_batch_size,
@@ -228,7 +228,7 @@ def published_parameters(recipe: Recipe, cfg) -> float | None:
     """The published parameter count of a preset whose shape has no config.json here (a torchtitan flavor: its
     model card's figure, `describe`), for the disk check; None where there is none."""
     try:
-        return recipe.describe(cfg, {})[1] if hasattr(recipe, "describe") else None
+        return recipe.describe(cfg, {})[1] if recipe.describe else None
     except (KeyError, TypeError):
         return None
 
@@ -652,13 +652,13 @@ def planned_save_s(shape: dict, cfg) -> float | None:
 def dry_run(recipe: Recipe, cfg, out_dir: Path, ranks: int | None = None) -> dict:
     """Size the preset at --dry_run_ranks ranks on this machine (common/harness/dryrun.py); no training. With
     `ranks`: the plan alone for that many (a training run's planned memory), nothing written."""
-    found = recipe.dry_run_inputs(cfg, out_dir) if hasattr(recipe, "dry_run_inputs") else Inputs()
+    found = recipe.dry_run_inputs(cfg, out_dir) if recipe.dry_run_inputs else Inputs()
     tc = planned_config(recipe, cfg, out_dir, found, ranks or cfg.guards.dry_run_ranks)
     shape = recipe.model_shape(cfg, tc, found)
     check_layout(shape, tp=tc.parallelism.tensor_parallel_degree, seq_len=tc.training.seq_len,
                  world_size=ranks or cfg.guards.dry_run_ranks, global_batch=tc.training.global_batch_size,
                  local_batch=tc.training.local_batch_size, seq_divisor=recipe.seq_divisor)
-    label, published = recipe.describe(cfg, shape) if hasattr(recipe, "describe") else (cfg.preset, None)
+    label, published = recipe.describe(cfg, shape) if recipe.describe else (cfg.preset, None)
     planned_for = device.resolve_device_type(cfg.device) if ranks else cfg.device if cfg.device != "auto" else "neuron"
     r = dryrun.dry_run(tc, shape=shape, world_size=ranks or cfg.guards.dry_run_ranks,
                        per_core_gib=cfg.guards.per_core_gib,
