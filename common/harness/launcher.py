@@ -345,7 +345,7 @@ def node_settings(record: dict) -> dict:
 # The Neuron OS packages a multi-node run's collectives depend on (the runtime, collectives and driver AWS's update
 # page installs: apt `aws-neuronx-dkms`, `aws-neuronx-runtime-lib`, `aws-neuronx-collectives`, the same names for dnf;
 # aws-neuron-sdk@81ce03a:setup/pytorch/update-dlami.rst:149-151,171-173). Neuron 2.33.1 changed only these three.
-NEURON_OS_PACKAGES = tuple(NEURON_SYSTEM)  # the names the preflight holds to 2.33.1's versions
+NEURON_OS_PACKAGES = tuple(NEURON_SYSTEM)  # their names (the preflight holds them to the found stack's versions)
 
 
 def node_stack() -> dict[str, str | None]:
