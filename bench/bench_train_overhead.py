@@ -36,6 +36,16 @@ measured peak.
     python bench/bench_train_overhead.py --out_dir runs/bench/train_overhead                 # all three scripts
     python bench/bench_train_overhead.py --preset tiny --out_dir runs/bench/train_tiny       # tests: 3 short steps
 
+Compiled (`--compiled`, backend `--compile_backend`, inductor by default): each script's ours and stock also run with
+`--compile` (torchtitan's compile of each block and the loss), alternating with the eager ones, all sharing one
+inductor cache (the first compiled process compiles it; step 1 is not in the step time): `ours_over_stock_compiled`,
+`ours_compiled_over_eager`. Then two more of ours compiled, each a new host with an empty inductor cache of its own,
+sharing one `--compile_cache` folder: the first compiles cold and pushes what it compiled, the second pulls it before
+step 1 (`cold_first_step_s` / `pulled_first_step_s`, the compile audit's `cold_compile_s` / `pulled_compile_s`,
+`pulled_entries`).
+
+    python bench/bench_train_overhead.py --compiled --out_dir runs/bench/train_compiled   # ~25 min on 2 cores
+
 Each process costs about 30 s on a 2-core machine (most of it import and set-up): one script
 (2 kinds x 2 repeats x 6 steps) takes about 2 minutes, the default (all three) about 6; more
 repeats (`--repeats 3`, `--steps 8`) narrow the spread.
@@ -43,6 +53,7 @@ results.json: `rows` (one per script, with `ours_over_stock`), `peak_flops`, `co
 """
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from dataclasses import dataclass, field, replace
@@ -67,6 +78,12 @@ class Config(cb.TrainingBench):
     scripts: str = field(default="native,hf,moe", metadata={"help": "comma-separated: native, hf, moe"})
     extra_args: str = field(default="",
                             metadata={"help": "flags added to every training command (e.g. '--seq_len 64')"})
+    compiled: bool = field(default=False, metadata={
+        "help": "also each script compiled (--compile, ours and stock, alternating with the eager runs), and its "
+                "first step cold against a new host's (an empty local cache) after a pull from a shared one "
+                "(--compile_cache)"})
+    compile_backend: str = field(default="inductor", metadata={
+        "help": "with --compiled: torch.compile's backend (inductor generates code; aot_eager only traces)"})
 
 
 def default() -> Config:
@@ -97,6 +114,10 @@ def main(cfg: Config) -> dict:
         runs = {"ours": cb.TrainingRun("ours", SCRIPTS[name], args),
                 "stock": cb.TrainingRun("stock", SCRIPTS[name], [*args, *STOCK_ARGS.get(name, [])],
                                         launcher_flags=STOCK_LAUNCHER_FLAGS.get(name, ()))}
+        compile_args = ["--compile", "--compile_backend", cfg.compile_backend]
+        if cfg.compiled:  # the same two, compiled: one inductor cache for the bench (warm after the first process)
+            runs.update({f"{k}_compiled": r._replace(args=[*r.args, *compile_args], env={
+                "TORCHINDUCTOR_CACHE_DIR": str(out_dir / name / "inductor")}) for k, r in list(runs.items())})
         print(f"[bench] {SCRIPTS[name]}: ours vs torchtitan.train.main, {cfg.repeats} repeat(s)", flush=True)
         stats = cb.alternate_training(runs, repeats=cfg.repeats, threads=cfg.threads, out_dir=out_dir / name)
         raw[name] = stats
@@ -122,6 +143,8 @@ def main(cfg: Config) -> dict:
                      "stock_process_s": s["stock"]["process_wall_s"]["median"],
                      "first_losses": {"ours": s["ours"]["first_losses"], "stock": s["stock"]["first_losses"]},
                      "summary": s})
+        if cfg.compiled:
+            rows[-1].update(compiled_row(s, name, SCRIPTS[name], [*args, *compile_args], cfg, out_dir / name))
     matmul.append(cb.measured_matmul_flops())
     peak_measured = statistics.median(matmul)
     for r in rows:
@@ -141,6 +164,15 @@ def main(cfg: Config) -> dict:
                                    ("ours_to_first_step_s", "ours to step 1 s", ".1f"),
                                    ("stock_to_first_step_s", "stock to step 1 s", ".1f"),
                                    ("ours_over_stock_to_first_step", "ours / stock to step 1", ".2f")])
+    if cfg.compiled:
+        table += "\n\n" + cb.format_table(rows, [
+            ("script", "script", ""), ("ours_compiled_step_ms", "ours compiled ms/step", ".0f"),
+            ("stock_compiled_step_ms", "stock compiled ms/step", ".0f"),
+            ("ours_over_stock_compiled", "ours / stock compiled", ".3f"),
+            ("ours_compiled_over_eager", "ours compiled / eager", ".3f"),
+            ("cold_first_step_s", "step 1 cold s", ".1f"), ("pulled_first_step_s", "step 1 after a pull s", ".1f"),
+            ("cold_compile_s", "compiling cold s", ".1f"), ("pulled_compile_s", "compiling after a pull s", ".1f"),
+            ("pulled_entries", "entries pulled", "d")])
     table += (f"\n{threads} thread(s) per process; peak: measured float32 matmul {peak_measured / 1e9:.1f} GFLOP/s "
               f"(median of {len(matmul)}); nominal {nominal['flops'] / 1e9:.1f} GFLOP/s = {nominal['how']}")
     for r in rows:
@@ -161,6 +193,30 @@ def main(cfg: Config) -> dict:
                "rows": rows}
     cb.write(out_dir, "train_overhead", results, table)
     return results
+
+
+def compiled_row(s: dict, name: str, script: str, args: list[str], cfg: Config, out_dir: Path) -> dict:
+    """The compiled runs' figures of one script; then two more processes of ours compiled, each a new host (its own
+    empty inductor cache) sharing one --compile_cache folder: the first compiles cold and pushes, the second pulls
+    what the first compiled before its step 1."""
+    row = {"ours_compiled_step_ms": s["ours_compiled"]["step_s"]["median"] * 1e3,
+           "stock_compiled_step_ms": s["stock_compiled"]["step_s"]["median"] * 1e3,
+           "ours_over_stock_compiled": cb.ratio(s["ours_compiled"]["step_s"]["median"],
+                                                s["stock_compiled"]["step_s"]["median"]),
+           "ours_compiled_over_eager": cb.ratio(s["ours_compiled"]["step_s"]["median"], s["ours"]["step_s"]["median"])}
+    shared = (out_dir / "shared_cache").resolve()
+    shared.mkdir(parents=True, exist_ok=True)
+    for host in ("cold", "pulled"):
+        run_dir = out_dir / "runs" / f"{host}_host"
+        record = cb.run_training("ours", script, [*args, "--compile_cache", shared.as_uri(), "--out_dir", str(run_dir)],
+                                 out_dir / "timings" / f"{host}_host.json", threads=cfg.threads,
+                                 log_dir=out_dir / "logs",
+                                 env={"TORCHINDUCTOR_CACHE_DIR": str(out_dir / f"inductor_{host}_host")})
+        results = json.loads((run_dir / "results.json").read_text())
+        row.update({f"{host}_first_step_s": record["to_first_step_s"],
+                    f"{host}_compile_s": results["compile"]["compile_s"],
+                    f"{host}_entries": results["compile_cache_shared"]["pulled"]})
+    return row
 
 
 if __name__ == "__main__":

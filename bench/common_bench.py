@@ -195,11 +195,12 @@ class TrainingRun(NamedTuple):
     args: list[str]
     nproc: int = 1
     launcher_flags: tuple[str, ...] = ()
+    env: dict | None = None  # variables set for this kind's processes (TORCHINDUCTOR_CACHE_DIR, say)
 
 
 def run_training(mode: str, script: str, args: list[str], timing_file: Path, *, nproc: int = 1,
                  threads: int = 0, timeout: int = 1800, log_dir: Path | None = None,
-                 launcher_flags: tuple[str, ...] = ()) -> dict:
+                 launcher_flags: tuple[str, ...] = (), env: dict | None = None) -> dict:
     """One training process (or `nproc` under torchrun) through bench/timed_train.py; returns the
     per-step timing record it wrote. `mode`: 'ours' (the example's own CLI) or 'stock' (torchtitan's
     entry point on the Trainer.Config the example builds); `launcher_flags`: timed_train.py's own."""
@@ -212,7 +213,7 @@ def run_training(mode: str, script: str, args: list[str], timing_file: Path, *, 
                "--local-ranks-filter=0", *inner]
     timing_file.unlink(missing_ok=True)
     t0, started = time.perf_counter(), time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=training_env(threads), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env={**training_env(threads), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     wall = time.perf_counter() - t0
     if log_dir is not None:
@@ -259,7 +260,7 @@ def alternate_training(runs: dict[str, tuple], *, repeats: int, out_dir: Path, t
             tag = f"{name}.{counter[name]}"
             record = run_training(run.mode, run.script, [*run.args, "--out_dir", str(out_dir / "runs" / tag)],
                                   out_dir / "timings" / f"{tag}.json", nproc=run.nproc, threads=threads,
-                                  log_dir=out_dir / "logs", launcher_flags=tuple(run.launcher_flags))
+                                  log_dir=out_dir / "logs", launcher_flags=tuple(run.launcher_flags), env=run.env)
             s = step_stats(record)
             s["process_wall_s"], s["to_first_step_s"] = record["process_wall_s"], record["to_first_step_s"]
             stats[name].append(s)
