@@ -4,7 +4,7 @@
 #   examples/compat_check/__init__.py examples/compat_check/rows.py examples/compat_check/sizing.py
 #   examples/compat_check/judge.py examples/compat_check/measure.py examples/compat_check/processes.py
 #   examples/compat_check/training.py examples/compat_check/compile_audit.py
-# and, for the subcommands `lookup` and `rankings`:
+# and, for the subcommands `lookup` and `rankings` (and --compile_cache: common/harness/compile_cache.py):
 #   examples/compat_check/subcommands.py examples/compat_check/lookup.py examples/compat_check/page.py
 #   examples/compat_check/rankings.py
 #   common/harness/__init__.py common/harness/compile_cache.py
@@ -42,7 +42,11 @@ training subprocess also die with the check if it is SIGKILLed (PR_SET_PDEATHSIG
 --compile_audit every row) carries a compile audit: the same generation under Dynamo with a backend that only counts
 (seconds on CPU) gives the graphs the compiler gets (neuronx-cc on Trainium, minutes each), the recompiles after the
 first decode step and the graph breaks, each with its reasons; a decode that recompiles per token says what that
-costs on Trainium. docs/compatibility-check.md has the details.
+costs on Trainium. `--compile_cache URL` shares the compiled graphs across hosts (common/harness/compile_cache.py):
+this compiler's graphs pulled from the store before the first model, this host's pushed by the check (not each rank)
+after each compiled row, whose `compile_cache_url` then names the store for lookup's pull command; a store this host
+cannot reach is one `error:` line before any model, a failed push a warning (the row stands, with no URL).
+docs/compatibility-check.md has the details.
 
 This file is the one entry point; its two subcommands live in examples/compat_check/subcommands.py: `lookup` searches
 the rows (ours and files in the public schema), prints a row's run_py or writes the lookup page, and `rankings` writes
@@ -156,6 +160,13 @@ class Config:
     redo: bool = field(default=False, metadata={"help": "run models already recorded for this version stack again"})
     lnc: int = field(default=2, metadata={"help": "Trainium logical NeuronCore size (NEURON_LOGICAL_NC_CONFIG)",
                                           **cli.bounds(1, 2)})
+    compile_cache: str | None = field(default=None, metadata={
+        "help": "a compile cache shared across hosts: a folder on shared storage (FSx, EFS), file:// or an fsspec URL "
+                "(s3://bucket/prefix with s3fs installed). Before the first model the check pulls the graphs this "
+                "compiler made elsewhere into this host's cache (the NEFF cache on Trainium, inductor's elsewhere); "
+                "after each compiled row it pushes the new ones under a key of the compiler's versions, and the row "
+                "records the URL (compile_cache_url, without a user name or password) for lookup's pull command "
+                "(docs/compile.md). Unused with --no_compile and --task train", "metavar": "URL"})
 
     def validate(self) -> None:
         """What the flags' bounds (cli.bounds, checked first by cli.parse_config: every number finite and in its
@@ -233,14 +244,18 @@ def main(cfg: Config) -> dict:
     if cfg.cores and most is not None and cfg.cores > most and cfg.task != "train":
         raise UserError(f"--cores {cfg.cores}: this machine has {most} {dev_type} core(s); give at most {most}, or "
                         "0 for the fewest that hold each model")
+    shared, shown = shared_cache(cfg, dev_type)  # a store this host cannot reach: one line now, before any model
     run_py = Path(__file__).read_text()  # the exact source that runs: stored with every row, never executed
     if cfg.task == "train":  # the training script runs too: keep its source beside this one
         script = training.TRAIN_SCRIPT
         run_py += f"\n# ---- {script.name}, run as a subprocess by --task train ----\n" + script.read_text()
     tasks = ("text-generation", "image-text-to-text") if cfg.task == "auto" else (cfg.task,)
     check_flags_fit(cfg, specs, path, stack, tasks)
-    print(one_line(f"[config] {cli.format_config(cfg)}"), flush=True)  # paths and ids: one printable line
+    print(one_line(f"[config] {cli.format_config(shown)}"), flush=True)  # paths and ids: one printable line
     print(one_line(f"[stack] {json.dumps(stack)} -> {path}"), flush=True)
+    if shared is not None:  # the graphs this compiler made on other hosts: the models compile less here
+        print(one_line(f"[compile cache] {shared.pull()} entries pulled from {shared.summary()['url']} "
+                       f"({shared.key}) into {shared.local_dir}"), flush=True)
 
     judge_cache = []
 
@@ -251,7 +266,7 @@ def main(cfg: Config) -> dict:
             judge_cache.append(judging.EnglishJudge(folder, limits))
         return judge_cache[0]
 
-    summary, results = [], {"script": "generate_compat_check.py", "config": cfg, "versions": versions(),
+    summary, results = [], {"script": "generate_compat_check.py", "config": shown, "versions": versions(),
                             "stack": stack, "files": [str(path)], "models": []}
     bar = tqdm(specs, desc="models", unit="model", file=sys.stdout)
     for spec in bar:
@@ -266,7 +281,7 @@ def main(cfg: Config) -> dict:
         base = {"model_id": spec, "device": dev_type, "task": tasks[0]}
         try:
             row = train_row(cfg, spec, base, out_dir) if cfg.task == "train" else \
-                check_model(cfg, spec, dev_type, judge)
+                check_model(cfg, spec, dev_type, judge, shared)
         except FlagsMisfit:  # the command line's mistake, not the model's: no row; the rows before it stay
             raise
         except Unavailable as e:  # not a compatibility verdict: say why, and try again next time
@@ -360,9 +375,55 @@ def flags_misfit(cfg: Config, spec: str, plan: sizing.Plan) -> FlagsMisfit:
                        "(the fewest cores that hold the weights) or give a count its heads or experts divide")
 
 
+def shared_cache(cfg: Config, dev_type: str):
+    """--compile_cache: (the store of this compiler's key, common/harness/compile_cache.py's SharedCache with this
+    host's compile cache as its local folder, or None where nothing is given or compiled; the config as printed and
+    stored, the URL without a user name or password). A store this host cannot reach is one UserError, before any
+    model runs."""
+    if not cfg.compile_cache:
+        return None, cfg
+    try:
+        from common.harness import compile_cache
+    except ModuleNotFoundError as missing:
+        if not (missing.name or "").startswith("common.harness"):
+            raise
+        raise UserError(f"--compile_cache needs common/harness/__init__.py and compile_cache.py beside common/ "
+                        f"({one_line(str(missing))}): copy them too (this file's header)") from None
+    where = compile_cache.compile_cache_folder(dev_type, compiled=True)
+    shared = compile_cache.SharedCache(cfg.compile_cache, compile_cache.cache_key(dev_type), where["dir"],
+                                       kind=where["kind"])
+    shared.reachable()
+    shown = replace(cfg, compile_cache=compile_cache.shown_url(cfg.compile_cache))
+    if cfg.no_compile or cfg.task == "train":
+        why = "--no_compile" if cfg.no_compile else "--task train (train_hf_backend.py's own --compile_cache shares " \
+            "a training run's graphs)"
+        print(one_line(f"[compile cache] unused with {why}: nothing is pulled or pushed, the rows record none"),
+              flush=True)
+        return None, shown
+    return shared, shown
+
+
+def push_graphs(shared, row: dict) -> None:
+    """After a compiled run: this host's compiled graphs that the shared store lacks pushed under this compiler's key,
+    by the check itself (one process, not each rank), and the row's `compile_cache_url` the store's URL (without a
+    user name or password), from which lookup and the page give its pull command. A push that fails is a warning line
+    on stderr: the row, its result its own, then records no shared compile cache."""
+    start = time.perf_counter()
+    try:
+        pushed = shared.push()
+    except Exception as e:  # noqa: BLE001  the store's UserError, a local file unreadable: never the model's verdict
+        print(one_line(f"[compile cache] warning: {row['model_id']}: the push failed, its row records no shared "
+                       f"compile cache: {e}"), file=sys.stderr, flush=True)
+        return
+    row["compile_cache_url"] = shared.summary()["url"]
+    row["timings"]["compile_cache_push_s"] = time.perf_counter() - start
+    row["notes"] += f"; {pushed} new compile cache entries pushed to {row['compile_cache_url']} ({shared.key})"
+
+
 # ------------------------------------------------------------------------------------------ one model
-def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
-    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py)."""
+def check_model(cfg: Config, spec: str, dev_type: str, judge, shared=None) -> dict:
+    """Everything for one model: task, plan, run, verdicts. Returns the row (without versions and run_py). `shared`:
+    --compile_cache's store (shared_cache), pushed to after a compiled run."""
     folder = resolve_model(spec, with_code=cfg.trust_remote_code)
     task, vision = model_task(cfg, folder)
     row = {"model_id": spec, "device": dev_type, "task": task}
@@ -397,6 +458,8 @@ def check_model(cfg: Config, spec: str, dev_type: str, judge) -> dict:
         row["notes"] += "; " + compile_audit.note(rep["audit"])
     if dev_type == "cpu":
         row["notes"] += "; hbm_peak_gb is the peak resident memory of a process (CPU has no HBM)"
+    if shared is not None and rep["compiled"]:  # the graphs of this run, whatever its verdict
+        push_graphs(shared, row)
     if plan.runner == "single":
         row["cpu_match"] = rep["tokens"] == rep["cpu_tokens"]
         if not row["cpu_match"]:
