@@ -54,7 +54,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from common.errors import UserError, one_line
 from common.results import atomic_path, installed_version
@@ -309,7 +309,10 @@ class SharedCache:
             try:
                 import fsspec
 
-                fs, root = fsspec.core.url_to_fs(self.url)
+                url = self.url  # a file URL's %-escapes are its folder's characters (Path.as_uri writes " " as %20)
+                if url.startswith("file://"):
+                    url = "file://" + unquote(url.removeprefix("file://"))
+                fs, root = fsspec.core.url_to_fs(url)
                 local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
                 if local and not fs.isdir(root):
                     kind = "a file, not a folder" if fs.exists(root) else "no such folder"
