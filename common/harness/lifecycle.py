@@ -306,10 +306,11 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     found = preflight(recipe, cfg, host_checked=launched is not None)
     reference = None
     if not launch and launcher.is_rank_zero() and found.initial_hf and cfg.load_check:
-        # the load check's reference (transformers' logits of the HF folder): for the Transformers backend computed
-        # from here on in a process of its own, beside the rest of the checks, the imports and the build
-        reference = verifier.ReferenceLogits(found.initial_hf, found.tokenizer_dir,
-                                             own_process=recipe.patches_transformers)
+        # the load check's reference (transformers' logits of the HF folder): for the Transformers backend, before it
+        # patches transformers: now, or for a large model in a process of its own beside the imports and the build
+        reference = verifier.ReferenceLogits(
+            found.initial_hf, found.tokenizer_dir, now=recipe.patches_transformers,
+            own_process=recipe.patches_transformers and verifier.ReferenceLogits.large(found.initial_hf))
     if cfg.guards.compile_cache:  # a store this host cannot reach: one line now, not a worker's at the build
         compile_cache.SharedCache(cfg.guards.compile_cache, compile_cache.cache_key(device.resolve_device_type(
             cfg.device)), out_dir / "neff_cache").reachable()

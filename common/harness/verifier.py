@@ -80,17 +80,25 @@ def python_module(module: str, *args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", module, *args], env=env, text=True, preexec_fn=start, **popen)
 
 
+OWN_PROCESS_BYTES = 2 << 30  # above this, a Transformers-backend run's load check reference is a process of its own
+
+
 class ReferenceLogits:
     """The load check's reference: transformers' float32 logits of the HF folder the run starts from, on the
-    reference text. Where the trainer patches transformers (the Transformers backend), in a process of its own
-    (`python -m common.harness.verifier reference`) started beside the run's imports and build, off the path to step
-    1 (it depends on nothing the run builds): `wait` at step 1 waits only for what is left of it. Elsewhere in this
-    process, at `wait` (transformers is imported here for the export check anyway: a second interpreter would cost
-    more than it hides)."""
+    reference text, computed where it costs step 1 least:
+    - where the trainer patches transformers (the Transformers backend) and the folder's weights are large
+      (`own_process`: over OWN_PROCESS_BYTES), in a process of its own (`python -m common.harness.verifier
+      reference`) started beside the run's imports and build (it depends on nothing the run builds): `wait` at step 1
+      waits only for what is left of it;
+    - where the trainer patches transformers and the weights are small (`now`), here, now, before the build patches
+      it: seconds, where a second interpreter's imports beside the build cost several on a small host;
+    - elsewhere in this process, at `wait` (transformers is imported here for the export check anyway)."""
 
-    def __init__(self, hf_dir: Path, tokenizer_dir: Path, own_process: bool = True):
-        self.hf_dir, self.tokenizer_dir, self.proc, self.folder = hf_dir, tokenizer_dir, None, None
-        if own_process:
+    def __init__(self, hf_dir: Path, tokenizer_dir: Path, own_process: bool = True, now: bool = False):
+        self.hf_dir, self.tokenizer_dir, self.proc, self.folder, self.ready = hf_dir, tokenizer_dir, None, None, None
+        if now and not own_process:
+            self.ready = self._compute()
+        elif own_process:
             import tempfile
 
             self.folder = tempfile.TemporaryDirectory(prefix="qwen3-load-reference-")
@@ -105,12 +113,10 @@ class ReferenceLogits:
         from safetensors.torch import load_file
 
         if self.proc is None:
-            try:
-                return reference_tensors(self.hf_dir, self.tokenizer_dir)
-            except UserError:
-                raise
-            except Exception as e:  # noqa: BLE001  as the last line of the process's traceback
-                raise UserError(f"transformers cannot load it: {one_line(f'{type(e).__name__}: {e}')}") from None
+            got = self.ready if self.ready is not None else self._compute()
+            if isinstance(got, UserError):
+                raise got
+            return got
         try:
             _, stderr = self.proc.communicate()
         except BaseException:
@@ -124,6 +130,21 @@ class ReferenceLogits:
         tensors = load_file(str(self.out))
         self.folder.cleanup()
         return tensors
+
+    def _compute(self) -> dict | UserError:
+        """reference_tensors in this process; the UserError of a folder transformers cannot load, kept for `wait`."""
+        try:
+            return reference_tensors(self.hf_dir, self.tokenizer_dir)
+        except UserError as e:
+            return e
+        except Exception as e:  # noqa: BLE001  as the last line of the process's traceback
+            return UserError(f"transformers cannot load it: {one_line(f'{type(e).__name__}: {e}')}")
+
+    @staticmethod
+    def large(hf_dir: Path) -> bool:
+        """Whether the folder's weights are too large to load before the build without delaying it: over
+        OWN_PROCESS_BYTES of safetensors (a float32 model of half a billion parameters)."""
+        return sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors")) > OWN_PROCESS_BYTES
 
     def close(self) -> None:
         """Ends the process where it still runs (a run that ends before step 1, or resumes)."""
