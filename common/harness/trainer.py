@@ -257,7 +257,9 @@ class GuardedProfiler(Profiler):
         return super().__exit__(exc_type, exc_val, exc_tb)
 
     def build_torch_profiler(self, *, global_step: int, base_folder: str, leaf_folder: str):
-        """torchtitan's build_torch_profiler (torchtitan.tools.profiler, 0.3.0), with the changes above."""
+        """torchtitan's build_torch_profiler (torchtitan.tools.profiler, 0.3.0), with the changes above; its two
+        log lines and its `assert wait >= 0` are left out (the flags are checked before the run, pilot.check_profile;
+        the traces are listed in results.json)."""
         from torchtitan.tools.profiler import PROFILE_FILE, PROFILE_ITER_DIR
 
         cfg = self._config
