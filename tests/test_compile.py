@@ -1,23 +1,25 @@
 """--compile: torchtitan's own compile (each block and the loss), the guards around it, and the compile audit.
 
-In `make test` the native script compiles with the aot_eager backend (Dynamo's graphs traced, no code generated:
-seconds on CPU); the MoE and HF-backend runs, and inductor, are in the extended tier."""
+In `make test` each training script compiles with the aot_eager backend (Dynamo's graphs traced, no code
+generated: seconds on CPU), its losses compared with an eager run's; inductor is in the extended tier and the bench
+(bench/bench_train_overhead.py --compiled)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import ROOT, read_results, run_example
+from conftest import ROOT, SHARED_RUNS, read_results, run_example
 
 GOLDEN = ROOT / "tests" / "assets" / "golden_losses"
 
 
-def _compiled_run(script: str, out, *args: str, reference=None) -> dict:
-    """10 steps compiled, the losses compared with `reference` (a results.json; default: the script's golden
-    losses, an eager run of the same 10 steps on one process)."""
+def _compiled_run(script: str, out, *args: str, reference=None, steps: int | None = 10) -> dict:
+    """`steps` steps compiled (None: as `args` say), the losses compared with `reference` (a results.json; default:
+    the script's golden losses, an eager run of the same 10 steps on one process)."""
     reference = reference or GOLDEN / f"{script.removesuffix('.py')}.tiny.json"
-    run_example(script, "--steps", "10", "--compile", "--compile_backend", "aot_eager", "--out_dir", str(out),
-                "--compare_losses", str(reference), "--loss_tolerance", "1e-5", *args, process=True)
+    run_example(script, *(("--steps", str(steps)) if steps else ()), "--compile", "--compile_backend", "aot_eager",
+                "--out_dir", str(out), "--compare_losses", str(reference), "--loss_tolerance", "1e-5", *args,
+                process=True)
     return read_results(out)
 
 
@@ -54,16 +56,21 @@ def test_the_native_script_compiled_trains_as_eager_with_no_recompile_after_warm
     assert [r["step"] for r in res["eval_losses"]] == [1, 5, 10]
 
 
-@pytest.mark.extended
-@pytest.mark.parametrize("script", ["train_moe_nki.py", "train_hf_backend.py"])
-def test_the_other_scripts_compiled_train_as_eager(tmp_path, script):
-    """The MoE script's replacement ops (the grouped-expert op, NKIRoPE) and the Transformers backend traced into
-    each block's graph (fullgraph: a graph break would be an error), the losses eager's."""
-    reference = None
-    if script == "train_hf_backend.py":  # its golden losses are of another run (6 steps on 2 ranks): eager's here
-        run_example(script, "--steps", "10", "--no-export", "--out_dir", str(tmp_path / "eager"), process=True)
-        reference = tmp_path / "eager" / "results.json"
-    _assert_compiled_like_eager(_compiled_run(script, tmp_path / "o", reference=reference))
+def test_the_moe_script_compiled_trains_as_eager(tmp_path):
+    """The MoE script's replacement ops (the grouped-expert op, NKIRoPE) traced into each block's graph (fullgraph:
+    a graph break would be an error): 10 steps, the eager golden losses, no recompile after the warm-up."""
+    _assert_compiled_like_eager(_compiled_run("train_moe_nki.py", tmp_path / "o"))
+
+
+def test_the_hf_backend_compiled_trains_as_eager(tmp_path, shared_run):
+    """The Transformers backend's blocks compiled: the shared eager run's command (6 steps from the tiny Qwen3's HF
+    weights, the load check, a held-out evaluation every 2 steps) with --compile, its losses the eager run's and no
+    recompile after the warm-up (an evaluation compiles its no-grad graph once, after step 1)."""
+    eager_dir, eager = shared_run("hf_tiny")
+    script, args, _ranks = SHARED_RUNS["hf_tiny"]
+    res = _compiled_run(script, tmp_path / "o", *args, reference=eager_dir / "results.json", steps=None)
+    assert res["steps"] == eager["steps"] and res["load_check"]["passed"], res["load_check"]
+    _assert_compiled_like_eager(res)
 
 
 def test_the_audit_places_each_compile_and_names_a_late_recompile():
