@@ -304,13 +304,6 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     end = stops.deadline(cfg.guards.time_limit)
     launched = launcher.launched_record()  # a worker of the scripts' own launch: its launcher checked this host
     found = preflight(recipe, cfg, host_checked=launched is not None)
-    reference = None
-    if not launch and launcher.is_rank_zero() and found.initial_hf and cfg.load_check:
-        # the load check's reference (transformers' logits of the HF folder): for the Transformers backend, before it
-        # patches transformers: now, or for a large model in a process of its own beside the imports and the build
-        reference = verifier.ReferenceLogits(
-            found.initial_hf, found.tokenizer_dir, now=recipe.patches_transformers,
-            own_process=recipe.patches_transformers and verifier.ReferenceLogits.large(found.initial_hf))
     if cfg.guards.compile_cache:  # a store this host cannot reach: one line now, not a worker's at the build
         compile_cache.SharedCache(cfg.guards.compile_cache, compile_cache.cache_key(device.resolve_device_type(
             cfg.device)), out_dir / "neff_cache").reachable()
@@ -320,6 +313,13 @@ def check(recipe: Recipe, cfg, out_dir: Path) -> Checked:
     resumed = resume.check_resume(out_dir, record, cfg.steps, reshard=cfg.guards.reshard)  # the same run, steps left
     if launcher.is_rank_zero() and cfg.guards.node_rank == 0:
         say_replaced(out_dir, resumed)
+    reference = None
+    if not launch and launcher.is_rank_zero() and found.initial_hf and cfg.load_check and resumed is None:
+        # the load check's reference (transformers' logits of the HF folder): for the Transformers backend, before it
+        # patches transformers: now, or for a large model in a process of its own beside the imports and the build
+        reference = verifier.ReferenceLogits(
+            found.initial_hf, found.tokenizer_dir, now=recipe.patches_transformers,
+            own_process=recipe.patches_transformers and verifier.ReferenceLogits.large(found.initial_hf))
     if (cfg.guards.checkpoint_every == "auto" and not cfg.guards.storage_gb_per_s and not launch
             and launcher.is_rank_zero()):
         # the first auto interval plans its save over OUT_DIR's bandwidth: measured here, before anything is built,
@@ -414,10 +414,7 @@ def train_guarded(recipe: Recipe, cfg, checked: Checked, hooks: type) -> dict:
         plan = pilot.PlanInAChild(
             lambda: dry_run(recipe, cfg, checked.out_dir, ranks=checked.world_size)["total_bytes"],
             device.resolve_device_type(cfg.device), key=checked.record)
-    reference = checked.reference
-    if reference is not None and checked.resumed is not None:  # a resume has no load check
-        reference.close()
-        reference = None
+    reference = checked.reference  # None on a resume: it has no load check
     phases = checked.phases or Phases()
     phases.mark("plan")
     dev = device.setup(cfg.device, lnc=cfg.lnc, timeout_s=cfg.comm_timeout_s,
