@@ -59,7 +59,8 @@ def test_common_bench_alternates_and_takes_medians():
                            "tokens_seen": [10, 20, 30, 40]})
     assert stats["step_s"] == 1.0 and stats["tokens_per_step"] == 10  # step 1 left out
     assert stats["tokens_per_s"] == 10.0
-    assert cb.TrainingRun("ours", "x.py", []) == ("ours", "x.py", [], 1, ())  # defaults: 1 process, no launcher flags
+    # defaults: 1 process, no launcher flags, no variables of its own
+    assert cb.TrainingRun("ours", "x.py", []) == ("ours", "x.py", [], 1, (), None)
     nominal = cb.nominal_peak_flops()
     assert nominal["flops_per_cycle_per_core"] in (8, 16, 32, 64) and nominal["cores"] >= 1
 
