@@ -187,13 +187,6 @@ def last_line(text: str) -> str:
     return next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error:")), (lines or ["?"])[-1])
 
 
-def verify_to(export_dir: Path, reference: Path, out: Path, files: bool) -> dict:
-    """common.export.verify_to with its inputs checked: --out before the work (a bad one is named now, not after the
-    model has run), --reference before the weights are read."""
-    _check_out(out, export_dir, reference)
-    return export.verify_to(export_dir, reference, out, files, check_reference=_check_reference)
-
-
 REFERENCE_TENSORS = {"input_ids": ("I64", "I32"), "position_ids": ("I64", "I32"),
                      "logits": ("F32", "F16", "BF16", "F64")}
 
@@ -232,7 +225,7 @@ CHECK_MAX = 16 << 20  # bytes: a check's JSON is a few KiB
 
 
 def is_check_json(path: Path) -> bool:
-    """Whether the regular file at `path` holds an export check's JSON (what `verify_to` writes)."""
+    """Whether the regular file at `path` holds an export check's JSON (what common.export.verify_to writes)."""
     try:
         with open(path, "rb") as f:
             raw = f.read(CHECK_MAX + 1)
@@ -277,7 +270,11 @@ def _main(argv: list[str] | None = None) -> int:
         if args.cmd == "reference":
             reference_logits(args.hf_dir, args.tokenizer, args.out)
             return 0
-        check = verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only)
+        # its inputs checked: --out before the work (a bad one is named now, not after the model has run),
+        # --reference before the weights are read
+        _check_out(args.out, args.export_dir, args.reference)
+        check = export.verify_to(args.export_dir, args.reference, args.out, files=not args.weights_only,
+                                 check_reference=_check_reference)
     except UserError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
