@@ -15,9 +15,9 @@ import math
 import os
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from common import checkpoint, cli, device, export, paths
@@ -163,8 +163,8 @@ class Recipe:
     stack_options: Callable | None = None  # (cfg) -> the preflight's options for that set
     pass_positions: bool = False  # the model's forward takes position_ids (the Transformers backend)
     seq_divisor: int = 1  # under tensor parallel, --seq_len is a multiple of the degree times this
-    # The trainer patches transformers (the Transformers backend replaces its init functions): the load and export
-    # checks, which read the HF folder with transformers, then run in a process of their own.
+    # The trainer patches transformers (the Transformers backend replaces its init functions): the export check then
+    # reads the HF folder in a process of its own, the load check's reference is made before the build.
     patches_transformers: bool = False
 
     @property
