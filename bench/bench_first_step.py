@@ -26,7 +26,7 @@ from common import cli  # noqa: E402
 from common.errors import UserError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {"native": "train_native_qwen3.py", "hf": "train_hf_backend.py", "moe": "train_moe_nki.py"}
+SCRIPTS = cb.TRAINING_SCRIPTS
 STEP_1 = "step:  1 "  # torchtitan's step line (its metrics processor's log)
 
 
@@ -62,9 +62,7 @@ def to_step_1(root: Path, script: str, args: list[str], run_dir: Path) -> float:
 
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    names = [s for s in cfg.scripts.split(",") if s]
-    if not names or any(s not in SCRIPTS for s in names):
-        raise UserError(f"--scripts takes a comma-separated subset of {', '.join(SCRIPTS)}, got {cfg.scripts!r}")
+    names = cb.script_names(cfg.scripts)
     rev = subprocess.run(["git", "rev-parse", "--verify", f"{cfg.against}^{{commit}}"], cwd=ROOT, capture_output=True,
                          text=True)
     if rev.returncode:

@@ -63,9 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common_bench as cb  # noqa: E402
 from common import cli  # noqa: E402
-from common.errors import UserError  # noqa: E402
 
-SCRIPTS = {"native": "train_native_qwen3.py", "hf": "train_hf_backend.py", "moe": "train_moe_nki.py"}
+SCRIPTS = cb.TRAINING_SCRIPTS
 STOCK_ARGS = {"moe": ["--stock"]}  # the example's flag for torchtitan's own modules (what stock runs)
 STOCK_LAUNCHER_FLAGS = {"hf": ("--fix_hf_rotary",)}  # timed_train.py's flag: the fix the example applies itself
 COMPARED_WITH = "torchtitan's own entry point on the same Trainer.Config = 1.00"
@@ -101,9 +100,7 @@ PRESETS = {"default": default, "tiny": tiny}
 
 def main(cfg: Config) -> dict:
     out_dir = cli.check_out_dir(cfg.out_dir).resolve()
-    names = [s for s in cfg.scripts.split(",") if s]
-    if not names or any(s not in SCRIPTS for s in names):
-        raise UserError(f"--scripts takes a comma-separated subset of {', '.join(SCRIPTS)}, got {cfg.scripts!r}")
+    names = cb.script_names(cfg.scripts)
     extra = cfg.extra_args.split()
     threads = cb.set_threads(cfg.threads)  # the peak is measured on as many threads as a training process uses
     matmul = [cb.measured_matmul_flops()]

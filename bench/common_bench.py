@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common import cli  # noqa: E402
+from common.errors import UserError  # noqa: E402
 from common.results import atomic_write_text, replace_dir, versions, write_results  # noqa: E402
 
 
@@ -183,6 +184,18 @@ def training_env(threads: int = 0) -> dict:
                 "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
     return env
+
+
+# The training scripts a bench runs, by the names its --scripts flag takes.
+TRAINING_SCRIPTS = {"native": "train_native_qwen3.py", "hf": "train_hf_backend.py", "moe": "train_moe_nki.py"}
+
+
+def script_names(text: str) -> list[str]:
+    """--scripts: a comma-separated subset of TRAINING_SCRIPTS' names (one UserError otherwise)."""
+    names = [s for s in text.split(",") if s]
+    if not names or any(s not in TRAINING_SCRIPTS for s in names):
+        raise UserError(f"--scripts takes a comma-separated subset of {', '.join(TRAINING_SCRIPTS)}, got {text!r}")
+    return names
 
 
 class TrainingRun(NamedTuple):
