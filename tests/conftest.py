@@ -265,9 +265,10 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes[, environment, "
                                               "--eval_steps", "2", "--tensorboard"), 0),
     # the tiny Qwen3 from its HF folder under torchrun, 3 steps of SAME_RUN (the HF backend's extended comparison)
     "native_tiny_2_ranks": ("train_native_qwen3.py", ("--hf_checkpoint", "{tiny_qwen3}", "--steps", "3", *SAME_RUN), 2),
-    # the other two training paths, 6 steps validated at steps 1, 2, 4 and 6, exported: the HF backend priced, the
-    # MoE script under torchrun over 2 processes (its 2-rank test reads it too)
-    "hf_tiny": ("train_hf_backend.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1", "--price_per_hour",
+    # the other two training paths, validated at step 1 and every 2 steps, exported: the HF backend priced, 10 steps
+    # (its compiled run, tests/test_compile.py, is this command compiled), the MoE script 6 steps under torchrun over 2
+    # processes (its 2-rank test reads it too)
+    "hf_tiny": ("train_hf_backend.py", ("--steps", "10", "--eval_every", "2", "--eval_steps", "1", "--price_per_hour",
                                         "12.5"), 0),
     "moe_tiny_2_ranks": ("train_moe_nki.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1"), 2),
     # the native script's 2-rank run (own launch), the one the stop and reshard tests' runs would be had they never

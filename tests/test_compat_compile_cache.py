@@ -20,7 +20,7 @@ import pytest
 from common.harness import compile_cache
 from compat_check import lookup, processes, rows
 from tools import prepare_assets as assets
-from conftest import run_in_process
+from conftest import run_example, run_in_process
 
 SCRIPT = "generate_compat_check.py"
 QUICK = ("--no-judge_single_core",)  # the judge (SmolLM2) is not what these tests are about
@@ -143,3 +143,38 @@ def test_a_store_this_host_cannot_reach_is_one_error_line_before_any_model(tmp_p
     assert proc.returncode == 0 and len(calls) == 1, proc.stderr[-3000:]
     assert f"compile_cache=memory://cc-{tmp_path.name}" in proc.stdout
     assert "s3cret" not in proc.stdout + proc.stderr + (out / "results.json").read_text()
+
+
+@pytest.mark.extended
+def test_a_real_compiled_row_pushes_its_graphs_and_a_second_host_pulls_every_one(tmp_path, model_assets, monkeypatch,
+                                                                                 capsys):
+    """End to end, nothing replaced: the check on the tiny Qwen3, compiled with inductor on CPU by its own ranks, as
+    a process, on two "hosts" (two empty inductor caches) that share one store. The first pushes what its compile
+    left; the second pulls all of it before its model and, its compile served from the pulled graphs, has no new
+    graph to push. Then lookup prints the pull command of the row."""
+    store = tmp_path / "store"
+    store.mkdir()
+    url = store.as_uri()
+
+    def one_host(name: str) -> tuple[str, dict]:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / name / "inductor"))
+        proc = run_example(SCRIPT, "--models", "tiny-qwen3", "--compile_cache", url, "--out_dir",
+                           str(tmp_path / name / "out"), *QUICK, process=True)
+        return proc.stdout, _rows(tmp_path / name / "out")["tiny-qwen3"]
+
+    out_1, row_1 = one_host("host_1")
+    in_store = sorted(p for p in (store / KEY).rglob("*") if p.is_file())
+    assert row_1["result"] == "PASS" and row_1["compile_cache_url"] == url and row_1["compile_s"] > 0, row_1
+    assert in_store and f"{len(in_store)} new compile cache entries pushed to {url} ({KEY})" in row_1["notes"]
+    assert f"[compile cache] 0 entries pulled from {url}" in out_1  # an empty store
+
+    out_2, row_2 = one_host("host_2")
+    assert f"[compile cache] {len(in_store)} entries pulled from {url} ({KEY})" in out_2, out_2[-2000:]
+    assert row_2["result"] == "PASS" and row_2["generated_text"] == row_1["generated_text"]
+    assert f"; 0 new compile cache entries pushed to {url}" in row_2["notes"], row_2["notes"]  # nothing compiled anew
+    assert sorted(p for p in (store / KEY).rglob("*") if p.is_file()) == in_store
+
+    capsys.readouterr()
+    assert lookup.lookup_main([str(tmp_path / "host_1" / "out")]) == 0
+    assert f"[1] python -m tools.compile_cache pull {shlex.quote(url)} --device cpu --key {KEY}  (1 row(s))" in \
+        capsys.readouterr().out.splitlines()
