@@ -29,6 +29,7 @@ def _assert_compiled_like_eager(res: dict) -> None:
     assert audit["backend"] == "aot_eager" and audit["graphs"] >= 2 and audit["graph_breaks"] == 0, audit
     assert audit["recompiles_after_warmup"] == [], audit["recompiles_after_warmup"]
     assert res["export_check"]["passed"], res["export_check"]
+    assert res["timing"]["compile_cache"]["state"] == "none"  # aot_eager generates no code: no cache to be warm
 
 
 def test_the_native_script_compiled_trains_as_eager_with_no_recompile_after_warm_up(tmp_path, monkeypatch):

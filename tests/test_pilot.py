@@ -315,6 +315,10 @@ def test_compile_cache_cold_then_warm_counted_on_a_real_folder(tmp_path, monkeyp
 
     assert pilot.compile_cache_folder("cpu", compiled=False) is None
     assert pilot.CompileCacheWatch(None, "cpu").result()["state"] == "none"
+    aot = pilot.CompileCacheWatch(where, "cpu", backend="aot_eager")  # compiles, generates no code, keeps none
+    aot.start()
+    aot.first_step()
+    assert aot.result()["state"] == "none" and "aot_eager backend keeps nothing" in aot.result()["note"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
     assert pilot.compile_cache_folder("cpu", compiled=True) == where
     # Neuron: the folder the run sets is the folder watched, and only NEFFs count (not a lock or a log beside them)

@@ -173,10 +173,11 @@ class CompileCacheWatch:
     """Counts the compile cache's entries before step 1 (`start`) and when step 1 has ended (`first_step`, a
     when step 1 has ended): new entries mean step 1 compiled, a cold cache; none, a warm one. `result()` is
     timing.compile_cache: {"kind", "dir", "entries_before", "entries_after", "state"}, the state "cold", "warm",
-    or "none" where nothing is compiled (CPU or CUDA without torch.compile: eager mode)."""
+    or "none" where nothing is compiled (CPU or CUDA without torch.compile: eager mode) or nothing compiled is kept on
+    disk (a torch.compile `backend` other than inductor, such as aot_eager: it generates no code)."""
 
-    def __init__(self, where: dict | None, device_type: str):
-        self.where, self.device_type = where, device_type
+    def __init__(self, where: dict | None, device_type: str, backend: str | None = None):
+        self.where, self.device_type, self.backend = where, device_type, backend
         self.suffix = ".neff" if where is not None and where["kind"] == "neff" else ""  # NEFFs, not their locks
         self.before = self.after = None
 
@@ -192,6 +193,10 @@ class CompileCacheWatch:
         if self.where is None:
             return {"kind": None, "dir": None, "entries_before": None, "entries_after": None, "state": "none",
                     "note": f"eager mode on {self.device_type}: nothing compiled (torch.compile is off)"}
+        if self.where["kind"] == "inductor" and self.backend not in (None, "inductor"):
+            return {**self.where, "entries_before": self.before, "entries_after": self.after, "state": "none",
+                    "note": f"torch.compile's {self.backend} backend keeps nothing on disk (inductor's cache holds "
+                            "what inductor generates)"}
         state = ("unknown" if self.before is None or self.after is None
                  else "cold" if self.after > self.before else "warm")
         return {**self.where, "entries_before": self.before, "entries_after": self.after, "state": state}

@@ -469,7 +469,8 @@ class GuardHooks(Hooks):
                                                         device_type=dev.device_type)
             notes.append(self.profile["note"])
         self.compile_cache = compile_cache.CompileCacheWatch(
-            compile_cache.compile_cache_folder(dev.device_type, compiled=tc.compile.enable), dev.device_type)
+            compile_cache.compile_cache_folder(dev.device_type, compiled=tc.compile.enable), dev.device_type,
+            backend=tc.compile.backend if tc.compile.enable else None)
         # the graphs this compiler made on other hosts, pulled by one process a node (train()'s barrier)
         self.shared_cache = compile_cache.for_run(cfg.guards.compile_cache, dev.device_type, tc.compile.enable)
         if self.shared_cache is not None:
