@@ -164,9 +164,10 @@ def compile_cache_folder(device_type: str, compiled: bool) -> dict | None:
 
 
 def count_entries(folder, suffix: str = "") -> int:
-    """The files under `folder` whose names end with `suffix`, at any depth (0 where there is no such folder): a
-    compile adds at least one (a NEFF cache: one .neff per compiled graph)."""
-    return sum(1 for _, _, files in os.walk(folder) for name in files if name.endswith(suffix))
+    """The entries under `folder` (`local_files`: what a push copies, not a lock or a temporary file) whose names end
+    with `suffix`, at any depth (0 where there is no such folder): a compile adds at least one (a NEFF cache: one
+    .neff per compiled graph); a compile served from the cache adds none."""
+    return sum(1 for rel in local_files(folder) if rel.endswith(suffix))
 
 
 class CompileCacheWatch:
