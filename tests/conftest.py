@@ -275,6 +275,11 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes[, environment, "
     # stopped: the tiny Qwen3 from its HF folder (load check before step 1), 8 steps, exported from FSDP shards, every
     # rank's batches traced (the reshard debug trace, in the folder `NAME.trace` beside the out_dir)
     # (and one torchtitan setting by its dotted name, at torchtitan's own default: tests/test_dotted_settings.py)
+    # the native 4B preset's dry run (trn2's 64 ranks planned on this CPU), its full run's time and cost projected,
+    # as a process of its own: a second sharded meta build in one process fails in FSDP (tests/test_dry_run.py,
+    # tests/test_attention_choice.py, tests/test_pilot.py)
+    "native_4b_dry_run": ("train_native_qwen3.py", ("--preset", "qwen3_4b", "--dry_run", "--assumed_mfu", "0.3",
+                                                    "--price_per_hour", "50"), 0),
     "native_2_ranks_8_steps": ("train_native_qwen3.py", (*TWO_RANKS_RUN, "--nproc_per_node", "2",
                                                          "--training.max_norm", "1.0"), 0,
                                {"QWEN3_RECIPES_RESHARD_DEBUG": "{out}.trace"}),
@@ -302,7 +307,7 @@ def shared_run(tmp_path_factory, prepared_assets) -> Callable[[str], tuple[Path,
                 mp.setenv(var, value.format(out=out))
             if not done.exists():
                 shutil.rmtree(out, ignore_errors=True)
-                proc = run_example(script, *args, "--out_dir", str(out), torchrun=torchrun)
+                proc = run_example(script, *args, "--out_dir", str(out), torchrun=torchrun, process="--dry_run" in args)
                 (root / f"{name}.log").write_text(proc.stdout + proc.stderr)
                 done.write_text(" ".join(args))
         return out, read_results(out)

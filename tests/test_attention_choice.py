@@ -19,7 +19,7 @@ from torchtitan.models.qwen3 import model_registry  # noqa: E402
 from common.harness import dryrun  # noqa: E402
 from common.torchtitan_fixes import (SDPADocumentAttention, attention_path, document_masking,  # noqa: E402
                                      use_attention_backend)
-from conftest import ROOT, read_results, run_example, run_python  # noqa: E402
+from conftest import ROOT, run_python  # noqa: E402
 
 GIB = 2**30
 # Qwen3-4B's config.json numbers the plan reads (the preset's model_shape)
@@ -84,12 +84,12 @@ def test_the_plan_counts_neurons_float32_scores_and_a_boolean_mask():
     assert act("sdpa_document_mask_neuron", tp=4)["attention_scores"] == 8 * L * L * 14  # the heads of a rank
 
 
-def test_4b_dry_run_plans_causal_attention_on_neuron(tmp_path):
-    proc = run_example("train_native_qwen3.py", "--preset", "qwen3_4b", "--dry_run", "--out_dir", str(tmp_path),
-                       process=True)
-    r = read_results(tmp_path)["dry_run"]
+def test_4b_dry_run_plans_causal_attention_on_neuron(shared_run):
+    out, results = shared_run("native_4b_dry_run")
+    r = results["dry_run"]
     assert r["attention"]["path"] == "sdpa_causal" and r["attention"]["score_bytes"] == 0
-    assert "[dry run] attention on neuron: causal SDPA, documents not masked" in proc.stdout
+    assert "[dry run] attention on neuron: causal SDPA, documents not masked" in \
+        (out.parent / "native_4b_dry_run.log").read_text()
 
 
 # The 4B preset's trainer config as its dry run builds it, its attention then set to document masking (the choice
@@ -117,11 +117,8 @@ print(json.dumps({k: r[k] for k in ("attention", "total_bytes", "activation_term
 """
 
 
-def test_4b_dry_run_with_document_masking_adds_the_scores(tmp_path):
-    causal = run_example("train_native_qwen3.py", "--preset", "qwen3_4b", "--dry_run", "--out_dir",
-                         str(tmp_path / "causal"), process=True)
-    assert causal.returncode == 0
-    c = read_results(tmp_path / "causal")["dry_run"]
+def test_4b_dry_run_with_document_masking_adds_the_scores(tmp_path, shared_run):
+    c = shared_run("native_4b_dry_run")[1]["dry_run"]
     proc = run_python([sys.executable, "-c", MASKED_4B, str(tmp_path / "masked")], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])

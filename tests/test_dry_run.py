@@ -22,14 +22,15 @@ def _table_ok(r):
     assert r["per_core_limit_bytes"] == 24 * 2**30
 
 
-def test_native_qwen3_4b_at_64_ranks(tmp_path):
-    proc, r = _dry("train_native_qwen3.py", tmp_path, "--preset", "qwen3_4b")
+def test_native_qwen3_4b_at_64_ranks(shared_run):
+    out, results = shared_run("native_4b_dry_run")
+    r, stdout = results["dry_run"], (out.parent / "native_4b_dry_run.log").read_text()
     assert abs(r["parameters"] / 4.0e9 - 1) <= 0.01, r["parameters"]  # Qwen3-4B: 4.0 B
     assert r["world_size"] == 64 and r["data_parallel_shard"] == 64
     # FSDP shards every parameter over 64 ranks: a rank holds about 1/64 (padding adds a little)
     assert r["parameters"] / 64 <= r["local_parameters_per_rank"] <= 1.2 * r["parameters"] / 64
     _table_ok(r)
-    assert r["fits"] and "per core: fits" in proc.stdout
+    assert r["fits"] and "per core: fits" in stdout
     # FSDP's units read from torchtitan's plan: the tied embedding + norm + lm_head unit holds the shared
     # 151,936 x 2560 matrix twice (one copy per module), and dwarfs a block (~0.1 B parameters)
     vocab, dim = 151936, 2560
@@ -53,8 +54,8 @@ def test_native_qwen3_4b_at_64_ranks(tmp_path):
     assert none > selective > full
     assert rows[(4, "full", 1)]["total_bytes"] < rows[(2, "full", 1)]["total_bytes"] < full
     assert r["preferred_fitting_layout"] == next(x for x in r["layouts"] if x["fits"])
-    assert "[dry run] first layout that fits, in the order above (the fewest tensor-parallel ranks" in proc.stdout
-    assert "[dry run] the run's own layout: --tensor_parallel_degree" in proc.stdout
+    assert "[dry run] first layout that fits, in the order above (the fewest tensor-parallel ranks" in stdout
+    assert "[dry run] the run's own layout: --tensor_parallel_degree" in stdout
 
 
 def test_native_qwen3_8b_in_aws_layout(tmp_path):

@@ -96,18 +96,16 @@ def test_moe_pilot_fields_count_active_experts_only(shared_run):
     assert r["flops_per_token"] == flops_per_token(shape, seq) < flops_per_token(all_experts, seq)
 
 
-def test_dry_run_projects_the_full_runs_time_and_cost(tmp_path):
-    """--dry_run with --assumed_mfu and --price_per_hour: the full run's time from its FLOPs at that MFU of trn2's
-    peak (158 TFLOPS a logical core), and its cost."""
-    out = tmp_path / "dry"
-    proc = run_example("train_native_qwen3.py", "--preset", "qwen3_4b", "--dry_run", "--assumed_mfu", "0.3",
-                       "--price_per_hour", "50", "--out_dir", str(out))
-    p = read_results(out)["projection"]
+def test_dry_run_projects_the_full_runs_time_and_cost(shared_run):
+    """--dry_run with --assumed_mfu and --price_per_hour (the shared 4B dry run: 0.3 and 50): the full run's time from
+    its FLOPs at that MFU of trn2's peak (158 TFLOPS a logical core), and its cost."""
+    out, results = shared_run("native_4b_dry_run")
+    p = results["projection"]
     assert p["world_size"] == 64 and p["tokens_per_step"] == 64 * 4096 and p["peak_flops_per_device"] == 158e12
     seconds = 10 * 64 * 4096 * p["flops_per_token"] / (0.3 * 158e12 * 64)
     assert p["seconds"] == pytest.approx(seconds) and p["cost"] == pytest.approx(50 * seconds / 3600)
     assert 25e9 < p["flops_per_token"] < 40e9  # Qwen3-4B: 6 x ~4 B + attention at 4096 tokens
-    assert "[plan] 10 steps x 262,144 tokens" in proc.stdout
+    assert "[plan] 10 steps x 262,144 tokens" in (out.parent / "native_4b_dry_run.log").read_text()
 
 
 PLAN_AFTER_THREADED_OPS = """
