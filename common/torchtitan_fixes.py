@@ -257,6 +257,9 @@ KNOWN_NOISE_LOGS = (
     "Preparing c4_test dataset from",  # the loader every dataset of the project's goes through, named c4_test for
     # the corpus and the user's own folder or file too; [config] names the dataset
     "Training completed",  # after its loop, a stop's as a finished run's: [stopped] or [done] says which
+    "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile",  # torch's reminder, with
+    # --compile and torchtitan's selective activation checkpointing, that its blocks hold no in-place op: torchtitan's
+    # blocks, not the user's
 )
 # and torch's warnings (a regular expression at the start of each):
 KNOWN_NOISE_WARNINGS = (
@@ -284,7 +287,8 @@ def quiet_known_noise() -> None:
     own lines; every other warning is printed as before (tests/test_quiet.py). Remove an entry when the torchtitan or
     torch that printed it no longer does."""
     # torchtitan logs on the root logger, its configs on theirs; DTensor on its own
-    for name in ("", "torchtitan.config.configurable", "torch.distributed.tensor._redistribute"):
+    for name in ("", "torchtitan.config.configurable", "torch.distributed.tensor._redistribute",
+                 "torch._higher_order_ops.wrap"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _KnownNoise) for f in logger.filters):
             logger.addFilter(_KnownNoise())

@@ -6,6 +6,8 @@ cores), the same in the extended tier, and in the bench against stock torchtitan
 --compiled)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -19,18 +21,23 @@ def _compiled_run(script: str, out, *args: str, reference=None, steps: int | Non
     """`steps` steps compiled (None: as `args` say), the losses compared with `reference` (a results.json; default:
     the script's golden losses, an eager run of the same 10 steps on one process)."""
     reference = reference or GOLDEN / f"{script.removesuffix('.py')}.tiny.json"
-    run_example(script, *(("--steps", str(steps)) if steps else ()), "--compile", "--compile_backend", backend,
+    proc = run_example(script, *(("--steps", str(steps)) if steps else ()), "--compile", "--compile_backend", backend,
                 "--out_dir", str(out), "--compare_losses", str(reference), "--loss_tolerance", "1e-5", *args,
                 process=True)
-    return read_results(out)
+    return {**read_results(out), "output": proc.stdout + proc.stderr}  # and what the run printed
 
 
 def _assert_compiled_like_eager(res: dict, backend: str = "aot_eager") -> None:
+    """And the run printed none of the lines no user can act on (common/torchtitan_fixes.py), compiled as eager."""
+    from common.torchtitan_fixes import KNOWN_NOISE_LOGS, KNOWN_NOISE_WARNINGS
+
     assert res["loss_comparison"]["passed"], res["loss_comparison"]  # the eager losses, within the tolerance
     audit = res["compile"]
     assert audit["backend"] == backend and audit["graphs"] >= 2 and audit["graph_breaks"] == 0, audit
     assert audit["recompiles_after_warmup"] == [], audit["recompiles_after_warmup"]
     assert res["export_check"]["passed"], res["export_check"]
+    assert [n for n in KNOWN_NOISE_LOGS if n in res["output"]] == []
+    assert [w for w in KNOWN_NOISE_WARNINGS if re.search(w, res["output"])] == []
     if backend == "aot_eager":  # it generates no code: no cache to be warm
         assert res["timing"]["compile_cache"]["state"] == "none", res["timing"]["compile_cache"]
 
