@@ -286,7 +286,7 @@ def quiet_known_noise() -> None:
     13 lines a run, and 396 more a SmolLM2 run) and none of which a user can act on or which contradict the project's
     own lines; every other warning is printed as before (tests/test_quiet.py). Remove an entry when the torchtitan or
     torch that printed it no longer does."""
-    # torchtitan logs on the root logger, its configs on theirs; DTensor on its own
+    # torchtitan logs on the root logger, its configs on theirs; DTensor and torch's checkpoint wrapper on their own
     for name in ("", "torchtitan.config.configurable", "torch.distributed.tensor._redistribute",
                  "torch._higher_order_ops.wrap"):
         logger = logging.getLogger(name)

@@ -271,15 +271,15 @@ SHARED_RUNS = {  # name: (script, arguments, torchrun processes[, environment, "
     "hf_tiny": ("train_hf_backend.py", ("--steps", "10", "--eval_every", "2", "--eval_steps", "1", "--price_per_hour",
                                         "12.5"), 0),
     "moe_tiny_2_ranks": ("train_moe_nki.py", ("--steps", "6", "--eval_every", "2", "--eval_steps", "1"), 2),
-    # the native script's 2-rank run (own launch), the one the stop and reshard tests' runs would be had they never
-    # stopped: the tiny Qwen3 from its HF folder (load check before step 1), 8 steps, exported from FSDP shards, every
-    # rank's batches traced (the reshard debug trace, in the folder `NAME.trace` beside the out_dir)
-    # (and one torchtitan setting by its dotted name, at torchtitan's own default: tests/test_dotted_settings.py)
     # the native 4B preset's dry run (trn2's 64 ranks planned on this CPU), its full run's time and cost projected,
     # as a process of its own: a second sharded meta build in one process fails in FSDP (tests/test_dry_run.py,
     # tests/test_attention_choice.py, tests/test_pilot.py)
     "native_4b_dry_run": ("train_native_qwen3.py", ("--preset", "qwen3_4b", "--dry_run", "--assumed_mfu", "0.3",
                                                     "--price_per_hour", "50"), 0),
+    # the native script's 2-rank run (own launch), the one the stop and reshard tests' runs would be had they never
+    # stopped: the tiny Qwen3 from its HF folder (load check before step 1), 8 steps, exported from FSDP shards, every
+    # rank's batches traced (the reshard debug trace, in the folder `NAME.trace` beside the out_dir)
+    # (and one torchtitan setting by its dotted name, at torchtitan's own default: tests/test_dotted_settings.py)
     "native_2_ranks_8_steps": ("train_native_qwen3.py", (*TWO_RANKS_RUN, "--nproc_per_node", "2",
                                                          "--training.max_norm", "1.0"), 0,
                                {"QWEN3_RECIPES_RESHARD_DEBUG": "{out}.trace"}),

@@ -7,7 +7,8 @@ before any model.
 The check runs as its own `__main__` in this process (run_in_process) on the tiny Qwen3 and Qwen3-MoE; only its
 per-model run (compat_check/processes.run_ranks: the ranks that load, compile and generate, minutes of inductor on
 CPU) is replaced by one that writes real files into inductor's cache folder, as a compile does, and reports what the
-ranks report. The copy itself (SharedCache): tests/test_compile_cache.py.
+ranks report. In the extended tier, the check runs as a process with nothing replaced, on two "hosts" that share one
+store. The copy itself (SharedCache): tests/test_compile_cache.py.
 """
 from __future__ import annotations
 

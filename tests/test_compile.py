@@ -1,7 +1,7 @@
 """--compile: torchtitan's own compile (each block and the loss), the guards around it, and the compile audit.
 
 In `make test` each training script compiles with the aot_eager backend (Dynamo's graphs traced, no code generated:
-seconds on CPU), 10 steps, its losses compared with an eager run's; with inductor (about 20 s of compile a block on 2
+seconds on CPU), 10 steps, its losses compared with an eager run's; with inductor (16-36 s of compile a run on 2
 cores), the same in the extended tier, and in the bench against stock torchtitan (bench/bench_train_overhead.py
 --compiled)."""
 from __future__ import annotations

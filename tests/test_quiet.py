@@ -64,6 +64,22 @@ def test_the_hf_backends_module_conversion_line_is_left_out(quiet, caplog):
     assert [r.getMessage() for r in caplog.records] == []
 
 
+def test_torchs_checkpoint_reminder_under_compile_is_left_out(quiet):
+    """torch/_higher_order_ops/wrap.py's warning_once, on its own logger, with --compile and torchtitan's selective
+    activation checkpointing (each compiled run's whole output is checked too: tests/test_compile.py)."""
+    logger, seen = logging.getLogger("torch._higher_order_ops.wrap"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        logger.warning("\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\nPlease "
+                       "make sure the checkpointed region does not contain in-place ops (e.g. torch.relu_).\n")
+        logger.warning("another warning of that module")  # printed as before
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning of that module"]
+
+
 def _schedules(optimizer_lr: float = 1.0):
     return [torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=optimizer_lr)]
 
