@@ -7,6 +7,7 @@ cores), the same in the extended tier, and in the bench against stock torchtitan
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 import torch
@@ -99,6 +100,44 @@ def test_each_script_compiled_with_inductor_trains_as_eager(script, tmp_path, mo
         res = _compiled_run(script, tmp_path / "o", backend="inductor")
     _assert_compiled_like_eager(res, backend="inductor")
     assert res["timing"]["compile_cache"]["state"] == "cold", res["timing"]["compile_cache"]
+
+
+@pytest.mark.extended
+def test_compiled_a_stopped_run_resumes_at_tensor_parallel_2_as_if_it_never_stopped(tmp_path, shared_run):
+    """The guards compiled (aot_eager), on the shared 2-rank run's command (the scripts' own launch, FSDP over 2
+    ranks, 8 steps from the tiny Qwen3's HF weights, exported), with --reshard: SIGTERM to the launcher after step 2
+    stops it with a whole checkpoint and exit 75; the same command at tensor parallel 2 resumes there, compiles its
+    blocks again within its own warm-up and trains to the end; the losses of both parts are the eager run's within
+    1e-4 (the stop tests' bound for a change of layout), and the export at tensor parallel 2 re-reads as trained."""
+    import psutil
+
+    from common.harness.stops import EXIT_STOPPED
+    from conftest import TWO_RANKS_RUN, example_command
+    from stop_helpers import LOSS_BOUND, finish, start, wait_for_step, workers
+
+    _, straight = shared_run("native_2_ranks_8_steps")
+    out = tmp_path / "o"
+    args = (*TWO_RANKS_RUN, "--nproc_per_node", "2", "--compile", "--compile_backend", "aot_eager", "--reshard",
+            "--out_dir", str(out))
+    first = start(example_command("train_native_qwen3.py", *args), tmp_path / "log1")
+    wait_for_step(first, out, 2)
+    assert len(workers(first, 2)) == 2
+    psutil.Process(first.pid).send_signal(signal.SIGTERM)
+    log = finish(first)
+    stopped = read_results(out)
+    assert first.returncode == EXIT_STOPPED and stopped["stopped"]["reason"] == "SIGTERM", log[-3000:]
+    assert stopped["compile"]["recompiles_after_warmup"] == [] and stopped["compile"]["graph_breaks"] == 0
+
+    run_example("train_native_qwen3.py", *args, "--tensor_parallel_degree", "2")
+    res = read_results(out)
+    step = stopped["stopped"]["step"]
+    assert res["resumed_from_step"] == step < 8 and res["layout"]["tensor_parallel"] == 2, res["layout"]
+    assert res["compile"]["backend"] == "aot_eager" and res["compile"]["graphs"] >= 2, res["compile"]
+    assert res["compile"]["recompiles_after_warmup"] == [] and res["compile"]["graph_breaks"] == 0, res["compile"]
+    assert res["history"]["steps"] == list(range(1, 9))
+    worst = max(abs(a - b) for a, b in zip(res["history"]["losses"], straight["losses"]))
+    assert worst <= LOSS_BOUND, (worst, res["history"]["losses"], straight["losses"])
+    assert res["export_check"]["passed"], res["export_check"]
 
 
 def test_the_audit_places_each_compile_and_names_a_late_recompile():
