@@ -234,6 +234,16 @@ def read_results(out_dir: Path) -> dict:
     return json.loads((Path(out_dir) / "results.json").read_text())
 
 
+def known_noise(text: str) -> list[str]:
+    """The lines of common/torchtitan_fixes.py's KNOWN_NOISE_LOGS and KNOWN_NOISE_WARNINGS found in a run's output:
+    none in a clean run (quiet_known_noise leaves them out)."""
+    import re
+
+    from common.torchtitan_fixes import KNOWN_NOISE_LOGS, KNOWN_NOISE_WARNINGS
+
+    return [n for n in KNOWN_NOISE_LOGS if n in text] + [w for w in KNOWN_NOISE_WARNINGS if re.search(w, text)]
+
+
 def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
     """A bad input ends in a non-zero exit and one readable message, never a traceback."""
     assert proc.returncode != 0, proc.stdout[-2000:]

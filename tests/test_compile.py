@@ -6,13 +6,12 @@ cores), the same in the extended tier, and in the bench against stock torchtitan
 --compiled)."""
 from __future__ import annotations
 
-import re
 import signal
 
 import pytest
 import torch
 
-from conftest import ROOT, SHARED_RUNS, read_results, run_example
+from conftest import ROOT, SHARED_RUNS, known_noise, read_results, run_example
 
 GOLDEN = ROOT / "tests" / "assets" / "golden_losses"
 
@@ -30,15 +29,12 @@ def _compiled_run(script: str, out, *args: str, reference=None, steps: int | Non
 
 def _assert_compiled_like_eager(res: dict, backend: str = "aot_eager") -> None:
     """And the run printed none of the lines no user can act on (common/torchtitan_fixes.py), compiled as eager."""
-    from common.torchtitan_fixes import KNOWN_NOISE_LOGS, KNOWN_NOISE_WARNINGS
-
     assert res["loss_comparison"]["passed"], res["loss_comparison"]  # the eager losses, within the tolerance
     audit = res["compile"]
     assert audit["backend"] == backend and audit["graphs"] >= 2 and audit["graph_breaks"] == 0, audit
     assert audit["recompiles_after_warmup"] == [], audit["recompiles_after_warmup"]
     assert res["export_check"]["passed"], res["export_check"]
-    assert [n for n in KNOWN_NOISE_LOGS if n in res["output"]] == []
-    assert [w for w in KNOWN_NOISE_WARNINGS if re.search(w, res["output"])] == []
+    assert known_noise(res["output"]) == []
     if backend == "aot_eager":  # it generates no code: no cache to be warm
         assert res["timing"]["compile_cache"]["state"] == "none", res["timing"]["compile_cache"]
 
